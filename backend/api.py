@@ -1,0 +1,100 @@
+"""The engine's public, device-free interface: what the gateway and benchmarks program against.
+
+Both the in-process engine (`backend.async_engine.AsyncEngine`) and the upstream HTTP clients
+(`backend.upstream`) implement `EngineClient`, so the gateway never knows which one it talks to.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class Priority(enum.IntEnum):
+    """Lower value is scheduled first; FCFS within one class."""
+
+    USER = 0
+    BACKGROUND = 1  # e.g. history summarization
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError with a user-facing message for values no engine accepts."""
+        if self.max_tokens <= 0:
+            raise ValueError("max_tokens must be a positive integer")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: Priority = Priority.USER
+    # Prefix-cache namespace: requests with different salts never share cached KV blocks.
+    cache_salt: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timings measured by the engine for one request (milliseconds)."""
+
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+    e2e_ms: float = 0.0
+    cached_prompt_tokens: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class GenerationDelta:
+    """One streamed increment. The final delta has `finish_reason` set and carries metrics."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+class EngineError(Exception):
+    """Raised for requests the engine refuses; `status_code` maps it to HTTP."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Stream deltas; abort happens when the consumer stops iterating or calls `abort`."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def is_ready(self) -> bool: ...

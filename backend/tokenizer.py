@@ -1,0 +1,97 @@
+"""The model's tokenizer and chat template, shared by the engine, the gateway and the compressor.
+
+Every token count in ctxgate goes through here, so a budget counted by the gateway is exactly what
+the engine will prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        from transformers import AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        self._hf = AutoTokenizer.from_pretrained(str(model_dir))
+        if not self._hf.chat_template:
+            raise ValueError(f"{model_dir}: the tokenizer has no chat template")
+        self.eos_token_id: int = self._hf.eos_token_id
+        self.eos_token_ids: set[int] = {self._hf.eos_token_id}
+        self.vocab_size: int = len(self._hf)
+
+    @property
+    def hf(self) -> Any:
+        return self._hf
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text, without special tokens added."""
+        return list(self._hf.encode(text, add_special_tokens=False))
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the model sees for these messages, chat template applied."""
+        return self._hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def count_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> int:
+        return len(self.encode_chat(messages, add_generation_prompt))
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._hf.convert_ids_to_tokens(token_id)
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(model_dir: str) -> Tokenizer:
+    return Tokenizer(model_dir)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
+
+    Decoding each token alone breaks words made of several byte-level pieces; decoding a short
+    window before the new tokens and emitting only the difference keeps spacing and UTF-8 intact.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""
+
+    def add(self, new_token_ids: Sequence[int]) -> str:
+        self._token_ids.extend(new_token_ids)
+        prefix_text = self._tokenizer.decode(
+            self._token_ids[self._prefix_offset : self._read_offset], self._skip_special
+        )
+        full_text = self._tokenizer.decode(self._token_ids[self._prefix_offset :], self._skip_special)
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            delta = full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._token_ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Emit whatever is left (e.g. an incomplete character at the end of generation)."""
+        full_text = self._tokenizer.decode(self._token_ids, self._skip_special)
+        delta = full_text[len(self.text) :] if full_text.startswith(self.text) else ""
+        self.text += delta
+        self._prefix_offset = self._read_offset = len(self._token_ids)
+        return delta

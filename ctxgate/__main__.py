@@ -1,0 +1,3 @@
+from ctxgate.cli import main
+
+raise SystemExit(main())

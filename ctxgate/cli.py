@@ -1,0 +1,45 @@
+"""The `ctxgate` command line.
+
+Each package contributes its own commands through a `register(subparsers)` function in its `cli`
+module; those modules stay import-light (no torch at import time) so `ctxgate --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMAND_MODULES = ("backend.cli", "gateway.cli", "compression.cli", "eval.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ctxgate", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"ctxgate: error: {exc}", file=sys.stderr)
+        return 2
+    return int(result or 0)
