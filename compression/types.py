@@ -1,0 +1,64 @@
+"""Data that crosses the boundary between the gateway and the compression pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Document:
+    text: str
+    id: str | None = None
+    title: str | None = None
+    score: float | None = None  # relevance given by the app or by retrieval
+
+
+@dataclass
+class RetrievalSpec:
+    index: str
+    top_n: int = 5
+
+
+@dataclass
+class CompressionInput:
+    # OpenAI-style messages; the last user message is the question, system messages are kept whole.
+    messages: list[dict[str, Any]]
+    documents: list[Document] = field(default_factory=list)
+    retrieval: RetrievalSpec | None = None
+    tenant: str = "anonymous"
+
+
+@dataclass
+class StageReport:
+    name: str
+    saved_tokens: int = 0
+    ms: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CompressionResult:
+    messages: list[dict[str, Any]]  # exactly what is sent to the model
+    original_prompt_tokens: int  # chat-templated prompt with every document inline, uncompressed
+    prompt_tokens: int  # chat-templated prompt actually sent (<= policy.max_input_tokens)
+    stages: list[StageReport] = field(default_factory=list)
+    kept_documents: list[Document] = field(default_factory=list)
+    context_text: str = ""  # the assembled passages block as sent
+
+    @property
+    def saved_tokens(self) -> dict[str, int]:
+        return {stage.name: stage.saved_tokens for stage in self.stages}
+
+    @property
+    def compression_ms(self) -> dict[str, float]:
+        return {stage.name: round(stage.ms, 3) for stage in self.stages}
+
+
+class BudgetExceededError(Exception):
+    """The parts that are never cut (system prompt, question) alone exceed the budget -> HTTP 413."""
+
+    def __init__(self, message: str, required_tokens: int, budget_tokens: int):
+        super().__init__(message)
+        self.required_tokens = required_tokens
+        self.budget_tokens = budget_tokens

@@ -1,0 +1,100 @@
+"""The policy schema: one YAML file per policy, validated by these pydantic models.
+
+The gateway owns the top-level fields, quota and cost; the compression pipeline reads the
+`history`, `documents`, `dedup`, `rerank`, `extraction` and `assembly` sections.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos in an operator's YAML: reject them with the field's name.
+    model_config = ConfigDict(extra="forbid")
+
+
+class HistoryPolicy(_Section):
+    enabled: bool = True
+    max_tokens: int = Field(512, ge=0, description="budget for conversation turns before the question")
+    keep_last_turns: int = Field(2, ge=0, description="most recent turns always kept verbatim")
+    strategy: Literal["summarize", "extractive", "truncate"] = "summarize"
+    summary_max_tokens: int = Field(128, ge=8)
+    summary_timeout_s: float = Field(10.0, gt=0, description="fall back to extractive after this")
+
+
+class DocumentsPolicy(_Section):
+    max_tokens: int = Field(1200, ge=0, description="budget for the retrieved-passages block")
+    max_documents: int | None = Field(None, ge=1)
+
+
+class DedupPolicy(_Section):
+    enabled: bool = True
+    exact: bool = True
+    near_duplicate_cosine: float | None = Field(0.92, gt=0, le=1)
+    sentence_level: bool = True
+
+
+class RerankPolicy(_Section):
+    enabled: bool = True
+    method: Literal["embedding-bm25", "embedding", "bm25", "cross-encoder", "llm"] = "embedding-bm25"
+    top_k: int | None = Field(5, ge=1)
+    min_score: float | None = None
+    bm25_weight: float = Field(0.3, ge=0, le=1)
+    cross_encoder_path: str | None = None
+
+
+class ExtractionPolicy(_Section):
+    enabled: bool = True
+    unit: Literal["sentence", "passage"] = "sentence"
+    neighbours: int = Field(0, ge=0)
+    keep_titles: bool = True
+
+
+class AssemblyPolicy(_Section):
+    order: Literal["original", "best-first", "best-at-ends"] = "best-first"
+    # Where the passages go: a system message before the conversation, or inside the last user turn.
+    placement: Literal["system", "user"] = "user"
+
+
+class CostPolicy(_Section):
+    prompt_per_1k: float = Field(0.0, ge=0)
+    completion_per_1k: float = Field(0.0, ge=0)
+    currency: str = "USD"
+
+
+class QuotaPolicy(_Section):
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    tokens_per_day: int | None = Field(None, ge=1)
+    spend_per_day: float | None = Field(None, gt=0)
+    on_store_error: Literal["allow", "deny"] = "allow"
+
+
+class Policy(_Section):
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    max_input_tokens: int = Field(2048, ge=16, description="hard cap on the prompt sent to the model")
+    reserve_output_tokens: int = Field(256, ge=1, description="max_tokens is clamped to this")
+    compression_enabled: bool = True
+    # Skip compression when the estimated prefill saving is below this many ms (0: always compress).
+    min_saving_ms: float = Field(0.0, ge=0)
+    allow_request_overrides: list[str] = Field(
+        default_factory=list, description="dotted fields a request may override, e.g. documents.max_tokens"
+    )
+    history: HistoryPolicy = HistoryPolicy()
+    documents: DocumentsPolicy = DocumentsPolicy()
+    dedup: DedupPolicy = DedupPolicy()
+    rerank: RerankPolicy = RerankPolicy()
+    extraction: ExtractionPolicy = ExtractionPolicy()
+    assembly: AssemblyPolicy = AssemblyPolicy()
+    quota: QuotaPolicy = QuotaPolicy()
+    cost: CostPolicy = CostPolicy()
+
+    @model_validator(mode="after")
+    def _documents_fit(self) -> Policy:
+        if self.documents.max_tokens > self.max_input_tokens:
+            raise ValueError("documents.max_tokens cannot exceed max_input_tokens")
+        return self
