@@ -50,6 +50,10 @@ class GenerationRequest:
     priority: Priority = Priority.USER
     # Prefix-cache namespace: requests with different salts never share cached KV blocks.
     cache_salt: str | None = None
+    # Upstream HTTP clients may forward the chat messages or rendered prompt instead of token ids
+    # (a remote engine tokenizes with its own tokenizer); the in-process engine uses the ids.
+    messages: list[dict] | None = None
+    prompt_text: str | None = None
 
 
 @dataclass
