@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from policies.loader import PolicyFileError, PolicyRegistry, apply_overrides, load_policy_file, packaged_policy_dir
+from policies.loader import (
+    PolicyFileError,
+    PolicyRegistry,
+    apply_overrides,
+    load_policy_file,
+    packaged_policy_dir,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = ["passthrough", "rag-default", "rag-strict", "chat-long-history"]
