@@ -62,6 +62,17 @@ def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
     return load_tokenizer(str(settings.model or prepare_default_model()))
 
 
+def default_pipeline(tokenizer: Any, engine: EngineClient) -> Pipeline:
+    """The compression package's pipeline; the budget-only pipeline where it is not installed."""
+    try:
+        from compression.pipeline import CompressionPipeline
+    except ModuleNotFoundError as exc:
+        logger.warning("compression pipeline unavailable (%s); enforcing the budget without compression", exc)
+        return BudgetOnlyPipeline(tokenizer)
+    # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
+    return CompressionPipeline(tokenizer, engine=engine)
+
+
 def _policy_registry(settings: GatewaySettings, metrics: GatewayMetrics) -> PolicyRegistry:
     directories = []
     if settings.include_packaged_policies:
@@ -146,8 +157,7 @@ def create_app(
     owns_engine = engine is None
     engine = engine if engine is not None else _default_engine(settings)
     tokenizer = _tokenizer_for(settings, engine)
-    # The one line to change when the compression package is wired in: pass its pipeline here.
-    pipeline = pipeline if pipeline is not None else BudgetOnlyPipeline(tokenizer)
+    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine)
     gateway = Gateway(
         settings=settings, engine=engine, tokenizer=tokenizer, pipeline=pipeline,
         policies=_policy_registry(settings, metrics), keys=KeyStore(settings.keys_file),
