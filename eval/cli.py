@@ -4,6 +4,7 @@ each command imports when it runs)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 
@@ -75,7 +76,14 @@ def _existing_subparsers(subparsers: argparse._SubParsersAction, name: str) -> a
     return None
 
 
+def _quiet_http_logs() -> None:
+    # One INFO line per request would bury the progress bar.
+    for name in ("httpx", "openai"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _eval_run(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
     from eval.runner import RunConfig, run_eval
     from eval.sweep import parse_sweep
 
@@ -127,6 +135,7 @@ def _eval_gate(args: argparse.Namespace) -> int:
 
 
 def _bench_prefill(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
     from eval.bench_prefill import run_bench_prefill
 
     result = run_bench_prefill(

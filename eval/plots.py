@@ -87,10 +87,11 @@ def plot_tokens_saved_by_stage(report: dict[str, Any], path: Path) -> None:
     stages = sorted({stage for arm in report["arms"].values() for stage in arm["tokens_saved_by_stage"]})
     figure, axis = plt.subplots(figsize=(max(6, 1.2 * len(labels) + 3), 4.5))
     bottoms = [report["arms"][label]["prompt_tokens_mean"] or 0 for label in labels]
-    axis.bar(labels, bottoms, label="sent", color="#4c72b0")
-    for stage in stages:
+    axis.bar(labels, bottoms, label="sent", color="#555555")
+    colours = plt.get_cmap("tab10")
+    for index, stage in enumerate(stages):
         heights = [report["arms"][label]["tokens_saved_by_stage"].get(stage, 0) for label in labels]
-        axis.bar(labels, heights, bottom=bottoms, label=f"saved: {stage}")
+        axis.bar(labels, heights, bottom=bottoms, label=f"saved: {stage}", color=colours(index % 10))
         bottoms = [bottom + height for bottom, height in zip(bottoms, heights, strict=True)]
     axis.set_ylabel("prompt tokens per request (mean)")
     axis.set_title("Prompt tokens sent and saved per stage")
