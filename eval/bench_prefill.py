@@ -18,14 +18,14 @@ import asyncio
 import datetime as dt
 import json
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from eval.client import GatewayClient
-from eval.datasets import Dataset, load_dataset, resolve_dataset_path
+from eval.datasets import Dataset, EvalExample, load_dataset, resolve_dataset_path
 
 COST_MODEL_SCHEMA = "ctxgate.prefill_cost/v1"
 
@@ -77,6 +77,9 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
         )
         rates = [1000 * s / r for s, r in zip(saved, removed, strict=True) if r > 0]
         summary[f"{key}_saved_per_1k_tokens_removed_median"] = round(float(np.median(rates)), 3) if rates else None
+    for arm in ("full", "compressed"):
+        summary[f"cached_prompt_tokens_{arm}_mean"] = round(
+            float(np.mean([p[arm].get("cached_prompt_tokens") or 0 for p in pairs])), 2)
     compression = [p["compressed"].get("compression_ms_total", 0.0) for p in pairs]
     summary["compression_ms_mean"] = round(float(np.mean(compression)), 3)
     # What the user gains: engine TTFT saved minus the time spent compressing (the full arm has none).
@@ -98,6 +101,14 @@ def cost_model_document(samples: list[dict[str, Any]], model: str, policy: str, 
         "prefill_ms": prefill.to_dict(),
         "ttft_ms": ttft.to_dict(),
     }
+
+
+def scrambled_copy(example: EvalExample) -> EvalExample:
+    """Same lengths, different text: every passage's words reversed."""
+    passages = tuple(
+        replace(passage, text=" ".join(reversed(passage.text.split())), sentences=()) for passage in example.passages
+    )
+    return replace(example, id=f"warmup-{example.id}", question=f"(warm-up) {example.question}", passages=passages)
 
 
 def _sample(chat: Any, arm: str, question_id: str) -> dict[str, Any] | None:
@@ -127,9 +138,10 @@ async def _measure(url: str, dataset: Dataset, policy: str, full_policy: str, wa
     errors: list[str] = []
     try:
         model = await client.model()
-        # Warm-up requests (first-call allocations, lazy imports) are not measured.
+        # Warm-up requests (first-call allocations, lazy imports) are not measured. They use
+        # scrambled copies of the questions so no measured prompt finds its blocks in the prefix cache.
         for example in dataset.examples[:warmup]:
-            await client.chat(example, policy, max_tokens=1)
+            await client.chat(scrambled_copy(example), policy, max_tokens=1)
         for index, example in enumerate(tqdm(dataset.examples, desc="bench prefill", unit="q", disable=not progress)):
             arms = [("full", full_policy), ("compressed", policy)]
             if index % 2:

@@ -78,7 +78,7 @@ def _existing_subparsers(subparsers: argparse._SubParsersAction, name: str) -> a
 
 def _quiet_http_logs() -> None:
     # One INFO line per request would bury the progress bar.
-    for name in ("httpx", "openai"):
+    for name in ("httpx", "httpx2", "httpcore", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
