@@ -4,6 +4,7 @@ POST /v1/ctxgate/compress, which returns the messages the gateway would send."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ class ChatOutcome:
     completion_tokens: int | None = None
     usage_ctxgate: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    retry_after_s: float | None = None  # set on 429 (over quota)
 
 
 @dataclass
@@ -58,6 +60,15 @@ def _usage_extra(usage: Any) -> dict[str, Any]:
     dumped = usage.model_dump() if hasattr(usage, "model_dump") else dict(usage)
     extra = dumped.get("ctxgate")
     return extra if isinstance(extra, dict) else {}
+
+
+def _retry_after_s(exc: Exception) -> float:
+    response = getattr(exc, "response", None)
+    header = response.headers.get("retry-after") if response is not None else None
+    try:
+        return max(0.1, float(header)) if header else 1.0
+    except ValueError:
+        return 1.0
 
 
 def _error_text(exc: Exception) -> str:
@@ -115,6 +126,24 @@ class GatewayClient:
         max_tokens: int,
         overrides: dict[str, Any] | None = None,
         temperature: float = 0.0,
+        max_quota_waits: int = 5,
+    ) -> ChatOutcome:
+        """A streamed chat completion. A 429 (the tenant's quota) is waited out as its Retry-After
+        says: the eval measures answers and latency, not the quota's configuration."""
+        for _ in range(max_quota_waits):
+            outcome = await self._chat_once(example, policy, max_tokens, overrides, temperature)
+            if outcome.retry_after_s is None:
+                return outcome
+            await asyncio.sleep(min(outcome.retry_after_s, 60.0))
+        return outcome
+
+    async def _chat_once(
+        self,
+        example: EvalExample,
+        policy: str,
+        max_tokens: int,
+        overrides: dict[str, Any] | None,
+        temperature: float,
     ) -> ChatOutcome:
         """One streamed chat completion; TTFT is the first content chunk as the client sees it."""
         outcome = ChatOutcome()
@@ -146,6 +175,8 @@ class GatewayClient:
                         pieces.append(text)
         except Exception as exc:  # noqa: BLE001 - any failure is recorded per question, not fatal
             outcome.error = _error_text(exc)
+            if getattr(exc, "status_code", None) == 429:
+                outcome.retry_after_s = _retry_after_s(exc)
         finished = time.perf_counter()
         outcome.reply = "".join(pieces)
         outcome.latency_ms = round((finished - started) * 1000, 3)
