@@ -1,0 +1,264 @@
+"""An `EngineClient` that forwards to OpenAI-compatible servers (ctxgate engine serve, vLLM, SGLang).
+
+Requests always stream from the upstream, so time-to-first-token is measured here and a client that
+goes away closes the upstream connection (which is how vLLM-style servers learn to abort). Connection
+failures before the first byte are retried and fail over to the next URL; once tokens have flowed a
+request is never replayed (the client would see them twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from backend.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
+
+logger = logging.getLogger(__name__)
+
+# Statuses that mean "this replica cannot take it right now", worth trying another one.
+_FAILOVER_STATUSES = {502, 503, 504}
+
+
+@dataclass
+class UpstreamConfig:
+    urls: list[str]
+    model: str | None = None  # model name sent upstream; discovered from /v1/models when None
+    api_key: str | None = None
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 120.0
+    retries: int = 1  # extra attempts per URL on connection errors
+    down_for_s: float = 5.0  # skip a URL that just failed for this long (unless all are down)
+    max_model_len: int = 8192
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("an upstream client needs at least one URL")
+        self.urls = [url.rstrip("/") for url in self.urls]
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"upstream URL must start with http:// or https://: {url}")
+
+
+class UpstreamUnavailable(EngineError):
+    def __init__(self, message: str):
+        super().__init__(message, status_code=502)
+
+
+def _base(url: str) -> str:
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+class UpstreamClient:
+    """EngineClient over HTTP with timeouts, retries, failover and streaming passthrough."""
+
+    tokenizer = None  # the gateway counts with its own local tokenizer for this model
+
+    def __init__(self, config: UpstreamConfig, served_model_name: str | None = None):
+        self.config = config
+        self.model_name = served_model_name or config.model or "upstream"
+        self.max_model_len = config.max_model_len
+        self._upstream_model = config.model
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=config.connect_timeout_s,
+                read=config.read_timeout_s,
+                write=config.read_timeout_s,
+                pool=config.connect_timeout_s,
+            ),
+            headers={**({"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}),
+                     **config.extra_headers},
+        )
+        self._down_until: dict[str, float] = {}
+        self._round_robin = itertools.cycle(range(len(config.urls)))
+        self._active: dict[str, httpx.Response] = {}
+        self._healthy = False
+        self.connection_errors = 0  # attempts that failed before a response (for metrics)
+
+    # -- health --------------------------------------------------------------------------------
+    def is_ready(self) -> bool:
+        return self._healthy or any(self._down_until.get(url, 0) <= time.monotonic() for url in self.config.urls)
+
+    async def check_health(self) -> bool:
+        """Ask each upstream for its models; learns the upstream model name and context length."""
+        healthy = False
+        for url in self.config.urls:
+            try:
+                response = await self._client.get(f"{_base(url)}/v1/models")
+                response.raise_for_status()
+                models = response.json().get("data") or []
+            except (httpx.HTTPError, ValueError) as exc:
+                logger.warning("upstream %s not healthy: %s", url, exc)
+                self._down_until[url] = time.monotonic() + self.config.down_for_s
+                continue
+            healthy = True
+            self._down_until.pop(url, None)
+            if models and self._upstream_model is None:
+                self._upstream_model = models[0].get("id")
+            if models and models[0].get("max_model_len"):
+                self.max_model_len = int(models[0]["max_model_len"])
+        self._healthy = healthy
+        return healthy
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    # -- generation ----------------------------------------------------------------------------
+    def _candidate_urls(self) -> list[str]:
+        start = next(self._round_robin)
+        ordered = self.config.urls[start:] + self.config.urls[:start]
+        now = time.monotonic()
+        up = [url for url in ordered if self._down_until.get(url, 0) <= now]
+        down = [url for url in ordered if url not in up]
+        return up + down  # try the ones that just failed last, but still try them
+
+    def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
+        sampling = request.sampling
+        body: dict[str, Any] = {
+            "model": self._upstream_model or self.model_name,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.stop:
+            body["stop"] = sampling.stop
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+        if sampling.ignore_eos:
+            body["ignore_eos"] = True
+        if request.messages is not None:
+            body["messages"] = request.messages
+            return "/v1/chat/completions", body
+        body["prompt"] = request.prompt_text if request.prompt_text is not None else request.prompt_token_ids
+        return "/v1/completions", body
+
+    async def _open_stream(self, request: GenerationRequest) -> tuple[str, httpx.Response]:
+        path, body = self._body(request)
+        errors: list[str] = []
+        for url in self._candidate_urls():
+            for attempt in range(self.config.retries + 1):
+                try:
+                    http_request = self._client.build_request("POST", f"{_base(url)}{path}", json=body)
+                    response = await self._client.send(http_request, stream=True)
+                except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                        httpx.PoolTimeout) as exc:
+                    self.connection_errors += 1
+                    errors.append(f"{url}: {exc.__class__.__name__}")
+                    if attempt < self.config.retries:
+                        await asyncio.sleep(0.05 * (attempt + 1))
+                    continue
+                if response.status_code in _FAILOVER_STATUSES:
+                    await response.aread()
+                    await response.aclose()
+                    errors.append(f"{url}: HTTP {response.status_code}")
+                    break
+                if response.status_code >= 400:
+                    await response.aread()
+                    await response.aclose()
+                    raise EngineError(_error_message(response), status_code=response.status_code)
+                self._down_until.pop(url, None)
+                self._healthy = True
+                return url, response
+            self._down_until[url] = time.monotonic() + self.config.down_for_s
+        self._healthy = False
+        raise UpstreamUnavailable("no upstream could take the request: " + "; ".join(errors))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        started = time.perf_counter()
+        url, response = await self._open_stream(request)
+        self._active[request.request_id] = response
+        first_token_at: float | None = None
+        finish_reason: str | None = None
+        usage: dict[str, Any] = {}
+        completion_text_chunks = 0
+        try:
+            async for payload in _sse_payloads(response):
+                if "error" in payload and not payload.get("choices"):
+                    error = payload["error"]
+                    message = error.get("message", "upstream error") if isinstance(error, dict) else str(error)
+                    raise EngineError(f"upstream error: {message}", status_code=502)
+                if payload.get("usage"):
+                    usage = payload["usage"]
+                for choice in payload.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                    if text:
+                        if first_token_at is None:
+                            first_token_at = time.perf_counter()
+                        completion_text_chunks += 1
+                        yield GenerationDelta(request_id=request.request_id, text=text, token_ids=[])
+                    if choice.get("finish_reason"):
+                        finish_reason = choice["finish_reason"]
+        except httpx.ReadTimeout as exc:
+            raise EngineError(f"upstream {url} read timeout", status_code=504) from exc
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            raise EngineError(f"upstream {url} closed the stream: {exc}", status_code=502) from exc
+        finally:
+            self._active.pop(request.request_id, None)
+            await response.aclose()
+        ended = time.perf_counter()
+        ttft_ms = ((first_token_at or ended) - started) * 1000
+        completion_tokens = int(usage.get("completion_tokens") or completion_text_chunks)
+        ctxgate_usage = usage.get("ctxgate") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        metrics = RequestMetrics(
+            queue_ms=float(ctxgate_usage.get("queue_ms", 0.0)),
+            prefill_ms=float(ctxgate_usage.get("prefill_ms", 0.0)),
+            ttft_ms=ttft_ms,
+            tpot_ms=((ended - (first_token_at or ended)) * 1000 / (completion_tokens - 1))
+            if completion_tokens > 1 else 0.0,
+            e2e_ms=(ended - started) * 1000,
+            cached_prompt_tokens=int(details.get("cached_tokens") or ctxgate_usage.get("cached_prompt_tokens") or 0),
+        )
+        yield GenerationDelta(
+            request_id=request.request_id,
+            text="",
+            token_ids=[],
+            finish_reason=finish_reason or "stop",
+            prompt_tokens=int(usage.get("prompt_tokens") or len(request.prompt_token_ids)),
+            completion_tokens=completion_tokens,
+            metrics=metrics,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        response = self._active.pop(request_id, None)
+        if response is not None:
+            await response.aclose()  # closing the connection is the abort signal upstream
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        error = response.json().get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return f"upstream: {error['message']}"
+    except ValueError:
+        pass
+    return f"upstream returned HTTP {response.status_code}: {response.text[:200]}"
+
+
+async def _sse_payloads(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """JSON payloads of `data:` lines until `[DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            logger.warning("ignoring a malformed SSE line from upstream: %.100s", data)
+            continue
+        if isinstance(payload, dict):
+            yield payload

@@ -1,0 +1,101 @@
+"""`ctxgate serve`, `ctxgate policy check|schema` and `ctxgate keys add` (import-light)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run the OpenAI-compatible budget gateway")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--model", default=None,
+                       help="HF model directory for the in-process engine and tokenizer (default: SmolLM2-135M)")
+    serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
+    serve.add_argument("--policy-dir", default=None,
+                       help="directory of policy YAML files, watched for edits (packaged policies stay available)")
+    serve.add_argument("--default-policy", default="rag-default", help="policy when none is named")
+    serve.add_argument("--keys", default=None, help="keys file (YAML); without it the gateway is open")
+    serve.add_argument("--upstream", action="append", default=[], metavar="URL",
+                       help="OpenAI-compatible upstream instead of the in-process engine (repeat to fail over)")
+    serve.add_argument("--upstream-model", default=None, help="model name to send upstream (default: discovered)")
+    serve.add_argument("--upstream-connect-timeout", type=float, default=2.0)
+    serve.add_argument("--upstream-read-timeout", type=float, default=120.0)
+    serve.add_argument("--upstream-retries", type=int, default=1)
+    serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                       help="shared quota store (default: $REDIS_URL; in-process when unset)")
+    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    serve.add_argument("--reload-interval", type=float, default=1.0, help="seconds between policy file checks")
+    serve.set_defaults(func=_serve)
+
+    policy = subparsers.add_parser("policy", help="validate policies and print their schema")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser("check", help="validate policy YAML files")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.set_defaults(func=_policy_check)
+    schema = policy_sub.add_parser("schema", help="print the policy JSON Schema")
+    schema.set_defaults(func=_policy_schema)
+
+    keys = subparsers.add_parser("keys", help="manage API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    add = keys_sub.add_parser("add", help="create a key for a tenant; prints it once, stores only its hash")
+    add.add_argument("tenant")
+    add.add_argument("--keys", default="keys.yaml", help="keys file (default keys.yaml)")
+    add.add_argument("--policy", default=None, help="the tenant's policy")
+    add.add_argument("--label", default=None, help="a note stored with the hash")
+    add.set_defaults(func=_keys_add)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(
+        host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
+        policy_dir=args.policy_dir, keys_file=args.keys, upstreams=args.upstream,
+        upstream_model=args.upstream_model, upstream_connect_timeout_s=args.upstream_connect_timeout,
+        upstream_read_timeout_s=args.upstream_read_timeout, upstream_retries=args.upstream_retries,
+        redis_url=args.redis_url or None, default_policy=args.default_policy,
+        max_body_bytes=args.max_body_bytes, reload_interval_s=args.reload_interval,
+    )
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    return 0
+
+
+def _policy_check(args: argparse.Namespace) -> int:
+    from policies.loader import PolicyFileError, load_policy_file
+
+    failed = 0
+    for path in args.files:
+        try:
+            policy = load_policy_file(path)
+        except PolicyFileError as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{path}: ok (policy '{policy.name}', max_input_tokens={policy.max_input_tokens})")
+    return 1 if failed else 0
+
+
+def _policy_schema(_args: argparse.Namespace) -> int:
+    import json
+
+    from policies.schema import Policy
+
+    print(json.dumps(Policy.model_json_schema(), indent=2))
+    return 0
+
+
+def _keys_add(args: argparse.Namespace) -> int:
+    from gateway.keys import add_key
+
+    key = add_key(args.keys, args.tenant, policy=args.policy, label=args.label)
+    print(key)
+    print(f"stored the sha256 of this key for tenant '{args.tenant}' in {args.keys}; it is not shown again",
+          file=sys.stderr)
+    return 0

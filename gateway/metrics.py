@@ -1,0 +1,72 @@
+"""Prometheus metrics of one gateway (own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "ctxgate:gateway_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "ctxgate:gateway_request_seconds", "end-to-end request latency as the client sees it",
+            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "ctxgate:gateway_ttft_seconds", "time to first token as the client sees it (incl. compression)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tpot_seconds = Histogram(
+            "ctxgate:gateway_tpot_seconds", "time per output token after the first, as the client sees it",
+            buckets=_TOKEN_LATENCY_BUCKETS, registry=r,
+        )
+        self.compression_seconds = Histogram(
+            "ctxgate:compression_seconds", "compression time per stage", ["stage"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.prompt_tokens_original = Counter(
+            "ctxgate:prompt_tokens_original", "prompt tokens before compression", ["tenant", "policy"], registry=r
+        )
+        self.prompt_tokens_sent = Counter(
+            "ctxgate:prompt_tokens_sent", "prompt tokens sent to the model", ["tenant", "policy"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "ctxgate:completion_tokens", "tokens generated", ["tenant", "policy"], registry=r
+        )
+        self.saved_tokens = Counter(
+            "ctxgate:saved_tokens", "prompt tokens saved per compression stage", ["stage", "policy"], registry=r
+        )
+        self.spend = Counter("ctxgate:spend", "cost accumulated per tenant", ["tenant", "currency"], registry=r)
+        self.quota_rejections = Counter(
+            "ctxgate:quota_rejections", "requests refused by a quota", ["tenant", "reason"], registry=r
+        )
+        self.quota_store_errors = Counter(
+            "ctxgate:quota_store_errors", "quota store failures by the action taken (allow|deny)",
+            ["action"], registry=r,
+        )
+        self.quota_store_up = Gauge(
+            "ctxgate:quota_store_up", "1 when the last quota store call succeeded", registry=r
+        )
+        self.upstream_errors = Counter(
+            "ctxgate:upstream_errors", "errors from the model backend by HTTP status", ["status"], registry=r
+        )
+        self.policy_reload_failures = Counter(
+            "ctxgate:policy_reload_failures", "policy files that failed to (re)load", ["file"], registry=r
+        )
+        self.policy_reload_error = Gauge(
+            "ctxgate:policy_reload_error", "1 while a policy file has an error and its old version is in force",
+            ["file"], registry=r,
+        )
+        self.policies_loaded = Gauge("ctxgate:policies_loaded", "policies in force", registry=r)
+        self.budget_rejections = Counter(
+            "ctxgate:budget_rejections", "requests whose fixed parts alone exceed the budget (413)",
+            ["policy"], registry=r,
+        )
+        self.quota_store_up.set(1)

@@ -1,0 +1,327 @@
+"""Request orchestration, independent of HTTP: auth, policy, budget, quota, accounting.
+
+The routes in `gateway.app` parse and respond; everything that decides something lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.api import EngineClient, EngineError, Priority, SamplingParams
+from compression.types import (
+    BudgetExceededError,
+    CompressionInput,
+    CompressionResult,
+    Document,
+    RetrievalSpec,
+)
+from gateway.errors import APIError
+from gateway.keys import KeyStore, Tenant
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import Pipeline
+from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
+from gateway.schemas import ChatCompletionRequest, CtxgateExtras, _SamplingFields
+from gateway.settings import GatewaySettings
+from policies.loader import PolicyRegistry, apply_overrides
+from policies.schema import Policy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """Everything decided before the model is called."""
+
+    request_id: str
+    tenant: Tenant
+    policy: Policy
+    result: CompressionResult
+    prompt_token_ids: list[int]
+    prompt_text: str
+    sampling: SamplingParams
+    priority: Priority
+    reservation: Reservation | None = None
+    received_at: float = field(default_factory=time.perf_counter)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Outcome:
+    """What the model produced, for usage and accounting."""
+
+    text: str = ""
+    finish_reason: str = "stop"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    metrics: Any = None
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        engine: EngineClient,
+        tokenizer: Any,
+        pipeline: Pipeline,
+        policies: PolicyRegistry,
+        keys: KeyStore,
+        store: QuotaStore,
+        metrics: GatewayMetrics,
+    ):
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.pipeline = pipeline
+        self.policies = policies
+        self.keys = keys
+        self.store = store
+        self.metrics = metrics
+
+    # -- identity and policy -------------------------------------------------------------------
+    @property
+    def model_names(self) -> list[str]:
+        names = [self.settings.served_model_name or self.engine.model_name]
+        if self.engine.model_name not in names:
+            names.append(self.engine.model_name)
+        return names
+
+    def authenticate(self, authorization: str | None, api_key_header: str | None = None) -> Tenant:
+        key = api_key_header
+        if authorization:
+            scheme, _, credentials = authorization.partition(" ")
+            key = credentials.strip() if scheme.lower() == "bearer" else None
+        tenant = self.keys.resolve(key)
+        if tenant is None:
+            message = "missing API key (Authorization: Bearer <key>)" if not key else "invalid API key"
+            raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return tenant
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise APIError(
+                404, f"model '{model}' is not served here (available: {', '.join(self.model_names)})",
+                param="model", code="model_not_found",
+            )
+
+    def resolve_policy(self, tenant: Tenant, extras: CtxgateExtras | None) -> Policy:
+        requested = extras.policy if extras else None
+        name = requested or tenant.policy or self.settings.default_policy
+        policy = self.policies.get(name)
+        if policy is None:
+            raise APIError(
+                400 if requested else 503,
+                f"unknown policy '{name}' (available: {', '.join(self.policies.names()) or 'none'})",
+                param="ctxgate.policy" if requested else None, code="policy_not_found",
+            )
+        if extras and extras.overrides:
+            try:
+                policy = apply_overrides(policy, extras.overrides)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="ctxgate.overrides", code="override_not_allowed") from None
+        return self._fit_to_model(policy)
+
+    def _fit_to_model(self, policy: Policy) -> Policy:
+        """Cap the input budget at what the model can hold with at least one output token."""
+        limit = self.engine.max_model_len - 1
+        if policy.max_input_tokens <= limit:
+            return policy
+        return policy.model_copy(update={"max_input_tokens": limit})
+
+    # -- budget --------------------------------------------------------------------------------
+    async def compress(
+        self, body: ChatCompletionRequest, tenant: Tenant, policy: Policy
+    ) -> tuple[list[dict[str, Any]], CompressionResult]:
+        try:
+            messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+                        for m in body.messages]
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages", code="unsupported_content") from None
+        extras = body.ctxgate or CtxgateExtras()
+        documents = [
+            Document(text=d.text, id=None if d.id is None else str(d.id), title=d.title, score=d.score)
+            for d in extras.documents or []
+        ]
+        retrieval = RetrievalSpec(extras.retrieval.index, extras.retrieval.top_n) if extras.retrieval else None
+        inp = CompressionInput(messages=messages, documents=documents, retrieval=retrieval, tenant=tenant.name)
+        try:
+            result = await self.pipeline.run(inp, policy)
+        except BudgetExceededError as exc:
+            self.metrics.budget_rejections.labels(policy.name).inc()
+            raise APIError(413, str(exc), param="messages", code="prompt_too_long") from None
+        except (ValueError, KeyError, FileNotFoundError) as exc:
+            raise APIError(400, str(exc), code="invalid_request") from None
+        for stage in result.stages:
+            self.metrics.compression_seconds.labels(stage.name).observe(stage.ms / 1000)
+        return messages, result
+
+    def encode_checked(self, result: CompressionResult, policy: Policy) -> tuple[list[int], str]:
+        """Token ids actually sent; re-counted here so the budget holds whatever pipeline ran."""
+        prompt_text = self.tokenizer.render_chat(result.messages)
+        token_ids = self.tokenizer.encode(prompt_text)
+        if len(token_ids) > policy.max_input_tokens:
+            logger.error("pipeline produced %d tokens over budget %d", len(token_ids), policy.max_input_tokens)
+            raise APIError(
+                413, f"the prompt needs {len(token_ids)} tokens; policy '{policy.name}' allows "
+                f"{policy.max_input_tokens}", code="prompt_too_long",
+            )
+        result.prompt_tokens = len(token_ids)
+        return token_ids, prompt_text
+
+    def sampling_for(self, body: _SamplingFields, policy: Policy, prompt_tokens: int) -> SamplingParams:
+        requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        room = self.engine.max_model_len - prompt_tokens
+        max_tokens = min(requested or policy.reserve_output_tokens, policy.reserve_output_tokens, room)
+        if max_tokens < 1:
+            raise APIError(413, "the prompt leaves no room for output in the model's context", code="prompt_too_long")
+        sampling = SamplingParams(
+            max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+            seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+        )
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
+        return sampling
+
+    # -- quota ---------------------------------------------------------------------------------
+    def limits_for(self, tenant: Tenant, policy: Policy) -> QuotaLimits:
+        return QuotaLimits.from_policy(policy.quota, tenant.quota_override)
+
+    @staticmethod
+    def cost(policy: Policy, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        prompt_cost = prompt_tokens / 1000 * policy.cost.prompt_per_1k
+        completion_cost = completion_tokens / 1000 * policy.cost.completion_per_1k
+        return {
+            "prompt": round(prompt_cost, 8),
+            "completion": round(completion_cost, 8),
+            "total": round(prompt_cost + completion_cost, 8),
+            "currency": policy.cost.currency,
+        }
+
+    async def reserve(self, tenant: Tenant, policy: Policy, prompt_tokens: int, max_tokens: int) -> Reservation:
+        limits = self.limits_for(tenant, policy)
+        tokens = prompt_tokens + max_tokens
+        spend_micros = int(round(self.cost(policy, prompt_tokens, max_tokens)["total"] * SPEND_SCALE))
+        if limits.unlimited:
+            return Reservation(tenant.name, tokens, spend_micros, None, recorded=False)
+        try:
+            reservation = await self.store.reserve(tenant.name, limits, tokens, spend_micros)
+        except QuotaExceeded as exc:
+            self.metrics.quota_rejections.labels(tenant.name, exc.reason).inc()
+            raise APIError(
+                429, str(exc), code=exc.reason, error_type="rate_limit_error",
+                headers={"Retry-After": str(exc.retry_after_s)},
+            ) from None
+        except StoreUnavailable as exc:
+            self.metrics.quota_store_up.set(0)
+            action = limits.on_store_error
+            self.metrics.quota_store_errors.labels(action).inc()
+            logger.warning("%s; on_store_error=%s for tenant %s", exc, action, tenant.name)
+            if action == "deny":
+                raise APIError(
+                    503, "quota store unavailable and the policy denies requests it cannot account for",
+                    code="quota_store_unavailable", headers={"Retry-After": "1"},
+                ) from None
+            return Reservation(tenant.name, tokens, spend_micros, None, recorded=False)
+        self.metrics.quota_store_up.set(1)
+        return reservation
+
+    async def reconcile(self, reservation: Reservation | None, tokens: int, spend: float) -> None:
+        if reservation is None:
+            return
+        try:
+            await self.store.reconcile(reservation, tokens, int(round(spend * SPEND_SCALE)))
+        except StoreUnavailable as exc:
+            self.metrics.quota_store_up.set(0)
+            logger.warning("quota reconcile lost: %s", exc)
+
+    # -- the whole preparation -----------------------------------------------------------------
+    async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
+        self.check_model(body.model)
+        policy = self.resolve_policy(tenant, body.ctxgate)
+        _, result = await self.compress(body, tenant, policy)
+        token_ids, prompt_text = self.encode_checked(result, policy)
+        sampling = self.sampling_for(body, policy, len(token_ids))
+        priority = Priority.BACKGROUND if body.ctxgate and body.ctxgate.priority == "background" else Priority.USER
+        prepared = Prepared(
+            request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
+            prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
+        )
+        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens)
+        return prepared
+
+    async def prepare_completion(self, body, tenant: Tenant) -> Prepared:
+        self.check_model(body.model)
+        if body.ctxgate and (body.ctxgate.documents or body.ctxgate.retrieval):
+            raise APIError(400, "documents and retrieval need /v1/chat/completions", param="ctxgate")
+        policy = self.resolve_policy(tenant, body.ctxgate)
+        prompt_text = body.prompt_text()
+        token_ids = self.tokenizer.encode(prompt_text)
+        if not token_ids:
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+        if len(token_ids) > policy.max_input_tokens:
+            self.metrics.budget_rejections.labels(policy.name).inc()
+            raise APIError(
+                413, f"the prompt has {len(token_ids)} tokens; policy '{policy.name}' allows "
+                f"{policy.max_input_tokens} (raw prompts are never cut)", param="prompt", code="prompt_too_long",
+            )
+        result = CompressionResult(
+            messages=[], original_prompt_tokens=len(token_ids), prompt_tokens=len(token_ids), stages=[]
+        )
+        sampling = self.sampling_for(body, policy, len(token_ids))
+        prepared = Prepared(
+            request_id=f"cmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
+            prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=Priority.USER,
+        )
+        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens)
+        return prepared
+
+    # -- after the model -----------------------------------------------------------------------
+    async def settle(self, prepared: Prepared, outcome: Outcome, count_metrics: bool = True) -> dict[str, Any]:
+        """Reconcile the quota, record metrics, and return `usage` (with `usage.ctxgate`)."""
+        policy, tenant, result = prepared.policy, prepared.tenant, prepared.result
+        prompt_tokens = outcome.prompt_tokens or result.prompt_tokens
+        cost = self.cost(policy, prompt_tokens, outcome.completion_tokens)
+        await self.reconcile(prepared.reservation, prompt_tokens + outcome.completion_tokens, cost["total"])
+        if count_metrics:
+            labels = (tenant.name, policy.name)
+            self.metrics.prompt_tokens_original.labels(*labels).inc(result.original_prompt_tokens)
+            self.metrics.prompt_tokens_sent.labels(*labels).inc(result.prompt_tokens)
+            self.metrics.completion_tokens.labels(*labels).inc(outcome.completion_tokens)
+            for stage, saved in result.saved_tokens.items():
+                self.metrics.saved_tokens.labels(stage, policy.name).inc(max(0, saved))
+            if cost["total"] > 0:
+                self.metrics.spend.labels(tenant.name, cost["currency"]).inc(cost["total"])
+        metrics = outcome.metrics
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": outcome.completion_tokens,
+            "total_tokens": prompt_tokens + outcome.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": getattr(metrics, "cached_prompt_tokens", 0) or 0},
+            "ctxgate": {
+                "tenant": tenant.name,
+                "policy": policy.name,
+                "original_prompt_tokens": result.original_prompt_tokens,
+                "prompt_tokens": result.prompt_tokens,
+                "saved_tokens": result.saved_tokens,
+                "compression_ms": result.compression_ms,
+                "queue_ms": round(getattr(metrics, "queue_ms", 0.0), 3),
+                "prefill_ms": round(getattr(metrics, "prefill_ms", 0.0), 3),
+                "ttft_ms": round(getattr(metrics, "ttft_ms", 0.0), 3),
+                "cached_prompt_tokens": getattr(metrics, "cached_prompt_tokens", 0) or 0,
+                "cost": cost["total"],
+                "cost_detail": cost,
+            },
+        }
+
+    def engine_error(self, exc: Exception) -> APIError:
+        if isinstance(exc, EngineError):
+            self.metrics.upstream_errors.labels(str(exc.status_code)).inc()
+            return APIError(exc.status_code, str(exc), code="engine_error")
+        self.metrics.upstream_errors.labels("502").inc()
+        logger.exception("model backend failed")
+        return APIError(502, f"model backend failed: {exc.__class__.__name__}: {exc}", code="upstream_error")

@@ -1,0 +1,38 @@
+"""Gateway settings: what `ctxgate serve` flags and tests configure."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # HF model directory (for the in-process engine and the tokenizer); None: the default model.
+    model: str | None = None
+    # Name clients put in "model"; defaults to the engine's model name.
+    served_model_name: str | None = None
+    # Extra policy directory watched for edits; the packaged policies are always available beneath it.
+    policy_dir: Path | None = None
+    keys_file: Path | None = None
+    upstreams: list[str] = field(default_factory=list)
+    upstream_model: str | None = None
+    upstream_connect_timeout_s: float = 2.0
+    upstream_read_timeout_s: float = 120.0
+    upstream_retries: int = 1
+    redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL") or None)
+    default_policy: str = "rag-default"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    reload_interval_s: float = 1.0
+    include_packaged_policies: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy_dir is not None:
+            self.policy_dir = Path(self.policy_dir)
+        if self.keys_file is not None:
+            self.keys_file = Path(self.keys_file)
