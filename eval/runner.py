@@ -12,6 +12,8 @@ import asyncio
 import json
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,11 +144,26 @@ def write_results(rows: list[dict[str, Any]], path: Path) -> None:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def run_eval(config: RunConfig) -> dict[str, Any]:
-    """Run, then write results.jsonl, report.json, report.md and plots into `out_dir`."""
+# (policy_dir, log_path) -> a context manager that serves a gateway and yields its URL.
+GatewayLauncher = Callable[[str | None, Path], AbstractContextManager[str]]
+
+
+def subprocess_launcher(model: str | None) -> GatewayLauncher:
+    from eval.server import GatewayProcess
+
+    def launch(policy_dir: str | None, log_path: Path) -> AbstractContextManager[str]:
+        return GatewayProcess(policy_dir=policy_dir, model=model, log_path=log_path)
+
+    return launch
+
+
+def run_eval(config: RunConfig, launcher: GatewayLauncher | None = None) -> dict[str, Any]:
+    """Run, then write results.jsonl, report.json, report.md and plots into `out_dir`.
+
+    Without `config.url` a gateway is started for the run: by default `ctxgate serve` as a child
+    process; `launcher` can serve it differently (e.g. in this process, sharing a loaded engine)."""
     from eval.plots import write_plots
     from eval.report import build_report, write_report_files
-    from eval.server import GatewayProcess
 
     if config.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
@@ -164,8 +181,8 @@ def run_eval(config: RunConfig) -> dict[str, Any]:
             needs_dir = config.sweep is not None
             variants = build_variants(config, Path(temp_dir) if needs_dir else None)
             policy_dir = temp_dir if needs_dir else config.policy_dir
-            gateway = GatewayProcess(policy_dir=policy_dir, model=config.model, log_path=out_dir / "gateway.log")
-            with gateway as url:
+            launch = launcher or subprocess_launcher(config.model)
+            with launch(policy_dir, out_dir / "gateway.log") as url:
                 rows, wall_s = asyncio.run(run_against(url, dataset, variants, config))
 
     write_results(rows, out_dir / "results.jsonl")

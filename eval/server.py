@@ -106,3 +106,58 @@ class GatewayProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+class InProcessGateway:
+    """The gateway app (`gateway.app.create_app`) served by uvicorn in a background thread of this
+    process, on a free port. Lets a caller share one already-loaded engine across several gateways
+    (e.g. the sweep's derived-policy gateway and a plain one) instead of loading the model again."""
+
+    def __init__(self, policy_dir: str | Path | None = None, engine: object | None = None, model: str | None = None):
+        self.policy_dir = policy_dir
+        self.engine = engine
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = None
+        self._thread = None
+
+    def start(self) -> str:
+        import threading
+
+        import uvicorn
+
+        from gateway.app import create_app
+        from gateway.settings import GatewaySettings
+
+        settings = GatewaySettings(host="127.0.0.1", port=self.port, model=self.model,
+                                   policy_dir=Path(self.policy_dir) if self.policy_dir else None)
+        app = create_app(settings, engine=self.engine)  # type: ignore[arg-type]
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="ctxgate-eval-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError("the in-process gateway stopped during startup (see the log above)")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("the in-process gateway was not ready after 600 s")
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,5 +1,6 @@
-"""Acceptance: eval runs through the real gateway (`ctxgate serve` on a free port) and the real
-model, with the real OpenAI SDK. Small inputs: 5 questions with 6 passages each, max_tokens 8."""
+"""Acceptance: eval runs through the real gateway (served on a free port) and the real model, with
+the real OpenAI SDK. Small inputs: 5 questions with 6 passages each, max_tokens 8, and a test policy
+(`eval-tight`, conftest.py) whose budget really cuts them."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ from pathlib import Path
 import pytest
 
 from eval.datasets import resolve_dataset_path
-
-pytest.importorskip("gateway.app", reason="the gateway (gateway.app) is not in this tree yet")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLOTS = ("quality_vs_compression.png", "ttft_distribution.png", "tokens_saved_by_stage.png")
@@ -35,11 +34,11 @@ def small_dataset(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gateway_url(tmp_path_factory):
-    from eval.server import GatewayProcess
+def gateway_url(eval_engine, eval_policy_dir):
+    """The real gateway app on a free port (uvicorn in a thread): packaged policies plus eval-tight."""
+    from eval.server import InProcessGateway
 
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with GatewayProcess(log_path=log) as url:
+    with InProcessGateway(policy_dir=eval_policy_dir, engine=eval_engine) as url:
         yield url
 
 
@@ -52,7 +51,7 @@ def ctxgate(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 def two_policy_run(small_dataset, gateway_url, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
     result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "passthrough",
-                     "--policy", "rag-default", "--limit", "5", "--max-tokens", "8", "--concurrency", "2",
+                     "--policy", "eval-tight", "--limit", "5", "--max-tokens", "8", "--concurrency", "2",
                      "--url", gateway_url, "--out", str(out), "--no-progress")
     assert result.returncode == 0, result.stdout + result.stderr
     return out
@@ -64,7 +63,7 @@ def test_two_policy_run_writes_every_report_file_and_plot(two_policy_run):
     rows = [json.loads(line) for line in (two_policy_run / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 10 and not [row["error"] for row in rows if row["error"]]
     report = json.loads((two_policy_run / "report.json").read_text())
-    passthrough, rag = report["arms"]["passthrough"], report["arms"]["rag-default"]
+    passthrough, rag = report["arms"]["passthrough"], report["arms"]["eval-tight"]
     assert passthrough["n"] == rag["n"] == 5
     # Passthrough sends everything: every gold answer is in its context, nothing is saved.
     assert passthrough["answer_retention"]["value"] == 1.0
@@ -78,7 +77,7 @@ def test_two_policy_run_writes_every_report_file_and_plot(two_policy_run):
     for row in rows:
         assert row["completion_tokens"] <= 8
         assert any(row["question"] in str(message.get("content")) for message in row["sent_messages"])
-    assert report["comparisons"][0]["candidate"] == "rag-default"
+    assert report["comparisons"][0]["candidate"] == "eval-tight"
 
 
 def test_gate_passes_identical_and_fails_planted_drop(two_policy_run, tmp_path):
@@ -102,24 +101,47 @@ def test_gate_passes_identical_and_fails_planted_drop(two_policy_run, tmp_path):
     assert "95% CI of drop" in regressed.stdout
 
 
-def test_sweep_produces_one_row_per_value(small_dataset, tmp_path):
-    """In-process mode: the runner starts its own gateway on a policy dir with derived policies."""
+def test_sweep_produces_one_row_per_value(small_dataset, eval_engine, eval_policy_dir, tmp_path):
+    """Without --url the runner serves a gateway itself, on a policy dir holding one derived policy
+    per value (here in this process, sharing the loaded engine)."""
+    from eval.runner import RunConfig, run_eval
+    from eval.server import InProcessGateway
+    from eval.sweep import parse_sweep
+
+    served_policy_dirs = []
+
+    def launcher(policy_dir, log_path):
+        served_policy_dirs.append(policy_dir)
+        return InProcessGateway(policy_dir=policy_dir, engine=eval_engine)
+
     out = tmp_path / "sweep"
-    result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "rag-default",
-                     "--sweep", "documents.max_tokens=48,160", "--limit", "2", "--max-tokens", "4",
-                     "--out", str(out), "--no-progress")
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((out / "report.json").read_text())
+    config = RunConfig(dataset=str(small_dataset), policies=["eval-tight"], out_dir=str(out), limit=2,
+                       max_tokens=4, sweep=parse_sweep("max_input_tokens=250,700"),
+                       policy_dir=str(eval_policy_dir), progress=False)
+    report = run_eval(config, launcher=launcher)
+    assert served_policy_dirs and served_policy_dirs[0] is not None
     rows = report["sweep"]["rows"]
-    assert [row["value"] for row in rows] == [48, 160]
+    assert [row["value"] for row in rows] == [250, 700]
+    assert [row["policy"] for row in rows] == ["eval-tight--max_input_tokens-250", "eval-tight--max_input_tokens-700"]
     assert rows[0]["prompt_tokens_mean"] < rows[1]["prompt_tokens_mean"]
-    assert "Sweep of `documents.max_tokens`" in (out / "report.md").read_text()
+    assert json.loads((out / "report.json").read_text())["sweep"]["rows"] == rows
+    assert "Sweep of `max_input_tokens`" in (out / "report.md").read_text()
     for name in PLOTS:
         assert (out / name).exists()
 
 
+def test_sweep_against_a_running_gateway_uses_request_overrides(small_dataset, gateway_url, tmp_path):
+    result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "eval-tight",
+                     "--sweep", "max_input_tokens=250,700", "--limit", "2", "--max-tokens", "4",
+                     "--url", gateway_url, "--out", str(tmp_path), "--no-progress")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads((tmp_path / "report.json").read_text())["sweep"]["rows"]
+    assert [row["value"] for row in rows] == [250, 700] and {row["policy"] for row in rows} == {"eval-tight"}
+    assert rows[0]["prompt_tokens_mean"] < rows[1]["prompt_tokens_mean"]
+
+
 def test_bench_prefill_fits_a_cost_model(small_dataset, gateway_url, tmp_path):
-    result = ctxgate("bench", "prefill", "--dataset", str(small_dataset), "--policy", "rag-default",
+    result = ctxgate("bench", "prefill", "--dataset", str(small_dataset), "--policy", "eval-tight",
                      "--limit", "3", "--warmup", "1", "--url", gateway_url, "--out", str(tmp_path), "--no-progress")
     assert result.returncode == 0, result.stdout + result.stderr
     cost = json.loads((tmp_path / "prefill_cost.json").read_text())
