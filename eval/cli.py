@@ -1,14 +1,150 @@
-"""`ctxgate bench ...` (and later `ctxgate eval ...`) commands."""
+"""`ctxgate eval ...` and `ctxgate bench ...` commands (import-light: work happens in the modules
+each command imports when it runs). `bench engine` belongs to the engine (eval/bench_engine*.py);
+`eval run|gate` and `bench prefill` to the eval harness."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import shlex
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    _register_eval(subparsers)
     bench = subparsers.add_parser("bench", help="performance benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     _register_bench_engine(bench_sub)
+    _register_bench_prefill(bench_sub)
+
+
+def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", help="a running gateway (default: start `ctxgate serve` on a free port)")
+    parser.add_argument("--api-key", help="bearer key for a gateway with a keys file")
+    parser.add_argument("--model", help="model for the in-process gateway (default: its default)")
+    parser.add_argument("--policy-dir", help="policy directory for the in-process gateway")
+    parser.add_argument("--limit", type=int, help="first N questions only")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _register_eval(subparsers: argparse._SubParsersAction) -> None:
+    evaluation = subparsers.add_parser("eval", help="quality A/B of policies and the regression gate")
+    eval_sub = evaluation.add_subparsers(dest="eval_command", required=True)
+
+    run = eval_sub.add_parser("run", help="run a QA dataset through the gateway under each policy")
+    run.add_argument("--dataset", required=True, help="JSONL with question, answers, passages (or a file "
+                     "name in ../shared/data/eval)")
+    run.add_argument("--policy", action="append", required=True, dest="policies",
+                     help="policy to evaluate (repeat; the first is the A/B baseline)")
+    run.add_argument("--sweep", help="FIELD=V1,V2,...: variants of the last --policy, e.g. "
+                     "documents.max_tokens=100,200,400,800")
+    run.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
+    run.add_argument("--max-tokens", type=int, default=32, help="answer length cap (default 32)")
+    run.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    run.add_argument("--out", required=True, help="output directory for the report")
+    _add_gateway_args(run)
+    run.set_defaults(func=_eval_run)
+
+    gate = eval_sub.add_parser("gate", help="fail when quality regressed against a baseline report")
+    gate.add_argument("--baseline", required=True, help="OLD/report.json")
+    gate.add_argument("--current", required=True, help="NEW/report.json")
+    gate.add_argument("--max-accuracy-drop", type=float, default=0.02)
+    gate.add_argument("--max-retention-drop", type=float, default=0.02)
+    gate.add_argument("--max-f1-drop", type=float, help="also gate token F1")
+    gate.set_defaults(func=_eval_gate)
+
+
+def _register_bench_prefill(bench_sub: argparse._SubParsersAction) -> None:
+    prefill = bench_sub.add_parser("prefill", help="measured prefill/TTFT saved by a policy, and the cost model")
+    prefill.add_argument("--dataset", required=True)
+    prefill.add_argument("--policy", required=True, help="the compressing policy")
+    prefill.add_argument("--full-policy", default="passthrough", help="the full-context arm (default passthrough)")
+    prefill.add_argument("--warmup", type=int, default=2, help="unmeasured warm-up requests (default 2)")
+    prefill.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    _add_gateway_args(prefill)
+    prefill.set_defaults(func=_bench_prefill)
+
+
+def _quiet_http_logs() -> None:
+    # One INFO line per request would bury the progress bar.
+    for name in ("httpx", "httpx2", "httpcore", "openai"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _eval_run(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
+    from eval.runner import RunConfig, run_eval
+    from eval.sweep import parse_sweep
+
+    config = RunConfig(
+        dataset=args.dataset,
+        policies=args.policies,
+        out_dir=args.out,
+        limit=args.limit,
+        concurrency=args.concurrency,
+        url=args.url,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        sweep=parse_sweep(args.sweep) if args.sweep else None,
+        policy_dir=args.policy_dir,
+        model=args.model,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+        command="ctxgate " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else "",
+    )
+    report = run_eval(config)
+    for label, arm in report["arms"].items():
+        accuracy = arm["accuracy"]
+        print(
+            f"{label}: accuracy {accuracy['value']:.3f} [{accuracy['ci_low']:.3f}, {accuracy['ci_high']:.3f}], "
+            f"answer retained {_value(arm['answer_retention'])}, prompt tokens {arm['prompt_tokens_mean']}, "
+            f"ratio {arm['compression_ratio']}, TTFT P95 {arm['ttft_ms']['p95']} ms, errors {arm['errors']}"
+        )
+    print(f"report: {args.out}/report.md")
+    return 0
+
+
+def _value(estimate: dict) -> str:
+    return "–" if estimate.get("value") is None else f"{estimate['value']:.3f}"
+
+
+def _eval_gate(args: argparse.Namespace) -> int:
+    from eval.gate import run_gate
+    from eval.report import load_report
+
+    result = run_gate(
+        load_report(args.baseline),
+        load_report(args.current),
+        max_accuracy_drop=args.max_accuracy_drop,
+        max_retention_drop=args.max_retention_drop,
+        max_f1_drop=args.max_f1_drop,
+    )
+    print(result.describe())
+    return 0 if result.passed else 1
+
+
+def _bench_prefill(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
+    from eval.bench_prefill import run_bench_prefill
+
+    result = run_bench_prefill(
+        dataset_path=args.dataset,
+        policy=args.policy,
+        out_dir=args.out,
+        url=args.url,
+        limit=args.limit,
+        full_policy=args.full_policy,
+        warmup=args.warmup,
+        model=args.model,
+        policy_dir=args.policy_dir,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+    )
+    print(open(f"{args.out}/bench_prefill.md").read())
+    for error in result["errors"][:10]:
+        print(f"error: {error}")
+    print(f"cost model: {args.out}/prefill_cost.json")
+    return 0
 
 
 def _register_bench_engine(bench_sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,163 @@
+"""Start the real gateway (`python -m ctxgate serve`) as a child process for an eval run.
+
+A separate process keeps the eval's own client work (tokenizing, scoring, plotting) off the
+gateway's event loop, and is exactly what a user runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class GatewayProcess:
+    """Context manager: `with GatewayProcess(policy_dir=...) as url: ...`."""
+
+    def __init__(
+        self,
+        policy_dir: str | Path | None = None,
+        model: str | None = None,
+        log_path: str | Path | None = None,
+        ready_timeout_s: float = 600.0,
+        extra_args: list[str] | None = None,
+    ):
+        self.policy_dir = policy_dir
+        self.model = model
+        self.log_path = Path(log_path) if log_path else None
+        self.ready_timeout_s = ready_timeout_s
+        self.extra_args = extra_args or []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_file = None
+
+    def command(self) -> list[str]:
+        command = [sys.executable, "-m", "ctxgate", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.policy_dir:
+            command += ["--policy-dir", str(self.policy_dir)]
+        if self.model:
+            command += ["--model", self.model]
+        return command + self.extra_args
+
+    def start(self) -> str:
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        repo_root = Path(__file__).resolve().parent.parent
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
+        self._process = subprocess.Popen(
+            self.command(),
+            stdout=self._log_file or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            cwd=str(repo_root),
+            env=env,
+        )
+        self._wait_ready()
+        return self.url
+
+    def _log_tail(self, max_chars: int = 3000) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return "(no log)"
+        return self.log_path.read_text(errors="replace")[-max_chars:]
+
+    def _wait_ready(self) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                tail = self._log_tail()
+                self.stop()
+                raise RuntimeError(f"gateway exited with code {self._process.returncode}:\n{tail}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"gateway not ready after {self.ready_timeout_s:.0f}s:\n{self._log_tail()}")
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout=10)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class InProcessGateway:
+    """The gateway app (`gateway.app.create_app`) served by uvicorn in a background thread of this
+    process, on a free port. Lets a caller share one already-loaded engine across several gateways
+    (e.g. the sweep's derived-policy gateway and a plain one) instead of loading the model again."""
+
+    def __init__(self, policy_dir: str | Path | None = None, engine: object | None = None, model: str | None = None):
+        self.policy_dir = policy_dir
+        self.engine = engine
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = None
+        self._thread = None
+
+    def start(self) -> str:
+        import threading
+
+        import uvicorn
+
+        from gateway.app import create_app
+        from gateway.settings import GatewaySettings
+
+        settings = GatewaySettings(host="127.0.0.1", port=self.port, model=self.model,
+                                   policy_dir=Path(self.policy_dir) if self.policy_dir else None)
+        app = create_app(settings, engine=self.engine)  # type: ignore[arg-type]
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="ctxgate-eval-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError("the in-process gateway stopped during startup (see the log above)")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("the in-process gateway was not ready after 600 s")
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,41 @@
+"""Fixtures for the eval's end-to-end tests: one real engine per session, shared by the gateways
+the tests start (loading the model once keeps the suite fast on two cores)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def eval_engine(model_dir):
+    """The in-process engine (`backend.async_engine`) when present; until the engine branch lands,
+    the gateway tests' real transformers engine over the same model."""
+    try:
+        from backend.async_engine import AsyncEngine
+        from backend.config import EngineConfig
+    except ModuleNotFoundError:
+        from tests.gateway.reference_engine import ReferenceEngine
+
+        return ReferenceEngine(str(model_dir))
+    return AsyncEngine(EngineConfig(model=str(model_dir)))
+
+
+# A small budget, so a 6-passage question is really cut (with or without compression stages), and
+# request overrides for the sweep against a running gateway.
+TIGHT_POLICY = """\
+name: eval-tight
+description: eval tests - a small prompt budget
+max_input_tokens: 400
+reserve_output_tokens: 64
+documents: {max_tokens: 240}
+rerank: {method: embedding-bm25, top_k: 3}
+assembly: {order: best-first, placement: user}
+allow_request_overrides: [documents.max_tokens, max_input_tokens]
+"""
+
+
+@pytest.fixture(scope="session")
+def eval_policy_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("eval-policies")
+    (directory / "eval-tight.yaml").write_text(TIGHT_POLICY)
+    return directory
