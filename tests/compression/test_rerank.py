@@ -68,7 +68,7 @@ async def test_cross_encoder_from_local_path_drives_the_ranking(tiny_cross_encod
     np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-5)
 
     policy = Policy(
-        name="ce", max_input_tokens=512,
+        name="ce", max_input_tokens=512, documents={"max_tokens": 300},
         rerank={"method": "cross-encoder", "cross_encoder_path": path, "top_k": 2},
         dedup={"enabled": False},
     )
