@@ -56,6 +56,7 @@ def summary_policy(timeout_s: float = 60.0, strategy: str = "summarize") -> Poli
     return Policy(
         name="history",
         max_input_tokens=1024,
+        documents={"max_tokens": 512},
         history={
             "max_tokens": 90,
             "keep_last_turns": 2,
