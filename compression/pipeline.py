@@ -180,7 +180,7 @@ class CompressionPipeline:
 
         state.history_budget = max(0, min(policy.history.max_tokens, budget - state.pinned_tokens))
         for name in STAGE_ORDER:
-            if name in reports:
+            if name in reports or (name == "retrieval" and state.retrieval is None):
                 continue
             stage = self.stages[name]
             if not stage.enabled(policy):
@@ -232,6 +232,13 @@ class CompressionPipeline:
         policy = ctx.policy
         keep_titles = policy.extraction.keep_titles
         trimmed = 0
+        # The passages block keeps its own cap exactly (numbering and order can shift a token).
+        while state.passages and self.counter.count(
+            render_context(state.passages, keep_titles)
+        ) > policy.documents.max_tokens:
+            if drop_lowest_sentence(state.passages) is None:
+                break
+            trimmed += 1
         while True:
             passages = [p for p in state.passages if not p.is_empty()]
             messages = build_messages(
