@@ -14,9 +14,78 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.add_argument("--force", action="store_true", help="convert again even if cached")
     prepare.set_defaults(func=_model_prepare)
 
+    engine = subparsers.add_parser("engine", help="run the built-in inference engine")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True)
+    serve = engine_sub.add_parser("serve", help="serve the engine as an OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8001, help="port (default 8001)")
+    serve.add_argument("--served-model-name", default=None, help="model id reported by the API")
+    serve.add_argument(
+        "--max-waiting-requests", type=int, default=None,
+        help="refuse new requests with 503 when this many are already waiting",
+    )
+    add_engine_arguments(serve)
+    serve.set_defaults(func=_engine_serve)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags that build an `EngineConfig`; shared by `engine serve` and `bench engine`."""
+    parser.add_argument("--model", default=None, help="Hugging Face model dir (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    kv_size = parser.add_mutually_exclusive_group()
+    kv_size.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks in the pool")
+    kv_size.add_argument("--kv-cache-memory-mb", type=int, default=None, help="KV pool size in MiB")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="max sequences per step")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context window (tokens)")
+    parser.add_argument("--ttft-target-ms", type=float, default=None, help="time-to-first-token target")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--attention-backend", default=None, help="attention implementation (default auto)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """An `EngineConfig` from `add_engine_arguments` flags; unset flags keep the config defaults."""
+    from backend.config import EngineConfig
+
+    fields = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_memory_mb": args.kv_cache_memory_mb,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "ttft_target_ms": args.ttft_target_ms,
+        "num_threads": args.threads,
+        "attention_backend": args.attention_backend,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+    # Optional fields left unset fall back to EngineConfig's defaults.
+    keep_none = {"model", "num_kv_blocks", "max_model_len", "num_threads"}
+    return EngineConfig(**{k: v for k, v in fields.items() if v is not None or k in keep_none})
+
 
 def _model_prepare(args: argparse.Namespace) -> int:
     from backend.model_prepare import prepare_default_model
 
     print(prepare_default_model(force=args.force))
+    return 0
+
+
+def _engine_serve(args: argparse.Namespace) -> int:
+    from backend.async_engine import AsyncEngine
+    from backend.server import serve
+
+    for name, value in (("--port", args.port), ("--block-size", args.block_size)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive")
+    engine = AsyncEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
+    serve(engine, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

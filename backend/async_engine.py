@@ -1,0 +1,383 @@
+"""`AsyncEngine`: the in-process engine client — `LLMEngine` driven by one background thread.
+
+`LLMEngine` is single-threaded and its `step()` blocks for a whole model forward pass, so it runs in
+its own thread and never on the event loop. The asyncio side talks to it only through a thread-safe
+command queue (add / abort / stop), applied between steps; deltas travel back to each request's
+`asyncio.Queue` through `loop.call_soon_threadsafe`, batched once per step and loop. When nothing is
+running the thread blocks on the command queue, so an idle engine costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from backend.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
+from backend.metrics import EngineMetrics
+
+if TYPE_CHECKING:
+    from backend.config import EngineConfig
+    from backend.llm_engine import EngineStats, LLMEngine
+    from backend.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class _Stop:
+    """Command that ends the engine thread."""
+
+
+@dataclass
+class _Add:
+    request: GenerationRequest
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    # Explicit aborts (not the consumer leaving) tell the consumer with a final "abort" delta.
+    notify: bool
+
+
+@dataclass
+class _StreamState:
+    """Engine-thread bookkeeping for one live request."""
+
+    stream: RequestStream
+    arrival: float
+    last_token_time: float | None = None
+
+
+class RequestStream:
+    """The consumer side of one request: an async iterator of deltas.
+
+    Items put on the queue are deltas, or an exception that the iterator raises (an `EngineError`
+    refusing the request arrives as the very first item, before any delta).
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[GenerationDelta | BaseException] = asyncio.Queue()
+        self.accepted: asyncio.Future[None] = loop.create_future()
+        self.finished = False
+
+    # --- engine-thread side (always through loop.call_soon_threadsafe) ---
+    def _deliver(self, item: GenerationDelta | BaseException) -> None:
+        if isinstance(item, BaseException) and not self.accepted.done():
+            self.accepted.set_exception(item)
+            # Nobody may ever await `accepted` (e.g. generate() awaits the queue instead).
+            self.accepted.exception()
+        elif not self.accepted.done():
+            self.accepted.set_result(None)
+        self._queue.put_nowait(item)
+
+    def _mark_accepted(self) -> None:
+        if not self.accepted.done():
+            self.accepted.set_result(None)
+
+    # --- consumer side ---
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            # Cancelled while waiting (client went away): free the request's KV blocks.
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finish_reason is not None:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished. Idempotent; safe from any coroutine."""
+        if not self.finished:
+            self.finished = True
+            self._engine._submit(_Abort(self.request_id, notify=False))
+
+
+class AsyncEngine:
+    """`EngineClient` for the built-in engine, running `LLMEngine` in a background thread.
+
+    Construct with an `EngineConfig` (this loads the model); `start()` launches the thread and is
+    also called lazily by the first request. `max_waiting_requests` bounds the waiting queue:
+    requests beyond it are refused with `EngineError(..., 503)`.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_waiting_requests: int | None = None,
+        engine: LLMEngine | None = None,
+    ):
+        if engine is None:
+            from backend.llm_engine import LLMEngine
+
+            engine = LLMEngine(config)
+        self.config = config
+        self.engine = engine
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = EngineMetrics(self.model_name)
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._stopped = False
+        self._fatal_error: BaseException | None = None
+        self._live: dict[str, _StreamState] = {}  # owned by the engine thread
+        self._stats: EngineStats = engine.stats()
+        self.metrics.update_from_stats(self._stats)
+
+    @classmethod
+    def from_config(cls, max_waiting_requests: int | None = None, **config_fields: Any) -> AsyncEngine:
+        """Build from `EngineConfig` field values, e.g. `AsyncEngine.from_config(model=path)`."""
+        from backend.config import EngineConfig
+
+        return cls(EngineConfig(**config_fields), max_waiting_requests=max_waiting_requests)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        with self._start_lock:
+            if self._thread is not None:
+                return
+            if self._stopped:
+                raise EngineError("the engine has been shut down", 503)
+            self._thread = threading.Thread(target=self._run, name="ctxgate-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; requests still running end with an EngineError (503)."""
+        with self._start_lock:
+            self._stopped = True
+            thread = self._thread
+        if thread is not None:
+            self._commands.put(_Stop())
+            thread.join(timeout)
+
+    def is_ready(self) -> bool:
+        return (
+            not self._stopped
+            and self._fatal_error is None
+            and (self._thread is None or self._thread.is_alive())
+        )
+
+    def stats(self) -> EngineStats:
+        """The engine statistics as of the last step or command batch (never blocks on a step)."""
+        return self._stats
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(self, request: GenerationRequest) -> RequestStream:
+        """Submit a request and wait until the engine accepted it.
+
+        Raises the `EngineError` the engine refused it with, so a server can answer with an HTTP
+        error before it starts streaming.
+        """
+        stream = self._open(request)
+        try:
+            await asyncio.shield(stream.accepted)
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        except EngineError:
+            stream.finished = True
+            raise
+        return stream
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Stream deltas; stopping the iteration early aborts the request and frees its blocks."""
+        stream = self._open(request)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its consumer receives a final delta with finish_reason "abort"."""
+        self._submit(_Abort(request_id, notify=True))
+
+    def _open(self, request: GenerationRequest) -> RequestStream:
+        if self._stopped:
+            raise EngineError("the engine has been shut down", 503)
+        if self._fatal_error is not None:
+            raise EngineError(f"the engine failed: {self._fatal_error}", 503)
+        self.start()
+        stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
+        self._submit(_Add(request, stream))
+        return stream
+
+    def _submit(self, command: Any) -> None:
+        self._commands.put(command)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                # Idle: block until a command arrives instead of spinning.
+                block = not self.engine.has_unfinished_requests()
+                if not self._apply_commands(block=block):
+                    break
+                if not self.engine.has_unfinished_requests():
+                    continue
+                try:
+                    deltas = self.engine.step()
+                except Exception as exc:  # a bug in the engine must not hang every client
+                    logger.exception("engine step failed")
+                    self._fail_all(EngineError(f"engine step failed: {exc}", 500))
+                    continue
+                self._dispatch(deltas)
+                self._refresh_stats()
+                self.metrics.observe_step(self._stats.last_step_num_tokens)
+        except BaseException as exc:
+            logger.exception("engine thread died")
+            self._fatal_error = exc
+        finally:
+            self._fail_all(EngineError("the engine has been shut down", 503))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every pending command; returns False when the thread must stop."""
+        applied = False
+        while True:
+            try:
+                command = self._commands.get(block=block and not applied)
+            except queue.Empty:
+                break
+            applied = True
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._apply_add(command)
+            elif isinstance(command, _Abort):
+                self._apply_abort(command)
+        if applied:
+            self._refresh_stats()
+        return True
+
+    def _apply_add(self, command: _Add) -> None:
+        request, stream = command.request, command.stream
+        if stream.finished:  # the consumer left before the engine saw the request
+            return
+        if request.request_id in self._live:
+            self._send(stream, EngineError(f"request id {request.request_id!r} is already running", 400))
+            return
+        if self.max_waiting_requests is not None:
+            num_waiting = self.engine.stats().num_waiting
+            if num_waiting >= self.max_waiting_requests:
+                self._send(
+                    stream,
+                    EngineError(
+                        f"the engine is overloaded ({num_waiting} requests waiting); retry later", 503
+                    ),
+                )
+                return
+        try:
+            self.engine.add_request(request)
+        except EngineError as exc:
+            self._send(stream, exc)
+            return
+        except (ValueError, TypeError) as exc:
+            self._send(stream, EngineError(str(exc), 400))
+            return
+        self._live[request.request_id] = _StreamState(stream=stream, arrival=time.monotonic())
+        stream._loop.call_soon_threadsafe(stream._mark_accepted)
+
+    def _apply_abort(self, command: _Abort) -> None:
+        state = self._live.pop(command.request_id, None)
+        if state is None:  # finished already, refused, or never reached the engine
+            return
+        self.engine.abort_request(command.request_id)
+        final = GenerationDelta(
+            request_id=command.request_id, text="", token_ids=[], finish_reason="abort",
+            metrics=RequestMetrics(),
+        )
+        self.metrics.observe_finished(final)
+        if command.notify:
+            self._send(state.stream, final)
+
+    def _dispatch(self, deltas: list[GenerationDelta]) -> None:
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, GenerationDelta]]] = {}
+        num_new_tokens = 0
+        for delta in deltas:
+            state = self._live.get(delta.request_id)
+            num_new_tokens += len(delta.token_ids)
+            if state is None:  # aborted between the step and now
+                continue
+            if delta.token_ids:
+                if state.last_token_time is not None:
+                    # Tokens produced in one step share a timestamp; spread the gap over them.
+                    gap = (now - state.last_token_time) / len(delta.token_ids)
+                    for _ in delta.token_ids:
+                        self.metrics.observe_inter_token(gap)
+                state.last_token_time = now
+            if delta.finish_reason is not None:
+                del self._live[delta.request_id]
+                self.metrics.observe_finished(delta)
+            by_loop.setdefault(state.stream._loop, []).append((state.stream, delta))
+        self.metrics.observe_step_tokens(num_new_tokens)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items)
+            except RuntimeError:  # that event loop is closed; its consumers are gone
+                for stream, delta in items:
+                    if delta.finish_reason is None:
+                        self._live.pop(stream.request_id, None)
+                        self.engine.abort_request(stream.request_id)
+
+    def _send(self, stream: RequestStream, item: GenerationDelta | BaseException) -> None:
+        try:
+            stream._loop.call_soon_threadsafe(stream._deliver, item)
+        except RuntimeError:
+            pass  # the consumer's loop is closed
+
+    def _fail_all(self, error: EngineError) -> None:
+        for request_id, state in list(self._live.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request_id)
+            self._send(state.stream, error)
+        self._live.clear()
+        # Requests still queued as commands never reached the engine: refuse them too.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self._send(command.stream, error)
+        self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        stats = self.engine.stats()
+        self._stats = stats
+        self.metrics.update_from_stats(stats)
+
+
+def _deliver_all(items: list[tuple[RequestStream, GenerationDelta]]) -> None:
+    for stream, delta in items:
+        stream._deliver(delta)
+
+
+def stats_as_dict(stats: EngineStats) -> dict[str, Any]:
+    return dataclasses.asdict(stats)
+
+

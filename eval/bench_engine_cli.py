@@ -1,0 +1,83 @@
+"""Builds the runners for `ctxgate bench engine` from its command-line flags."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from eval.bench_engine import (
+    WORKLOADS,
+    BenchOptions,
+    EngineRunner,
+    HFGenerateRunner,
+    OpenAIServerRunner,
+    engine_torch_dtype,
+    run_benchmark,
+    write_report,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    workloads = [name.strip().upper() for name in args.workloads.split(",") if name.strip()]
+    unknown = [name for name in workloads if name not in WORKLOADS]
+    if unknown or not workloads:
+        raise ValueError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    for flag in ("num_requests", "prompt_tokens", "output_tokens", "concurrency"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    if args.repeats <= 0 or args.max_attempts <= 0:
+        raise ValueError("--repeats and --max-attempts must be positive")
+    return BenchOptions(
+        workloads=workloads, num_requests=args.num_requests, prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens, concurrency=args.concurrency, repeats=args.repeats,
+        baseline=not args.no_baseline, busy_threshold=args.busy_threshold, max_attempts=args.max_attempts,
+        seed=args.seed, exclude_pids=list(args.server_pid),
+    )
+
+
+def bench_engine_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from backend.cli import engine_config_from_args
+    from backend.model_prepare import prepare_default_model
+    from backend.tokenizer import load_tokenizer
+
+    options = options_from_args(args)
+    model_dir = str(args.model or prepare_default_model())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    settings: dict = {"mode": "url" if args.url else "in-process", "model": model_dir, "threads": torch.get_num_threads()}
+    if args.url:
+        tokenizer = load_tokenizer(model_dir)
+        target = OpenAIServerRunner(args.url, args.model_name, tokenizer)
+        settings["url"] = args.url
+        baseline_dtype = {"auto": torch.bfloat16}.get(args.dtype) or getattr(torch, args.dtype)
+    else:
+        from backend.async_engine import AsyncEngine
+
+        config = engine_config_from_args(args)
+        if config.model is None:
+            config.model = model_dir
+        async_engine = AsyncEngine(config)
+        tokenizer = async_engine.tokenizer
+        target = EngineRunner(async_engine)
+        baseline_dtype = engine_torch_dtype(async_engine)
+        settings["engine_config"] = {k: str(v) for k, v in vars(config).items()}
+    baseline = HFGenerateRunner(model_dir, baseline_dtype, tokenizer) if options.baseline else None
+    settings["baseline_dtype"] = str(baseline_dtype) if baseline is not None else None
+    print(f"bench engine: {settings['mode']}, model {model_dir}, torch threads {settings['threads']}, "
+          f"baseline {settings['baseline_dtype']}")
+    try:
+        report = run_benchmark(target, baseline, tokenizer, options)
+    finally:
+        if not args.url:
+            async_engine.shutdown()
+    report["settings"] = settings
+    report["options"] = vars(options)
+    if args.out:
+        print(f"wrote {write_report(report, args.out)}")
+    return 0

@@ -1,0 +1,117 @@
+"""AsyncEngine driven directly from asyncio: streaming, abort, refusals, the bounded waiting queue."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from backend.api import EngineError, GenerationRequest, SamplingParams
+from tests.backend.engine_server import wait_until_pool_free
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from backend.async_engine import AsyncEngine
+    from backend.config import EngineConfig
+
+    config = EngineConfig(
+        model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=64,
+        max_num_batched_tokens=128, max_num_seqs=1, max_model_len=256,
+    )
+    async_engine = AsyncEngine(config, max_waiting_requests=1)
+    yield async_engine
+    async_engine.shutdown()
+
+
+def _request(engine, text: str, max_tokens: int, ignore_eos: bool = True) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=engine.tokenizer.encode(text),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos),
+    )
+
+
+async def test_generate_streams_to_a_final_delta(engine):
+    request = _request(engine, "Count: one, two,", max_tokens=5)
+    deltas = [delta async for delta in engine.generate(request)]
+    assert sum(len(d.token_ids) for d in deltas) == 5
+    final = deltas[-1]
+    assert final.finish_reason == "length" and final.completion_tokens == 5
+    assert final.prompt_tokens == len(request.prompt_token_ids)
+    assert final.metrics is not None and final.metrics.ttft_ms > 0
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    wait_until_pool_free(engine)
+
+
+async def test_explicit_abort_ends_the_stream_and_frees_blocks(engine):
+    request = _request(engine, "A long tale:", max_tokens=200)
+    deltas = []
+    async for delta in engine.generate(request):
+        deltas.append(delta)
+        if len(deltas) == 2:
+            await engine.abort(request.request_id)
+    assert deltas[-1].finish_reason == "abort"
+    assert sum(len(d.token_ids) for d in deltas) < 200
+    await asyncio.to_thread(wait_until_pool_free, engine)
+
+
+async def test_consumer_leaving_aborts(engine):
+    request = _request(engine, "Another long tale:", max_tokens=200)
+    stream = engine.generate(request)
+    await stream.__anext__()
+    await stream.aclose()  # what a disconnecting HTTP client does to the server's generator
+    await asyncio.to_thread(wait_until_pool_free, engine)
+
+
+async def test_engine_error_surfaces_before_any_delta(engine):
+    too_long = GenerationRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=[1] * (engine.max_model_len + 10),
+        sampling=SamplingParams(max_tokens=4),
+    )
+    with pytest.raises(EngineError) as excinfo:
+        await engine.add_request(too_long)
+    assert excinfo.value.status_code == 400
+    received = []
+    with pytest.raises(EngineError):
+        async for delta in engine.generate(too_long):
+            received.append(delta)
+    assert received == []
+
+
+async def test_bounded_waiting_queue_refuses_with_503(engine):
+    # One sequence runs at a time and one may wait, so of three long requests one is refused.
+    requests = [_request(engine, f"Story number {i}:", max_tokens=24) for i in range(3)]
+
+    async def run(request):
+        try:
+            return [d async for d in engine.generate(request)][-1].finish_reason
+        except EngineError as exc:
+            return exc.status_code
+
+    outcomes = await asyncio.gather(*(run(r) for r in requests))
+    assert outcomes.count(503) >= 1
+    assert "length" in outcomes
+    await asyncio.to_thread(wait_until_pool_free, engine)
+
+
+async def test_idle_engine_thread_sleeps(engine):
+    await asyncio.to_thread(wait_until_pool_free, engine)
+    thread_ids = {engine._thread.native_id}
+    before = _thread_cpu_seconds(thread_ids)
+    await asyncio.sleep(0.5)
+    assert _thread_cpu_seconds(thread_ids) - before < 0.05
+
+
+def _thread_cpu_seconds(native_ids: set[int]) -> float:
+    import os
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for tid in native_ids:
+        with open(f"/proc/self/task/{tid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
