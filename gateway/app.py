@@ -167,6 +167,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await _maybe_call(engine, "start")
+        # Load compression models (embedder, reranker) before the first request, where supported.
+        await _maybe_call(pipeline, "warmup")
         if hasattr(engine, "check_health"):
             await engine.check_health()
         watcher = asyncio.create_task(_watch_files(gateway), name="ctxgate-reload")
@@ -212,7 +214,7 @@ async def _watch_files(gateway: Gateway) -> None:
             if await asyncio.to_thread(gateway.policies.refresh):
                 gateway.metrics.policies_loaded.set(len(gateway.policies.names()))
             await asyncio.to_thread(gateway.keys.refresh)
-            if hasattr(gateway.engine, "check_health") and not gateway.engine.is_ready() and ticks % 5 == 0:
+            if getattr(gateway.engine, "needs_health_check", False) and ticks % 3 == 0:
                 await gateway.engine.check_health()
         except Exception:  # the watcher must survive anything a file can do to it
             logger.exception("policy/keys reload failed")
