@@ -62,7 +62,7 @@ def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
     return load_tokenizer(str(settings.model or prepare_default_model()))
 
 
-def default_pipeline(tokenizer: Any, engine: EngineClient) -> Pipeline:
+def default_pipeline(tokenizer: Any, engine: EngineClient, index_dir: Any = None) -> Pipeline:
     """The compression package's pipeline; the budget-only pipeline where it is not installed."""
     try:
         from compression.pipeline import CompressionPipeline
@@ -70,7 +70,7 @@ def default_pipeline(tokenizer: Any, engine: EngineClient) -> Pipeline:
         logger.warning("compression pipeline unavailable (%s); enforcing the budget without compression", exc)
         return BudgetOnlyPipeline(tokenizer)
     # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
-    return CompressionPipeline(tokenizer, engine=engine)
+    return CompressionPipeline(tokenizer, engine=engine, index_dir=index_dir)
 
 
 def _policy_registry(settings: GatewaySettings, metrics: GatewayMetrics) -> PolicyRegistry:
@@ -157,7 +157,7 @@ def create_app(
     owns_engine = engine is None
     engine = engine if engine is not None else _default_engine(settings)
     tokenizer = _tokenizer_for(settings, engine)
-    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine)
+    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine, settings.index_dir)
     gateway = Gateway(
         settings=settings, engine=engine, tokenizer=tokenizer, pipeline=pipeline,
         policies=_policy_registry(settings, metrics), keys=KeyStore(settings.keys_file),
