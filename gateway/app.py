@@ -127,6 +127,11 @@ class BodySizeLimit:
         return await self.app(scope, counting_receive, send)
 
 
+_COUNTED_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/ctxgate/compress", "/v1/ctxgate/policies",
+})
+
+
 class RequestCounter:
     """Counts responses by endpoint and status (pure ASGI: does not wrap streaming bodies)."""
 
@@ -138,7 +143,8 @@ class RequestCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path.startswith("/v1/") and path.count("/") <= 4 else "other"
+        # Only known routes become label values: arbitrary paths must not grow the metric.
+        endpoint = path if path in _COUNTED_PATHS else "other"
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
@@ -228,7 +234,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     if not raw:
         raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"malformed JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -238,6 +244,11 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     except ValidationError as exc:
         message, param = validation_message(exc.errors(include_url=False))
         raise APIError(400, message, param=param, code="invalid_value") from None
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN and Infinity are not JSON; Python would accept them and they poison arithmetic downstream.
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _usage_wanted(body: ChatCompletionRequest | CompletionRequest) -> bool:
