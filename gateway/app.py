@@ -478,7 +478,10 @@ async def _complete(
         try:
             consumer.result()
         except Exception as exc:
-            await gateway.settle(prepared, run.outcome, count_metrics=False)
+            if run.first_token_at is None:
+                await gateway.release(prepared)  # the backend did no work: give the quota back
+            else:
+                await gateway.settle(prepared, run.outcome, count_metrics=False)
             raise gateway.engine_error(exc) from None
     finally:
         disconnect.cancel()
@@ -507,7 +510,7 @@ async def _stream(
     try:
         await run.start()
     except Exception as exc:
-        await gateway.settle(prepared, run.outcome, count_metrics=False)
+        await gateway.release(prepared)  # refused before any work: give the quota back
         raise gateway.engine_error(exc) from None
     chunk_object = "chat.completion.chunk" if chat else "text_completion"
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
