@@ -164,7 +164,7 @@ def build_report(
             "concurrency": config.concurrency,
             "max_tokens": config.max_tokens,
             "temperature": config.temperature,
-            "gateway": config.url or "in-process (ctxgate serve subprocess)",
+            "gateway": config.url or "started for this run on a free port",
         },
         "run": {
             "wall_s": round(wall_s, 3),

@@ -5,6 +5,7 @@ the real OpenAI SDK. Small inputs: 5 questions with 6 passages each, max_tokens 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import subprocess
 import sys
@@ -150,3 +151,16 @@ def test_bench_prefill_fits_a_cost_model(small_dataset, gateway_url, tmp_path):
     bench = json.loads((tmp_path / "bench_prefill.json").read_text())
     assert bench["summary"]["tokens_removed_mean"] > 0
     assert bench["summary"]["prefill_ms_saved_mean"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("backend.config") is None,
+                    reason="`ctxgate serve` needs the in-process engine (engine branch) to start")
+def test_cli_without_url_starts_and_stops_ctxgate_serve(small_dataset, eval_policy_dir, tmp_path):
+    """The default mode: `ctxgate eval run` launches `ctxgate serve` on a free port, then stops it."""
+    result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "passthrough",
+                     "--policy", "eval-tight", "--policy-dir", str(eval_policy_dir), "--limit", "1",
+                     "--max-tokens", "4", "--out", str(tmp_path), "--no-progress")
+    assert result.returncode == 0, result.stdout + result.stderr + (tmp_path / "gateway.log").read_text()
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["arms"]["eval-tight"]["n"] == 1 and report["arms"]["eval-tight"]["errors"] == 0
+    assert (tmp_path / "gateway.log").exists()
