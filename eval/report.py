@@ -164,6 +164,7 @@ def build_report(
             "concurrency": config.concurrency,
             "max_tokens": config.max_tokens,
             "temperature": config.temperature,
+            "compress_only": bool(getattr(config, "compress_only", False)),
             "gateway": config.url or "started for this run on a free port",
         },
         "run": {
@@ -213,7 +214,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"max_tokens {settings['max_tokens']}; temperature {settings['temperature']}",
         f"- Run: {report['run']['requests']} requests in {report['run']['wall_s']:.1f} s; created {report['created_at']}",
         "",
-        "Intervals are 95% percentile-bootstrap intervals over questions.",
+        "Intervals are 95% percentile-bootstrap intervals over questions."
+        + (" Compress-only run: nothing was generated, so answer scores and latencies are not measured."
+           if settings.get("compress_only") else ""),
         "",
         "## Quality",
         "",

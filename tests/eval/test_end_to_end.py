@@ -164,3 +164,17 @@ def test_cli_without_url_starts_and_stops_ctxgate_serve(small_dataset, eval_poli
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["arms"]["eval-tight"]["n"] == 1 and report["arms"]["eval-tight"]["errors"] == 0
     assert (tmp_path / "gateway.log").exists()
+
+
+def test_compress_only_run_measures_retention_without_generating(small_dataset, gateway_url, tmp_path):
+    result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "passthrough",
+                     "--policy", "eval-tight", "--compress-only", "--url", gateway_url, "--out", str(tmp_path),
+                     "--no-progress")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    passthrough, tight = report["arms"]["passthrough"], report["arms"]["eval-tight"]
+    assert passthrough["answer_retention"]["value"] == 1.0 and passthrough["n"] == 5
+    assert tight["prompt_tokens_mean"] < passthrough["prompt_tokens_mean"]
+    assert tight["accuracy"]["value"] is None and tight["ttft_ms"]["p95"] is None
+    for name in PLOTS:
+        assert (tmp_path / name).stat().st_size > 0
