@@ -1,0 +1,183 @@
+"""Paged attention backends and the seam where device-specific kernels plug in.
+
+Every backend receives the step's flat q/k/v ([num_tokens, heads, head_dim]), writes the new K/V
+into the paged cache, and returns the attention output for every token. What it needs to know
+about the batch (which rows belong to which sequence, the slots of each context) is computed once
+per step by the model runner into `AttentionMetadata`, so per-layer work stays small.
+
+Backends:
+- `reference`: one sequence at a time, gather the context's blocks, torch SDPA with an explicit
+  causal mask. Slow but obviously right; the other backends are tested against it.
+- `cpu_batched`: all decode rows in one batched GQA matmul over a padded gather (no per-sequence
+  Python work per layer), prefill chunks through SDPA. The fastest measured on this CPU.
+A CUDA backend (FlashInfer / Triton paged attention, CUDA graphs for decode) registers itself with
+`register_backend` and consumes the same metadata (block tables, slot mapping, lengths).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from backend.kv_cache import KVCache, KVWritePlan
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence with more than one new token this step."""
+
+    row_start: int  # first row in the flat token batch
+    row_end: int
+    context_slots: torch.Tensor  # [context_len] slots of all tokens the chunk attends to
+    # [query_len, context_len] boolean (True = attend), None when the chunk is the whole context
+    # so plain causal attention applies.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    write_plan: KVWritePlan
+    num_decodes: int  # decode rows are the first `num_decodes` rows of the batch
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] gather slots (padded)
+    decode_bias: torch.Tensor | None  # [num_decodes, 1, 1, max_context] additive mask, None if unpadded
+    prefills: list[PrefillChunk]
+    # Raw per-sequence facts for backends (e.g. CUDA kernels) that want them.
+    query_start: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+
+
+class AttentionBackend:
+    name = "base"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group_size = num_heads // num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _causal_sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """q [Lq, H, D], keys/values [Lk, KVH, D] -> [Lq, H, D]; GQA via enable_gqa."""
+    q_t = q.transpose(0, 1).unsqueeze(0)
+    k_t = keys.transpose(0, 1).unsqueeze(0)
+    v_t = values.transpose(0, 1).unsqueeze(0)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+class ReferenceAttention(AttentionBackend):
+    """Sequence by sequence: gather blocks, repeat KV heads, SDPA with an explicit causal mask."""
+
+    name = "reference"
+
+    def forward(self, layer, q, k, v, kv_cache, metadata):
+        kv_cache.write(layer, k, v, metadata.write_plan)
+        out = torch.empty_like(q)
+        block_size = kv_cache.spec.block_size
+        for start, query_len, context_len, table in zip(
+            metadata.query_start, metadata.query_lens, metadata.context_lens, metadata.block_tables, strict=True
+        ):
+            positions = torch.arange(context_len, device=q.device)
+            blocks = torch.tensor(table, dtype=torch.long, device=q.device)
+            slots = blocks[positions // block_size] * block_size + positions % block_size
+            keys, values = kv_cache.gather(layer, slots)
+            keys = keys.repeat_interleave(self.group_size, dim=1)
+            values = values.repeat_interleave(self.group_size, dim=1)
+            query_positions = torch.arange(context_len - query_len, context_len, device=q.device)
+            mask = positions.unsqueeze(0) <= query_positions.unsqueeze(1)
+            out[start : start + query_len] = F.scaled_dot_product_attention(
+                q[start : start + query_len].transpose(0, 1),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=mask,
+                scale=self.scale,
+            ).transpose(0, 1)
+        return out
+
+
+class CPUBatchedAttention(AttentionBackend):
+    """Decodes batched in one GQA matmul over a padded gather; prefill chunks through SDPA."""
+
+    name = "cpu_batched"
+
+    def forward(self, layer, q, k, v, kv_cache, metadata):
+        kv_cache.write(layer, k, v, metadata.write_plan)
+        num_decodes = metadata.num_decodes
+        if num_decodes == q.shape[0] and not metadata.prefills:
+            return self._decode(layer, q, kv_cache, metadata)
+        out = torch.empty_like(q)
+        if num_decodes:
+            out[:num_decodes] = self._decode(layer, q[:num_decodes], kv_cache, metadata)
+        for chunk in metadata.prefills:
+            keys, values = kv_cache.gather(layer, chunk.context_slots)
+            out[chunk.row_start : chunk.row_end] = _causal_sdpa(
+                q[chunk.row_start : chunk.row_end], keys, values, chunk.mask, self.scale
+            )
+        return out
+
+    def _decode(self, layer: int, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata):
+        assert metadata.decode_slots is not None
+        batch = q.shape[0]
+        keys, values = kv_cache.gather(layer, metadata.decode_slots)  # [B, L, KVH, D]
+        query = q.view(batch, self.num_kv_heads, self.group_size, self.head_dim)
+        scores = torch.matmul(query, keys.permute(0, 2, 3, 1))  # [B, KVH, G, L]
+        scores = scores.float() * self.scale
+        if metadata.decode_bias is not None:
+            scores = scores + metadata.decode_bias
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))  # [B, KVH, G, D]
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+
+_BACKENDS: dict[str, Callable[[int, int, int], AttentionBackend]] = {
+    ReferenceAttention.name: ReferenceAttention,
+    CPUBatchedAttention.name: CPUBatchedAttention,
+}
+
+
+def register_backend(name: str, factory: Callable[[int, int, int], AttentionBackend]) -> None:
+    """Plug in a device-specific backend (e.g. a CUDA paged-attention kernel) under `name`."""
+    _BACKENDS[name] = factory
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def default_backend_name(device: torch.device) -> str:
+    if device.type == "cuda" and "cuda" in _BACKENDS:
+        return "cuda"
+    return CPUBatchedAttention.name
+
+
+def create_backend(
+    name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
+) -> AttentionBackend:
+    if name == "auto":
+        name = default_backend_name(device)
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
+    return _BACKENDS[name](num_heads, num_kv_heads, head_dim)

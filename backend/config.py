@@ -1,0 +1,37 @@
+"""Engine configuration: one dataclass shared by the engine, its CLI flags and the benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF dir; None -> default model via backend.model_prepare.resolve_model_path
+    dtype: str = "auto"  # auto|float32|bfloat16|float16 ; auto = fastest accurate dtype on the device
+    device: str = "auto"  # auto|cpu|cuda
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # if None, derived from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 256
+    kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 32
+    max_model_len: int | None = None  # default: min(model max positions, 8192)
+    enable_prefix_caching: bool = True
+    ttft_target_ms: float = 1500.0
+    num_threads: int | None = None  # torch.set_num_threads; default os.cpu_count()
+    attention_backend: str = "auto"  # auto|reference|cpu_batched|cuda names later
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, not {self.kv_cache_dtype!r}")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError("num_kv_blocks must be positive")

@@ -1,0 +1,131 @@
+"""Per-layer paged KV pools.
+
+Each layer owns one key and one value tensor shaped [num_blocks * block_size, num_kv_heads,
+head_dim]; a token's KV lives at its *slot* (block_id * block_size + offset). Writes are in place
+(`index_copy_` at the step's slot mapping); readers gather the slots of a sequence.
+
+int8 mode stores K/V as int8 with one float32 scale per (block, kv head). A block fills up over
+several steps, so its scale can only grow: when new tokens need a larger scale the block's
+existing int8 values are rescaled to it. Values are dequantized when attention gathers them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT8_MAX = 127.0
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype  # the model (compute) dtype
+    quantized: bool  # int8 storage
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.int8 if self.quantized else self.dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V data per token over all layers (int8 scales are per block, not counted)."""
+        element = torch.empty((), dtype=self.storage_dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def bytes_per_block(self) -> int:
+        scales = 2 * self.num_layers * self.num_kv_heads * 4 if self.quantized else 0
+        return self.block_size * self.kv_bytes_per_token + scales
+
+    def blocks_for_memory(self, memory_mb: float) -> int:
+        return max(1, int(memory_mb * 1024 * 1024) // self.bytes_per_block)
+
+
+@dataclass
+class KVWritePlan:
+    """Per-step indices for writing the new tokens' KV, computed once and shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] slot of each new token
+    # int8 only: the distinct blocks written this step, each token's index into them, and which
+    # blocks start fresh this step (their old scale belongs to a previous owner).
+    written_blocks: torch.Tensor | None = None
+    token_block_index: torch.Tensor | None = None
+    fresh_blocks: torch.Tensor | None = None
+
+
+class KVCache:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.device = device
+        num_slots = num_blocks * spec.block_size
+        shape = (num_slots, spec.num_kv_heads, spec.head_dim)
+        self.keys = [torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in range(spec.num_layers)]
+        self.values = [torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in range(spec.num_layers)]
+        if spec.quantized:
+            scale_shape = (num_blocks, spec.num_kv_heads)
+            self.key_scales = [torch.zeros(scale_shape, device=device) for _ in range(spec.num_layers)]
+            self.value_scales = [torch.zeros(scale_shape, device=device) for _ in range(spec.num_layers)]
+
+    @property
+    def quantized(self) -> bool:
+        return self.spec.quantized
+
+    def make_write_plan(self, slot_mapping: torch.Tensor) -> KVWritePlan:
+        if not self.quantized:
+            return KVWritePlan(slot_mapping=slot_mapping)
+        block_ids = torch.div(slot_mapping, self.spec.block_size, rounding_mode="floor")
+        written_blocks, token_block_index = torch.unique(block_ids, return_inverse=True)
+        offsets = slot_mapping % self.spec.block_size
+        fresh = torch.zeros(written_blocks.shape[0], dtype=torch.bool, device=slot_mapping.device)
+        fresh.index_fill_(0, token_block_index[offsets == 0], True)
+        return KVWritePlan(slot_mapping, written_blocks, token_block_index, fresh)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, plan: KVWritePlan) -> None:
+        if not self.quantized:
+            self.keys[layer].index_copy_(0, plan.slot_mapping, key)
+            self.values[layer].index_copy_(0, plan.slot_mapping, value)
+            return
+        self._write_int8(self.keys[layer], self.key_scales[layer], key, plan)
+        self._write_int8(self.values[layer], self.value_scales[layer], value, plan)
+
+    def _write_int8(
+        self, cache: torch.Tensor, scales: torch.Tensor, new: torch.Tensor, plan: KVWritePlan
+    ) -> None:
+        assert plan.written_blocks is not None and plan.token_block_index is not None
+        assert plan.fresh_blocks is not None
+        spec = self.spec
+        num_written = plan.written_blocks.shape[0]
+        token_amax = new.abs().amax(dim=-1).float()  # [num_tokens, kv_heads]
+        block_amax = torch.zeros(num_written, spec.num_kv_heads, device=new.device)
+        index = plan.token_block_index.unsqueeze(1).expand(-1, spec.num_kv_heads)
+        block_amax.scatter_reduce_(0, index, token_amax, reduce="amax")
+        old_scales = scales.index_select(0, plan.written_blocks)
+        old_scales = old_scales.masked_fill(plan.fresh_blocks.unsqueeze(1), 0.0)
+        new_scales = torch.maximum(old_scales, block_amax / INT8_MAX).clamp_min(1e-8)
+        # Rescale what the written blocks already hold to their (possibly larger) new scale.
+        blocks = cache.view(self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        ratio = (old_scales / new_scales).view(num_written, 1, spec.num_kv_heads, 1)
+        existing = blocks.index_select(0, plan.written_blocks).float() * ratio
+        blocks.index_copy_(0, plan.written_blocks, existing.round_().to(torch.int8))
+        scales.index_copy_(0, plan.written_blocks, new_scales)
+        token_scales = new_scales.index_select(0, plan.token_block_index).unsqueeze(-1)
+        quantized = (new.float() / token_scales).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        cache.index_copy_(0, plan.slot_mapping, quantized)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` (any shape S) as [*S, kv_heads, head_dim] in the compute dtype."""
+        keys = self.keys[layer][slots]
+        values = self.values[layer][slots]
+        if not self.quantized:
+            return keys, values
+        block_ids = torch.div(slots, self.spec.block_size, rounding_mode="floor")
+        key_scales = self.key_scales[layer][block_ids].unsqueeze(-1)
+        value_scales = self.value_scales[layer][block_ids].unsqueeze(-1)
+        dtype = self.spec.dtype
+        return (keys.to(dtype) * key_scales.to(dtype)), (values.to(dtype) * value_scales.to(dtype))

@@ -1,0 +1,110 @@
+"""Turns a scheduler step into one batched forward pass.
+
+All index tensors (positions, slot mapping, gather slots, masks) are built here once per step, so
+the per-layer work in the model and attention backend does not grow with Python-side bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.attention import AttentionBackend, AttentionMetadata, PrefillChunk
+from backend.kv_cache import KVCache
+from backend.model import LlamaModel
+from backend.scheduler import ScheduledSequence
+from backend.sequence import Sequence
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_sequences: list[Sequence]  # in the row order of `logits`
+    logits: torch.Tensor  # [len(sampled_sequences), vocab] float32
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, attention: AttentionBackend, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.device = device
+        self.block_size = kv_cache.spec.block_size
+        self._block_offsets = torch.arange(self.block_size, device=device)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _context_slots(self, block_tables: list[list[int]], context_len: int) -> torch.Tensor:
+        """[num_seqs, context_len] slots from padded block tables (padding reads block 0, masked)."""
+        max_blocks = -(-context_len // self.block_size)
+        padded = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in block_tables]
+        blocks = self._tensor(padded)
+        slots = blocks.unsqueeze(-1) * self.block_size + self._block_offsets
+        return slots.view(len(block_tables), -1)[:, :context_len]
+
+    def prepare(
+        self, scheduled: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
+        # Single-token rows first: the attention backend batches them as decodes.
+        ordered = sorted(scheduled, key=lambda item: item.num_new_tokens != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Sequence] = []
+        metadata = AttentionMetadata(
+            write_plan=None,  # type: ignore[arg-type]  # filled below
+            num_decodes=0,
+            decode_slots=None,
+            decode_bias=None,
+            prefills=[],
+        )
+        decode_tables: list[list[int]] = []
+        decode_context_lens: list[int] = []
+        size = self.block_size
+        for item in ordered:
+            seq, num_new = item.seq, item.num_new_tokens
+            start_row = len(input_ids)
+            first = seq.num_computed_tokens
+            context_len = first + num_new
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[first:context_len])
+            positions.extend(range(first, context_len))
+            slot_mapping.extend(table[p // size] * size + p % size for p in range(first, context_len))
+            metadata.query_start.append(start_row)
+            metadata.query_lens.append(num_new)
+            metadata.context_lens.append(context_len)
+            metadata.block_tables.append(table)
+            if context_len == seq.num_tokens:
+                logits_rows.append(start_row + num_new - 1)
+                sampled.append(seq)
+            if num_new == 1:
+                metadata.num_decodes += 1
+                decode_tables.append(table)
+                decode_context_lens.append(context_len)
+            else:
+                context_slots = self._context_slots([table], context_len)[0]
+                mask = None
+                if first > 0:
+                    query_positions = torch.arange(first, context_len, device=self.device)
+                    key_positions = torch.arange(context_len, device=self.device)
+                    mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
+                metadata.prefills.append(PrefillChunk(start_row, start_row + num_new, context_slots, mask))
+
+        if decode_tables:
+            max_context = max(decode_context_lens)
+            metadata.decode_slots = self._context_slots(decode_tables, max_context)
+            if min(decode_context_lens) != max_context:
+                lengths = self._tensor(decode_context_lens)
+                padding = torch.arange(max_context, device=self.device).unsqueeze(0) >= lengths.unsqueeze(1)
+                bias = torch.zeros(padding.shape, dtype=torch.float32, device=self.device)
+                bias.masked_fill_(padding, float("-inf"))
+                metadata.decode_bias = bias.view(len(decode_tables), 1, 1, max_context)
+        metadata.write_plan = self.kv_cache.make_write_plan(self._tensor(slot_mapping))
+        return self._tensor(input_ids), self._tensor(positions), metadata, self._tensor(logits_rows), sampled
+
+    def execute(self, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
+        input_ids, positions, metadata, logits_rows, sampled = self.prepare(scheduled)
+        logits = self.model(input_ids, positions, self.attention, self.kv_cache, metadata, logits_rows)
+        return ModelRunnerOutput(sampled, logits)

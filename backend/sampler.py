@@ -1,0 +1,40 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+
+from __future__ import annotations
+
+import torch
+
+from backend.sequence import Sequence
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside top-k and outside the top-p nucleus of a 1-D logits row."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth_value = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth_value, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_indices = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens before it already reach top_p (the top token always stays).
+        remove_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        remove = torch.zeros_like(remove_sorted).scatter(0, sorted_indices, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, sequences: list[Sequence]) -> list[int]:
+    """One token id per row of float32 `logits` ([len(sequences), vocab])."""
+    if not sequences:
+        return []
+    greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    tokens: list[int] = []
+    for row, seq in enumerate(sequences):
+        params = seq.sampling
+        if params.temperature == 0 or params.top_k == 1:
+            tokens.append(greedy_ids[row])
+            continue
+        row_logits = logits[row].float().cpu() / params.temperature
+        row_logits = apply_top_k_top_p(row_logits, params.top_k, params.top_p)
+        probs = torch.softmax(row_logits, dim=-1)
+        tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
+    return tokens
