@@ -102,6 +102,20 @@ class EngineMetrics:
         self.num_kv_blocks_free = gauge("num_kv_blocks_free", "Free KV cache blocks.")
         self.batch_size = gauge("last_step_batch_size", "Sequences in the last engine step.")
 
+        # Create every labelled series now so /metrics shows zeros before the first request.
+        for metric in (
+            self.time_to_first_token, self.inter_token_latency, self.time_per_output_token,
+            self.e2e_latency, self.queue_time, self.prefill_time, self.request_prompt_tokens,
+            self.request_generation_tokens, self.iteration_tokens, self.prompt_tokens,
+            self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+            self.num_preemptions, self.ttft_target_misses, self.num_requests_running,
+            self.num_requests_waiting, self.kv_cache_usage, self.num_kv_blocks_total,
+            self.num_kv_blocks_free, self.batch_size,
+        ):
+            self._label(metric)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
+
         # Cumulative engine counters arrive as totals; counters are advanced by the difference.
         self._last_totals = {"queried": 0, "hits": 0, "preemptions": 0, "ttft_misses": 0}
 
