@@ -62,6 +62,17 @@ def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
     return load_tokenizer(str(settings.model or prepare_default_model()))
 
 
+def default_pipeline(tokenizer: Any, engine: EngineClient) -> Pipeline:
+    """The compression package's pipeline; the budget-only pipeline where it is not installed."""
+    try:
+        from compression.pipeline import CompressionPipeline
+    except ModuleNotFoundError as exc:
+        logger.warning("compression pipeline unavailable (%s); enforcing the budget without compression", exc)
+        return BudgetOnlyPipeline(tokenizer)
+    # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
+    return CompressionPipeline(tokenizer, engine=engine)
+
+
 def _policy_registry(settings: GatewaySettings, metrics: GatewayMetrics) -> PolicyRegistry:
     directories = []
     if settings.include_packaged_policies:
@@ -146,8 +157,7 @@ def create_app(
     owns_engine = engine is None
     engine = engine if engine is not None else _default_engine(settings)
     tokenizer = _tokenizer_for(settings, engine)
-    # The one line to change when the compression package is wired in: pass its pipeline here.
-    pipeline = pipeline if pipeline is not None else BudgetOnlyPipeline(tokenizer)
+    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine)
     gateway = Gateway(
         settings=settings, engine=engine, tokenizer=tokenizer, pipeline=pipeline,
         policies=_policy_registry(settings, metrics), keys=KeyStore(settings.keys_file),
@@ -259,8 +269,8 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         payload = generate_latest(metrics.registry)
-        engine_registry = getattr(gateway.engine, "metrics_registry", None) or getattr(
-            gateway.engine, "registry", None)
+        engine_metrics = getattr(gateway.engine, "metrics", None)
+        engine_registry = getattr(engine_metrics, "registry", None)
         if engine_registry is not None:
             payload += generate_latest(engine_registry)
         return Response(payload, media_type=CONTENT_TYPE_LATEST)
@@ -326,7 +336,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
             messages=prepared.result.messages, prompt_text=prepared.prompt_text,
         )
         if body.stream:
-            return _stream(gateway, prepared, generation, body.model, chat=True, include_usage=_usage_wanted(body))
+            return await _stream(gateway, prepared, generation, body.model, chat=True, include_usage=_usage_wanted(body))
         return await _complete(gateway, request, prepared, generation, body.model, chat=True)
 
     @app.post("/v1/completions")
@@ -340,7 +350,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
             prompt_text=prepared.prompt_text,
         )
         if body.stream:
-            return _stream(gateway, prepared, generation, body.model, chat=False, include_usage=_usage_wanted(body))
+            return await _stream(gateway, prepared, generation, body.model, chat=False, include_usage=_usage_wanted(body))
         return await _complete(gateway, request, prepared, generation, body.model, chat=False)
 
 
@@ -356,34 +366,59 @@ class _Run:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.finished = False
+        self._iterator: Any = None
+        self._first: Any = None
+
+    async def start(self) -> None:
+        """Open the engine stream and wait for its first delta, so a refusal becomes an HTTP status."""
+        self._iterator = self.gateway.engine.generate(self.generation)
+        try:
+            self._first = await self._iterator.__anext__()
+        except StopAsyncIteration:
+            self._first = None
+        except BaseException:
+            await self._stop_engine()
+            raise
+
+    async def _stop_engine(self) -> None:
+        # The client went away or the backend failed: stop the work upstream.
+        with contextlib.suppress(Exception):
+            await self._iterator.aclose()
+        with contextlib.suppress(Exception):
+            await self.gateway.engine.abort(self.generation.request_id)
+
+    def _take(self, delta) -> str:
+        if delta.text:
+            now = time.perf_counter()
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+            self.outcome.text += delta.text
+        self.outcome.completion_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finished = True
+            self.outcome.finish_reason = "length" if delta.finish_reason == "length" else "stop"
+            self.outcome.prompt_tokens = delta.prompt_tokens
+            if delta.completion_tokens:
+                self.outcome.completion_tokens = delta.completion_tokens
+            self.outcome.metrics = delta.metrics
+        return delta.text
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text pieces; records finish reason, counts and metrics from the final delta."""
-        iterator = self.gateway.engine.generate(self.generation)
+        if self._iterator is None:
+            await self.start()
         try:
-            async for delta in iterator:
-                if delta.text:
-                    now = time.perf_counter()
-                    self.first_token_at = self.first_token_at or now
-                    self.last_token_at = now
-                    self.outcome.text += delta.text
-                self.outcome.completion_tokens += len(delta.token_ids)
-                if delta.finish_reason is not None:
-                    self.finished = True
-                    self.outcome.finish_reason = "length" if delta.finish_reason == "length" else "stop"
-                    self.outcome.prompt_tokens = delta.prompt_tokens
-                    if delta.completion_tokens:
-                        self.outcome.completion_tokens = delta.completion_tokens
-                    self.outcome.metrics = delta.metrics
-                if delta.text:
-                    yield delta.text
+            if self._first is not None:
+                first, self._first = self._first, None
+                if text := self._take(first):
+                    yield text
+            if not self.finished:
+                async for delta in self._iterator:
+                    if text := self._take(delta):
+                        yield text
         finally:
             if not self.finished:
-                # The client went away or the backend failed: stop the work upstream.
-                with contextlib.suppress(Exception):
-                    await iterator.aclose()
-                with contextlib.suppress(Exception):
-                    await self.gateway.engine.abort(self.generation.request_id)
+                await self._stop_engine()
 
     def observe_latency(self, endpoint: str) -> None:
         metrics = self.gateway.metrics
@@ -451,11 +486,16 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def _stream(
+async def _stream(
     gateway: Gateway, prepared: Prepared, generation: GenerationRequest, model: str, chat: bool,
     include_usage: bool,
 ) -> StreamingResponse:
     run = _Run(gateway, prepared, generation)
+    try:
+        await run.start()
+    except Exception as exc:
+        await gateway.settle(prepared, run.outcome, count_metrics=False)
+        raise gateway.engine_error(exc) from None
     chunk_object = "chat.completion.chunk" if chat else "text_completion"
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
 

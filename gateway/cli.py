@@ -11,8 +11,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible budget gateway")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    serve.add_argument("--model", default=None,
-                       help="HF model directory for the in-process engine and tokenizer (default: SmolLM2-135M)")
     serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
     serve.add_argument("--policy-dir", default=None,
                        help="directory of policy YAML files, watched for edits (packaged policies stay available)")
@@ -28,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="shared quota store (default: $REDIS_URL; in-process when unset)")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     serve.add_argument("--reload-interval", type=float, default=1.0, help="seconds between policy file checks")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="in-process engine: refuse new requests with 503 beyond this many waiting")
+    _add_engine_arguments(serve)  # --model and the in-process engine's knobs, as in `engine serve`
     serve.set_defaults(func=_serve)
 
     policy = subparsers.add_parser("policy", help="validate policies and print their schema")
@@ -48,6 +49,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add.set_defaults(func=_keys_add)
 
 
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    try:
+        from backend.cli import add_engine_arguments
+    except ImportError:  # an engine package without the shared flags: the model dir is enough
+        parser.add_argument("--model", default=None, help="Hugging Face model dir (default: SmolLM2-135M)")
+        return
+    add_engine_arguments(parser)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -62,8 +72,18 @@ def _serve(args: argparse.Namespace) -> int:
         redis_url=args.redis_url or None, default_policy=args.default_policy,
         max_body_bytes=args.max_body_bytes, reload_interval_s=args.reload_interval,
     )
-    app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    engine = None
+    if not settings.upstreams and hasattr(args, "dtype"):
+        from backend.async_engine import AsyncEngine
+        from backend.cli import engine_config_from_args
+
+        engine = AsyncEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
+    app = create_app(settings, engine=engine)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    finally:
+        if engine is not None:
+            engine.shutdown()
     return 0
 
 

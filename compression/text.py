@@ -1,0 +1,83 @@
+"""Text helpers: normalization for exact dedup, content hashing, sentence splitting, word tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+import unicodedata
+from collections import OrderedDict
+
+_WORD_RE = re.compile(r"\w+", re.UNICODE)
+_SPACE_RE = re.compile(r"\s+")
+
+# Function words carry no evidence; lexical overlap ignores them.
+STOPWORDS = frozenset(
+    """a an the and or but if of at by for with about against between into through during before after
+    above below to from up down in out on off over under again further then once here there when where
+    why how all any both each few more most other some such no nor not only own same so than too very
+    s t can will just don should now is are was were be been being have has had having do does did
+    doing i me my we our you your he him his she her it its they them their what which who whom this
+    that these those am would could also as""".split()
+)
+
+
+def content_hash(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
+
+
+def normalize_for_dedup(text: str) -> str:
+    """Case, accents, punctuation and spacing differences do not make a passage new."""
+    decomposed = unicodedata.normalize("NFKD", text)
+    stripped = "".join(ch for ch in decomposed if not unicodedata.combining(ch))
+    return " ".join(_WORD_RE.findall(stripped.lower()))
+
+
+def words(text: str) -> list[str]:
+    return _WORD_RE.findall(text.lower())
+
+
+def content_words(text: str) -> set[str]:
+    return {word for word in words(text) if word not in STOPWORDS}
+
+
+def collapse_spaces(text: str) -> str:
+    return _SPACE_RE.sub(" ", text).strip()
+
+
+class SentenceSplitter:
+    """pysbd segmentation (rule-based, maintained) memoized by content: it is the slow part."""
+
+    def __init__(self, language: str = "en", max_entries: int = 20_000):
+        import pysbd
+
+        self._segmenter = pysbd.Segmenter(language=language, clean=False)
+        self._cache: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+        self._max_entries = max_entries
+        self._lock = threading.Lock()
+
+    def split(self, text: str) -> list[str]:
+        key = content_hash(text)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return list(cached)
+        sentences = tuple(
+            cleaned for cleaned in (sentence.strip() for sentence in self._segmenter.segment(text)) if cleaned
+        )
+        with self._lock:
+            self._cache[key] = sentences
+            if len(self._cache) > self._max_entries:
+                self._cache.popitem(last=False)
+        return list(sentences)
+
+
+_default_splitter: SentenceSplitter | None = None
+
+
+def default_splitter() -> SentenceSplitter:
+    global _default_splitter
+    if _default_splitter is None:
+        _default_splitter = SentenceSplitter()
+    return _default_splitter

@@ -1,0 +1,93 @@
+"""Quota stores: the in-process ledger and the Redis ledger (real redis-server) behave the same."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.quota import InProcessQuotaStore, QuotaExceeded, QuotaLimits, RedisQuotaStore, StoreUnavailable
+
+NOW = 1_699_999_990.0  # 10 s into a minute (and an hour, and a day is far)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request):
+    if request.param == "memory":
+        yield InProcessQuotaStore()
+        return
+    server = request.getfixturevalue("redis_server")
+    redis_store = RedisQuotaStore(server.url)
+    yield redis_store
+    await redis_store.close()
+
+
+async def test_tokens_per_minute_reserve_and_reconcile(store):
+    limits = QuotaLimits(tokens_per_minute=100)
+    first = await store.reserve("t", limits, 60, 0, now=NOW)
+    with pytest.raises(QuotaExceeded) as info:
+        await store.reserve("t", limits, 60, 0, now=NOW + 1)
+    assert info.value.reason == "tokens_per_minute"
+    assert info.value.retry_after_s == 49
+    await store.reconcile(first, 30, 0)  # the request used less than it reserved
+    await store.reserve("t", limits, 60, 0, now=NOW + 2)
+    usage = await store.usage("t", now=NOW + 2)
+    assert usage["tokens_this_minute"] == 90 and usage["requests_this_minute"] == 2
+    await store.reserve("t", limits, 100, 0, now=NOW + 60)  # the next minute starts empty
+
+
+async def test_requests_per_minute_and_day_and_spend(store):
+    limits = QuotaLimits(requests_per_minute=2, tokens_per_day=1000, spend_per_day=0.01)
+    await store.reserve("a", limits, 10, 4000, now=NOW)
+    await store.reserve("a", limits, 10, 4000, now=NOW)
+    with pytest.raises(QuotaExceeded) as info:
+        await store.reserve("a", limits, 10, 0, now=NOW)
+    assert info.value.reason == "requests_per_minute"
+    with pytest.raises(QuotaExceeded) as info:
+        await store.reserve("a", limits, 10, 4000, now=NOW + 60)
+    assert info.value.reason == "spend_per_day" and info.value.retry_after_s > 3600
+    await store.reserve("b", limits, 10, 4000, now=NOW)  # tenants are independent
+    with pytest.raises(QuotaExceeded, match="alone needs"):
+        await store.reserve("c", limits, 5000, 0, now=NOW)
+
+
+async def test_rejected_reservation_changes_nothing(store):
+    limits = QuotaLimits(requests_per_minute=10, tokens_per_minute=50)
+    await store.reserve("t", limits, 40, 0, now=NOW)
+    with pytest.raises(QuotaExceeded):
+        await store.reserve("t", limits, 20, 0, now=NOW)
+    usage = await store.usage("t", now=NOW)
+    assert usage == {"requests_this_minute": 1, "tokens_this_minute": 40, "tokens_today": 40,
+                     "spend_micros_today": 0}
+
+
+async def test_redis_reservations_are_atomic_across_clients(redis_server):
+    stores = [RedisQuotaStore(redis_server.url) for _ in range(4)]
+    limits = QuotaLimits(tokens_per_minute=1000)
+
+    async def attempt(store):
+        try:
+            await store.reserve("shared", limits, 30, 0, now=NOW)
+            return 1
+        except QuotaExceeded:
+            return 0
+
+    admitted = sum(await asyncio.gather(*(attempt(stores[i % 4]) for i in range(200))))
+    assert admitted == 1000 // 30
+    assert (await stores[0].usage("shared", now=NOW))["tokens_this_minute"] == admitted * 30
+    for store in stores:
+        await store.close()
+
+
+async def test_redis_down_raises_store_unavailable_then_recovers(redis_server):
+    store = RedisQuotaStore(redis_server.url)
+    limits = QuotaLimits(tokens_per_minute=100)
+    await store.reserve("t", limits, 10, 0, now=NOW)
+    redis_server.stop()
+    with pytest.raises(StoreUnavailable):
+        await store.reserve("t", limits, 10, 0, now=NOW)
+    assert not await store.ping()
+    redis_server.start()
+    await store.reserve("t", limits, 10, 0, now=NOW)
+    assert await store.ping()
+    await store.close()

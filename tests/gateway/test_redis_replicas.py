@@ -1,0 +1,162 @@
+"""Two gateway processes sharing one real Redis enforce a tenant's quota jointly; Redis outages follow
+the policy's `on_store_error` and the gateways recover by themselves when Redis returns.
+
+The gateways run `ctxgate serve` as real subprocesses. They use the metered, generation-free
+`/v1/ctxgate/compress` path so no model has to be loaded (only the tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import yaml
+
+from gateway.keys import hash_key
+from tests.gateway.conftest import RedisServer, free_port, wait_http, write_policy
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "ctxgate-test"
+KEYS = {"burst": "cg-burst-key", "allow": "cg-allow-key", "deny": "cg-deny-key"}
+MESSAGES = [{"role": "user", "content": "What is the tallest mountain in Europe?"}]
+
+
+@pytest.fixture(scope="module")
+def redis_module(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt_tokens(tokenizer) -> int:
+    return tokenizer.count_chat(MESSAGES)
+
+
+@pytest.fixture(scope="module")
+def gateways(redis_module, prompt_tokens, tmp_path_factory):
+    root = tmp_path_factory.mktemp("replicas")
+    policy_dir = root / "policies"
+    policy_dir.mkdir()
+    write_policy(policy_dir, "shared-allow", "name: shared-allow\nmax_input_tokens: 256\ndocuments: {max_tokens: 128}\n"
+                 "quota: {tokens_per_minute: 1000000, on_store_error: allow}\n")
+    write_policy(policy_dir, "shared-deny", "name: shared-deny\nmax_input_tokens: 256\ndocuments: {max_tokens: 128}\n"
+                 "quota: {tokens_per_minute: 1000000, on_store_error: deny}\n")
+    tenants = {
+        # Room for exactly 10 requests (and half of an eleventh) per minute.
+        "burst": {"policy": "shared-allow", "quota": {"tokens_per_minute": prompt_tokens * 10 + prompt_tokens // 2},
+                  "keys": [{"sha256": hash_key(KEYS["burst"])}]},
+        "allow": {"policy": "shared-allow", "keys": [{"sha256": hash_key(KEYS["allow"])}]},
+        "deny": {"policy": "shared-deny", "keys": [{"sha256": hash_key(KEYS["deny"])}]},
+    }
+    keys_file = root / "keys.yaml"
+    keys_file.write_text(yaml.safe_dump({"tenants": tenants}))
+    dead_upstream = f"http://127.0.0.1:{free_port()}"
+    processes, urls = [], []
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "REDIS_URL": redis_module.url}
+    for index in range(2):
+        port = free_port()
+        log = open(root / f"gateway{index}.log", "w")  # noqa: SIM115 (closed with the process)
+        processes.append((subprocess.Popen(
+            [sys.executable, "-m", "ctxgate", "--log-level", "WARNING", "serve", "--port", str(port),
+             "--policy-dir", str(policy_dir), "--keys", str(keys_file), "--upstream", dead_upstream,
+             "--served-model-name", MODEL, "--default-policy", "shared-allow"],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        ), log))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for url in urls:
+            wait_http(f"{url}/health", timeout_s=60)
+        yield urls
+    finally:
+        for process, log in processes:
+            process.terminate()
+            process.wait(timeout=15)
+            log.close()
+
+
+async def _compress(client: httpx.AsyncClient, url: str, tenant: str) -> httpx.Response:
+    return await client.post(f"{url}/v1/ctxgate/compress", json={"model": MODEL, "messages": MESSAGES},
+                             headers={"authorization": f"Bearer {KEYS[tenant]}"})
+
+
+def _ledger(redis_url: str, tenant: str) -> int:
+    minute = int(time.time() // 60)
+    value = redis.Redis.from_url(redis_url).get(f"ctxgate:quota:{{{tenant}}}:tpm:{minute}")
+    return int(value or 0)
+
+
+def test_two_replicas_share_one_tokens_per_minute_ledger(gateways, redis_module, prompt_tokens):
+    if time.time() % 60 > 50:  # keep the burst inside one minute window
+        time.sleep(61 - time.time() % 60)
+    limit = prompt_tokens * 10 + prompt_tokens // 2
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=30) as client:
+            # One request through each replica first, then a concurrent burst split across both.
+            warmup = [await _compress(client, url, "burst") for url in gateways]
+            return warmup + list(
+                await asyncio.gather(*(_compress(client, gateways[i % 2], "burst") for i in range(30))))
+
+    responses = asyncio.run(burst())
+    admitted = [r for r in responses if r.status_code == 200]
+    assert [r.status_code for r in responses[:2]] == [200, 200]
+    assert {r.status_code for r in responses} == {200, 429}
+    assert len(admitted) == 10, [r.status_code for r in responses]
+    admitted_tokens = sum(r.json()["report"]["prompt_tokens"] for r in admitted)
+    assert admitted_tokens <= limit  # overshoot is bounded by one reservation; here exact
+    assert _ledger(redis_module.url, "burst") == admitted_tokens
+
+    def replica(response: httpx.Response) -> str:
+        return str(response.request.url).split("/v1")[0]
+
+    # Each replica turned requests away because of what both admitted: one ledger, not two.
+    assert {replica(r) for r in responses if r.status_code == 429} == set(gateways)
+    rejected = next(r for r in responses if r.status_code == 429)
+    assert 1 <= int(rejected.headers["retry-after"]) <= 60
+    assert rejected.json()["error"]["code"] == "tokens_per_minute"
+
+
+def test_redis_outage_follows_on_store_error_then_recovers(gateways, redis_module):
+    first, second = gateways
+
+    async def call(url, tenant):
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await _compress(client, url, tenant)
+
+    assert asyncio.run(call(first, "allow")).status_code == 200
+    assert asyncio.run(call(first, "deny")).status_code == 200
+    before_allow = _ledger(redis_module.url, "allow")
+    assert before_allow > 0
+
+    redis_module.stop()
+    try:
+        assert asyncio.run(call(first, "allow")).status_code == 200  # on_store_error: allow
+        denied = asyncio.run(call(second, "deny"))  # on_store_error: deny
+        assert denied.status_code == 503
+        assert denied.json()["error"]["code"] == "quota_store_unavailable"
+        assert httpx.get(f"{first}/ready").status_code == 503
+        metrics = httpx.get(f"{first}/metrics").text
+        assert 'ctxgate:quota_store_errors_total{action="allow"} 1.0' in metrics
+        assert "ctxgate:quota_store_up 0.0" in metrics
+        assert 'ctxgate:quota_store_errors_total{action="deny"} 1.0' in httpx.get(f"{second}/metrics").text
+    finally:
+        redis_module.start()  # same port, empty data
+
+    deadline = time.monotonic() + 10
+    while asyncio.run(call(second, "deny")).status_code != 200:
+        assert time.monotonic() < deadline, "gateway did not recover after Redis came back"
+        time.sleep(0.2)
+    assert asyncio.run(call(first, "allow")).status_code == 200
+    assert _ledger(redis_module.url, "allow") > 0  # counted in Redis again
+    assert "ctxgate:quota_store_up 1.0" in httpx.get(f"{first}/metrics").text
+    ready = httpx.get(f"{first}/ready").json()
+    assert ready["store"] is True and ready["store_kind"] == "redis"
