@@ -41,6 +41,8 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
     run.add_argument("--max-tokens", type=int, default=32, help="answer length cap (default 32)")
     run.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    run.add_argument("--compress-only", action="store_true",
+                     help="no generation: only evidence retention and tokens from /v1/ctxgate/compress (fast)")
     run.add_argument("--out", required=True, help="output directory for the report")
     _add_gateway_args(run)
     run.set_defaults(func=_eval_run)
@@ -90,13 +92,18 @@ def _eval_run(args: argparse.Namespace) -> int:
         model=args.model,
         api_key=args.api_key,
         progress=not args.no_progress,
+        compress_only=args.compress_only,
         command="ctxgate " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else "",
     )
     report = run_eval(config)
     for label, arm in report["arms"].items():
         accuracy = arm["accuracy"]
+        accuracy_text = (
+            "not measured" if accuracy["value"] is None
+            else f"{accuracy['value']:.3f} [{accuracy['ci_low']:.3f}, {accuracy['ci_high']:.3f}]"
+        )
         print(
-            f"{label}: accuracy {accuracy['value']:.3f} [{accuracy['ci_low']:.3f}, {accuracy['ci_high']:.3f}], "
+            f"{label}: accuracy {accuracy_text}, "
             f"answer retained {_value(arm['answer_retention'])}, prompt tokens {arm['prompt_tokens_mean']}, "
             f"ratio {arm['compression_ratio']}, TTFT P95 {arm['ttft_ms']['p95']} ms, errors {arm['errors']}"
         )

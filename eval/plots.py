@@ -44,7 +44,9 @@ def plot_quality_vs_compression(report: dict[str, Any], path: Path) -> None:
                           marker=marker, linestyle=style, capsize=3, label=f"{group}: {metric.replace('_', ' ')}")
         for (_label, arm), ratio in zip(members, ratios, strict=True):
             if arm.get("sweep_field"):
-                axis.annotate(str(arm["sweep_value"]), (ratio, arm["accuracy"]["value"] or 0),
+                anchor = arm["accuracy"]["value"]
+                anchor = anchor if anchor is not None else arm["answer_retention"]["value"] or 0
+                axis.annotate(str(arm["sweep_value"]), (ratio, anchor),
                               textcoords="offset points", xytext=(4, 4), fontsize=7)
     axis.set_xlabel("compression ratio (original / sent prompt tokens)")
     axis.set_ylabel("share of questions")
@@ -70,11 +72,15 @@ def plot_ttft_distribution(rows: list[dict[str, Any]], arms: list[str], path: Pa
         shares = np.arange(1, values.size + 1) / values.size
         (line,) = axis.step(values, shares, where="post", label=f"{label} (P95 {np.percentile(values, 95):.0f} ms)")
         axis.axvline(float(np.percentile(values, 95)), color=line.get_color(), linestyle=":", alpha=0.7)
+    if not axis.lines:
+        axis.text(0.5, 0.5, "no TTFT measured (compress-only run or every request failed)",
+                  ha="center", va="center", transform=axis.transAxes)
     axis.set_xlabel("time to first token, client-side (ms)")
     axis.set_ylabel("share of requests")
     axis.set_title("TTFT distribution per arm")
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=7)
+    if axis.lines:
+        axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

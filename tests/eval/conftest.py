@@ -11,7 +11,7 @@ def eval_engine(model_dir):
     """The in-process engine (`backend.async_engine`) when present; until the engine branch lands,
     the gateway tests' real transformers engine over the same model."""
     try:
-        from backend.async_engine import AsyncEngine
+        from backend.async_engine import AsyncEngine  # noqa: I001 (first-party once the engine lands)
         from backend.config import EngineConfig
     except ModuleNotFoundError:
         from tests.gateway.reference_engine import ReferenceEngine

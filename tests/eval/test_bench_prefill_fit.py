@@ -29,3 +29,12 @@ def test_saving_per_1k_tokens_removed():
     assert summary["prefill_ms_saved_per_1k_tokens_removed"] == pytest.approx(200)
     assert summary["ttft_ms_saved_per_1k_tokens_removed_median"] == pytest.approx(200)
     assert summary["net_ttft_saved_ms_mean"] == pytest.approx(350 - 5)
+
+
+def test_quadratic_fit_is_reported_when_lengths_allow():
+    from eval.bench_prefill import fit_quadratic
+
+    tokens = [100.0, 500.0, 1000.0, 2000.0]
+    fit = fit_quadratic(tokens, [2 + 0.1 * t + 0.001 * t * t for t in tokens])
+    assert fit["ms_per_token_squared"] == pytest.approx(0.001) and fit["intercept_ms"] == pytest.approx(2, abs=1e-6)
+    assert fit_quadratic([1.0, 1.0, 2.0], [1.0, 1.0, 2.0]) is None

@@ -5,6 +5,7 @@ the real OpenAI SDK. Small inputs: 5 questions with 6 passages each, max_tokens 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import subprocess
 import sys
@@ -150,3 +151,30 @@ def test_bench_prefill_fits_a_cost_model(small_dataset, gateway_url, tmp_path):
     bench = json.loads((tmp_path / "bench_prefill.json").read_text())
     assert bench["summary"]["tokens_removed_mean"] > 0
     assert bench["summary"]["prefill_ms_saved_mean"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("backend.config") is None,
+                    reason="`ctxgate serve` needs the in-process engine (engine branch) to start")
+def test_cli_without_url_starts_and_stops_ctxgate_serve(small_dataset, eval_policy_dir, tmp_path):
+    """The default mode: `ctxgate eval run` launches `ctxgate serve` on a free port, then stops it."""
+    result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "passthrough",
+                     "--policy", "eval-tight", "--policy-dir", str(eval_policy_dir), "--limit", "1",
+                     "--max-tokens", "4", "--out", str(tmp_path), "--no-progress")
+    assert result.returncode == 0, result.stdout + result.stderr + (tmp_path / "gateway.log").read_text()
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["arms"]["eval-tight"]["n"] == 1 and report["arms"]["eval-tight"]["errors"] == 0
+    assert (tmp_path / "gateway.log").exists()
+
+
+def test_compress_only_run_measures_retention_without_generating(small_dataset, gateway_url, tmp_path):
+    result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "passthrough",
+                     "--policy", "eval-tight", "--compress-only", "--url", gateway_url, "--out", str(tmp_path),
+                     "--no-progress")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    passthrough, tight = report["arms"]["passthrough"], report["arms"]["eval-tight"]
+    assert passthrough["answer_retention"]["value"] == 1.0 and passthrough["n"] == 5
+    assert tight["prompt_tokens_mean"] < passthrough["prompt_tokens_mean"]
+    assert tight["accuracy"]["value"] is None and tight["ttft_ms"]["p95"] is None
+    for name in PLOTS:
+        assert (tmp_path / name).stat().st_size > 0
