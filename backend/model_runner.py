@@ -16,6 +16,8 @@ from backend.model import LlamaModel
 from backend.scheduler import ScheduledSequence
 from backend.sequence import Sequence
 
+DECODE_CONTEXT_BUCKET = 64
+
 
 @dataclass
 class ModelRunnerOutput:
@@ -41,7 +43,7 @@ class ModelRunner:
         padded = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in block_tables]
         blocks = self._tensor(padded)
         slots = blocks.unsqueeze(-1) * self.block_size + self._block_offsets
-        return slots.view(len(block_tables), -1)[:, :context_len]
+        return slots.view(len(block_tables), -1)[:, :context_len].contiguous()
 
     def prepare(
         self, scheduled: list[ScheduledSequence]
@@ -93,14 +95,18 @@ class ModelRunner:
                 metadata.prefills.append(PrefillChunk(start_row, start_row + num_new, context_slots, mask))
 
         if decode_tables:
-            max_context = max(decode_context_lens)
+            # Round the padded context up to a bucket: oneDNN compiles a kernel per new matmul shape
+            # (~0.4 ms each in bfloat16), so a length growing by one every step would recompile
+            # in every layer. Padded positions read block 0 and are masked out.
+            longest = max(decode_context_lens)
+            max_context = -(-longest // DECODE_CONTEXT_BUCKET) * DECODE_CONTEXT_BUCKET
             metadata.decode_slots = self._context_slots(decode_tables, max_context)
             if min(decode_context_lens) != max_context:
                 lengths = self._tensor(decode_context_lens)
                 padding = torch.arange(max_context, device=self.device).unsqueeze(0) >= lengths.unsqueeze(1)
                 bias = torch.zeros(padding.shape, dtype=torch.float32, device=self.device)
                 bias.masked_fill_(padding, float("-inf"))
-                metadata.decode_bias = bias.view(len(decode_tables), 1, 1, max_context)
+                metadata.decode_bias = bias.view(1, len(decode_tables), 1, max_context)
         metadata.write_plan = self.kv_cache.make_write_plan(self._tensor(slot_mapping))
         return self._tensor(input_ids), self._tensor(positions), metadata, self._tensor(logits_rows), sampled
 
