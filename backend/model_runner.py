@@ -16,6 +16,8 @@ from backend.model import LlamaModel
 from backend.scheduler import ScheduledSequence
 from backend.sequence import Sequence
 
+DECODE_CONTEXT_BUCKET = 64
+
 
 @dataclass
 class ModelRunnerOutput:
@@ -93,7 +95,11 @@ class ModelRunner:
                 metadata.prefills.append(PrefillChunk(start_row, start_row + num_new, context_slots, mask))
 
         if decode_tables:
-            max_context = max(decode_context_lens)
+            # Round the padded context up to a bucket: oneDNN compiles a kernel per new matmul shape
+            # (~0.4 ms each in bfloat16), so a length growing by one every step would recompile
+            # in every layer. Padded positions read block 0 and are masked out.
+            longest = max(decode_context_lens)
+            max_context = -(-longest // DECODE_CONTEXT_BUCKET) * DECODE_CONTEXT_BUCKET
             metadata.decode_slots = self._context_slots(decode_tables, max_context)
             if min(decode_context_lens) != max_context:
                 lengths = self._tensor(decode_context_lens)
