@@ -127,7 +127,9 @@ def build_index(
                 end = start + len(chunk["sentences"])
                 # The same passage vector the rerankers compute (sentences + title), so search
                 # scores and rerank scores agree.
-                chunk_vectors.append(combine_vectors(vectors[start:end], title_vectors.get(chunk["title"]))[None, :])
+                chunk_vectors.append(
+                    combine_vectors(vectors[start:end], title_vectors.get(chunk["title"]))[None, :]
+                )
                 start = end
                 offsets.append(offsets[-1] + len(chunk["sentences"]))
             progress.update(len(part))

@@ -87,7 +87,9 @@ def passage_vectors(embedder: Embedder, passages: list[Passage]) -> np.ndarray:
     start = 0
     for passage, sentences in zip(passages, per_passage, strict=True):
         end = start + len(sentences)
-        result.append(combine_vectors(vectors[start:end], title_vectors.get(passage.title) if passage.title else None))
+        result.append(
+            combine_vectors(vectors[start:end], title_vectors.get(passage.title) if passage.title else None)
+        )
         start = end
     return np.stack(result)
 
