@@ -44,6 +44,9 @@ class Embedder:
             or self._model.get_sentence_embedding_dimension
         )
         self.dimension: int = int(dimension_of())
+        # Units are sentences; a longer one is still represented by its first 128 word pieces,
+        # which bounds the cost of one pathological sentence.
+        self._model.max_seq_length = min(int(self._model.max_seq_length or 256), 128)
         self._cache = cache
         self._local: OrderedDict[str, np.ndarray] = OrderedDict()
         self._max_local = max_local_entries
@@ -110,8 +113,12 @@ _shared_lock = threading.Lock()
 
 def shared_embedder(cache: BytesCache | None = None) -> Embedder:
     """One model instance per process (and per byte cache): loading costs ~1 s."""
+    from compression.cache import LRUBytesCache
+
+    if isinstance(cache, LRUBytesCache):
+        cache = None  # the embedder keeps its own in-process LRU; a second copy would only cost memory
     with _shared_lock:
-        key = (str(default_model_path()), id(cache))
+        key = (str(default_model_path()), id(cache) if cache is not None else 0)
         if key not in _shared:
             _shared[key] = Embedder(cache=cache)
         return _shared[key]
