@@ -151,6 +151,8 @@ def test_bench_prefill_fits_a_cost_model(small_dataset, gateway_url, tmp_path):
     bench = json.loads((tmp_path / "bench_prefill.json").read_text())
     assert bench["summary"]["tokens_removed_mean"] > 0
     assert bench["summary"]["prefill_ms_saved_mean"] > 0
+    # The same questions were served by earlier tests on this gateway: still no prefix-cache hits.
+    assert bench["summary"]["cached_prompt_tokens_full_mean"] == 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("backend.config") is None,
