@@ -62,7 +62,7 @@ def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
     return load_tokenizer(str(settings.model or prepare_default_model()))
 
 
-def default_pipeline(tokenizer: Any, engine: EngineClient) -> Pipeline:
+def default_pipeline(tokenizer: Any, engine: EngineClient, index_dir: Any = None) -> Pipeline:
     """The compression package's pipeline; the budget-only pipeline where it is not installed."""
     try:
         from compression.pipeline import CompressionPipeline
@@ -70,7 +70,7 @@ def default_pipeline(tokenizer: Any, engine: EngineClient) -> Pipeline:
         logger.warning("compression pipeline unavailable (%s); enforcing the budget without compression", exc)
         return BudgetOnlyPipeline(tokenizer)
     # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
-    return CompressionPipeline(tokenizer, engine=engine)
+    return CompressionPipeline(tokenizer, engine=engine, index_dir=index_dir)
 
 
 def _policy_registry(settings: GatewaySettings, metrics: GatewayMetrics) -> PolicyRegistry:
@@ -127,6 +127,11 @@ class BodySizeLimit:
         return await self.app(scope, counting_receive, send)
 
 
+_COUNTED_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/ctxgate/compress", "/v1/ctxgate/policies",
+})
+
+
 class RequestCounter:
     """Counts responses by endpoint and status (pure ASGI: does not wrap streaming bodies)."""
 
@@ -138,7 +143,8 @@ class RequestCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path.startswith("/v1/") and path.count("/") <= 4 else "other"
+        # Only known routes become label values: arbitrary paths must not grow the metric.
+        endpoint = path if path in _COUNTED_PATHS else "other"
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
@@ -157,7 +163,7 @@ def create_app(
     owns_engine = engine is None
     engine = engine if engine is not None else _default_engine(settings)
     tokenizer = _tokenizer_for(settings, engine)
-    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine)
+    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine, settings.index_dir)
     gateway = Gateway(
         settings=settings, engine=engine, tokenizer=tokenizer, pipeline=pipeline,
         policies=_policy_registry(settings, metrics), keys=KeyStore(settings.keys_file),
@@ -167,6 +173,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await _maybe_call(engine, "start")
+        # Load compression models (embedder, reranker) before the first request, where supported.
+        await _maybe_call(pipeline, "warmup")
         if hasattr(engine, "check_health"):
             await engine.check_health()
         watcher = asyncio.create_task(_watch_files(gateway), name="ctxgate-reload")
@@ -212,7 +220,7 @@ async def _watch_files(gateway: Gateway) -> None:
             if await asyncio.to_thread(gateway.policies.refresh):
                 gateway.metrics.policies_loaded.set(len(gateway.policies.names()))
             await asyncio.to_thread(gateway.keys.refresh)
-            if hasattr(gateway.engine, "check_health") and not gateway.engine.is_ready() and ticks % 5 == 0:
+            if getattr(gateway.engine, "needs_health_check", False) and ticks % 3 == 0:
                 await gateway.engine.check_health()
         except Exception:  # the watcher must survive anything a file can do to it
             logger.exception("policy/keys reload failed")
@@ -226,7 +234,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     if not raw:
         raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"malformed JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -236,6 +244,11 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     except ValidationError as exc:
         message, param = validation_message(exc.errors(include_url=False))
         raise APIError(400, message, param=param, code="invalid_value") from None
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN and Infinity are not JSON; Python would accept them and they poison arithmetic downstream.
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _usage_wanted(body: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -465,7 +478,10 @@ async def _complete(
         try:
             consumer.result()
         except Exception as exc:
-            await gateway.settle(prepared, run.outcome, count_metrics=False)
+            if run.first_token_at is None:
+                await gateway.release(prepared)  # the backend did no work: give the quota back
+            else:
+                await gateway.settle(prepared, run.outcome, count_metrics=False)
             raise gateway.engine_error(exc) from None
     finally:
         disconnect.cancel()
@@ -494,7 +510,7 @@ async def _stream(
     try:
         await run.start()
     except Exception as exc:
-        await gateway.settle(prepared, run.outcome, count_metrics=False)
+        await gateway.release(prepared)  # refused before any work: give the quota back
         raise gateway.engine_error(exc) from None
     chunk_object = "chat.completion.chunk" if chat else "text_completion"
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"

@@ -15,6 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--policy-dir", default=None,
                        help="directory of policy YAML files, watched for edits (packaged policies stay available)")
     serve.add_argument("--default-policy", default="rag-default", help="policy when none is named")
+    serve.add_argument("--index-dir", default=None,
+                       help="retrieval indexes built by `ctxgate index build` (default $CTXGATE_INDEX_DIR)")
     serve.add_argument("--keys", default=None, help="keys file (YAML); without it the gateway is open")
     serve.add_argument("--upstream", action="append", default=[], metavar="URL",
                        help="OpenAI-compatible upstream instead of the in-process engine (repeat to fail over)")
@@ -66,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = GatewaySettings(
         host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
-        policy_dir=args.policy_dir, keys_file=args.keys, upstreams=args.upstream,
+        policy_dir=args.policy_dir, keys_file=args.keys, index_dir=args.index_dir, upstreams=args.upstream,
         upstream_model=args.upstream_model, upstream_connect_timeout_s=args.upstream_connect_timeout,
         upstream_read_timeout_s=args.upstream_read_timeout, upstream_retries=args.upstream_retries,
         redis_url=args.redis_url or None, default_policy=args.default_policy,

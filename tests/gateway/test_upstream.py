@@ -3,6 +3,7 @@ ctxgate gateway running the real model), with failover, streaming passthrough an
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -101,7 +102,8 @@ async def test_all_upstreams_down_is_a_clear_502():
 def test_gateway_reports_upstream_errors_as_json(tmp_path):
     settings = GatewaySettings(upstreams=[f"http://127.0.0.1:{free_port()}"], served_model_name="m",
                                upstream_model="m", upstream_connect_timeout_s=0.2, upstream_retries=0)
-    with ServerThread(create_app(settings)) as running:
+    app = create_app(settings)
+    with ServerThread(app) as running:
         response = httpx.post(f"{running.url}/v1/chat/completions", timeout=30, json={
             "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert response.status_code == 502
@@ -112,6 +114,9 @@ def test_gateway_reports_upstream_errors_as_json(tmp_path):
         streamed = httpx.post(f"{running.url}/v1/chat/completions", timeout=30, json={
             "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
         assert streamed.status_code == 502 and "no upstream" in streamed.json()["error"]["message"]
+        # Requests the backend never served give their reserved tokens back.
+        ledger = asyncio.run(app.state.gateway.store.usage("anonymous"))
+        assert ledger["tokens_today"] == 0 and ledger["spend_micros_today"] == 0
 
 
 def test_non_streamed_client_disconnect_aborts_generation(backend_server):
