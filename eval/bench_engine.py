@@ -327,7 +327,9 @@ class HFGenerateRunner:
     def __init__(self, model_dir: str, torch_dtype, tokenizer):
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # the weight-loading bar would clutter the report
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
         self.model.eval()
