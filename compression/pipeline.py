@@ -180,7 +180,7 @@ class CompressionPipeline:
 
         state.history_budget = max(0, min(policy.history.max_tokens, budget - state.pinned_tokens))
         for name in STAGE_ORDER:
-            if name in reports:
+            if name in reports or (name == "retrieval" and state.retrieval is None):
                 continue
             stage = self.stages[name]
             if not stage.enabled(policy):

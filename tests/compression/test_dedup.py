@@ -38,14 +38,15 @@ async def test_pipeline_removes_duplicate_passages_and_sentences(make_pipeline, 
     shared_sentence = "Gustave Eiffel's company designed and built the tower between 1887 and 1889."
     documents = [
         Document(text=f"{BASE} {shared_sentence}", title="Eiffel Tower"),
-        Document(text=BASE.upper() + "!!", title="Eiffel Tower"),  # exact duplicate after normalization
+        Document(text=f"{BASE} {shared_sentence}".upper() + "!!", title="Eiffel Tower"),  # exact dup once normalized
         Document(
-            text="The Eiffel Tower is a wrought-iron lattice tower located on the Champ de Mars in Paris, France.",
+            text="The Eiffel Tower is a wrought-iron lattice tower located on the Champ de Mars in Paris, France. "
+            + shared_sentence,
             title="Eiffel Tower",
         ),  # near duplicate
         Document(text=f"Paris hosted the 1889 World's Fair. {shared_sentence}", title="Exposition Universelle"),
     ]
-    policy = Policy(name="dedup", max_input_tokens=1024, rerank={"enabled": False})
+    policy = Policy(name="dedup", max_input_tokens=1024, documents={"max_tokens": 500}, rerank={"enabled": False})
     request = CompressionInput(messages=[{"role": "user", "content": "Who built the Eiffel Tower?"}], documents=documents)
     result = await pipeline.run(request, policy)
     dedup = next(stage for stage in result.stages if stage.name == "dedup")

@@ -1,0 +1,90 @@
+import pytest
+
+from compression.assembly import order_passages
+from compression.pipeline import PrefillCostEstimator
+from compression.state import Passage
+from compression.types import BudgetExceededError, CompressionInput, Document
+from policies.schema import Policy
+
+DOCUMENTS = [
+    Document(
+        text=f"Town {name} has a population of {population}. It lies on the river {river}. Its mayor is {mayor}.",
+        title=f"Town {name}",
+    )
+    for name, population, river, mayor in [
+        ("Arlen", 1200, "Vey", "Ida Holm"),
+        ("Brisk", 5400, "Orn", "Tomas Veld"),
+        ("Cirra", 870, "Lune", "Mara Quist"),
+        ("Dovel", 23000, "Sarn", "Pell Ochs"),
+        ("Esker", 310, "Tay", "Una Brack"),
+        ("Fallow", 4100, "Wend", "Rolf Jansk"),
+    ]
+]
+MESSAGES = [
+    {"role": "system", "content": "Answer from the documents only."},
+    {"role": "user", "content": "Who is the mayor of Cirra?"},
+]
+
+
+async def test_stage_reports_reconcile_with_exact_counts(make_pipeline, tokenizer):
+    policy = Policy(name="p", max_input_tokens=400, documents={"max_tokens": 60}, rerank={"top_k": 3})
+    result = await make_pipeline().run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), policy)
+    assert [s.name for s in result.stages] == ["history", "dedup", "rerank", "extraction", "assembly"]
+    assert sum(result.saved_tokens.values()) == result.original_prompt_tokens - result.prompt_tokens
+    assert all(ms >= 0 for ms in result.compression_ms.values())
+    assert "Mara Quist" in result.context_text
+    assert result.messages[0] == MESSAGES[0]
+    assert tokenizer.count(result.context_text) <= 60
+
+
+async def test_original_tokens_are_the_full_uncompressed_prompt(make_pipeline, tokenizer):
+    policy = Policy(name="off", max_input_tokens=2048, compression_enabled=False)
+    result = await make_pipeline().run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), policy)
+    assert result.original_prompt_tokens == result.prompt_tokens == tokenizer.count_chat(result.messages)
+    for document in DOCUMENTS:
+        assert document.text in result.context_text
+    assert result.stages[-1].details["skipped"] == "compression disabled by policy"
+
+
+async def test_passthrough_over_budget_is_refused(make_pipeline):
+    policy = Policy(name="off", max_input_tokens=64, documents={"max_tokens": 32}, compression_enabled=False)
+    with pytest.raises(BudgetExceededError):
+        await make_pipeline().run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), policy)
+
+
+async def test_min_saving_skips_cheap_compression(make_pipeline):
+    estimator = PrefillCostEstimator(ms_per_token=0.01)
+    pipeline = make_pipeline(cost_estimator=estimator)
+    policy = Policy(name="cheap", max_input_tokens=2048, min_saving_ms=50, rerank={"top_k": 2})
+    request = CompressionInput(messages=MESSAGES, documents=DOCUMENTS)
+    skipped = await pipeline.run(request, policy)
+    assert skipped.prompt_tokens == skipped.original_prompt_tokens
+    assert "min_saving_ms" in skipped.stages[-1].details["skipped"]
+    # Measured prefill gets expensive: the same request is now worth compressing.
+    for _ in range(60):
+        estimator.observe_prefill(prompt_tokens=100, prefill_ms=200)
+    assert estimator.ms_per_token > 1.5
+    compressed = await pipeline.run(request, policy)
+    assert compressed.prompt_tokens < compressed.original_prompt_tokens
+
+
+async def test_system_placement_and_trailing_messages(make_pipeline, tokenizer):
+    policy = Policy(name="sys", max_input_tokens=300, documents={"max_tokens": 150}, assembly={"placement": "system"})
+    messages = MESSAGES + [{"role": "assistant", "content": "The mayor is"}]
+    result = await make_pipeline().run(CompressionInput(messages=messages, documents=DOCUMENTS), policy)
+    assert result.messages[0] == MESSAGES[0]
+    assert result.messages[1]["role"] == "system" and result.messages[1]["content"].startswith("Documents:")
+    assert result.messages[-2:] == messages[-2:]
+    assert result.prompt_tokens == tokenizer.count_chat(result.messages) <= 300
+
+
+def test_reorder_best_at_ends():
+    passages = [Passage(document=Document(text=str(i)), position=i, score=s) for i, s in enumerate([0.1, 0.9, 0.5, 0.7, 0.3])]
+    assert [p.score for p in order_passages(passages, "best-first")] == [0.9, 0.7, 0.5, 0.3, 0.1]
+    assert [p.score for p in order_passages(passages, "best-at-ends")] == [0.9, 0.5, 0.1, 0.3, 0.7]
+    assert [p.position for p in order_passages(passages, "original")] == [0, 1, 2, 3, 4]
+
+
+async def test_no_user_message_is_a_value_error(make_pipeline):
+    with pytest.raises(ValueError, match="user message"):
+        await make_pipeline().run(CompressionInput(messages=[{"role": "system", "content": "x"}]), Policy(name="p"))
