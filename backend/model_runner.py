@@ -41,7 +41,7 @@ class ModelRunner:
         padded = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in block_tables]
         blocks = self._tensor(padded)
         slots = blocks.unsqueeze(-1) * self.block_size + self._block_offsets
-        return slots.view(len(block_tables), -1)[:, :context_len]
+        return slots.view(len(block_tables), -1)[:, :context_len].contiguous()
 
     def prepare(
         self, scheduled: list[ScheduledSequence]
@@ -100,7 +100,7 @@ class ModelRunner:
                 padding = torch.arange(max_context, device=self.device).unsqueeze(0) >= lengths.unsqueeze(1)
                 bias = torch.zeros(padding.shape, dtype=torch.float32, device=self.device)
                 bias.masked_fill_(padding, float("-inf"))
-                metadata.decode_bias = bias.view(len(decode_tables), 1, 1, max_context)
+                metadata.decode_bias = bias.view(1, len(decode_tables), 1, max_context)
         metadata.write_plan = self.kv_cache.make_write_plan(self._tensor(slot_mapping))
         return self._tensor(input_ids), self._tensor(positions), metadata, self._tensor(logits_rows), sampled
 
