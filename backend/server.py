@@ -346,7 +346,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, manage
             return {
                 "id": response_id, "object": "text_completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "text": outcome.text, "logprobs": None,
-                             "finish_reason": _finish_reason(outcome.finish_reason)}],
+                             "finish_reason": outcome.finish_reason}],
                 "usage": _usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
             }
 
@@ -359,7 +359,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, manage
                 yield _sse({
                     "id": response_id, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"index": 0, "text": delta.text, "logprobs": None,
-                                 "finish_reason": _finish_reason(delta.finish_reason)}],
+                                 "finish_reason": delta.finish_reason}],
                 })
             if include_usage:
                 yield _sse({
@@ -393,7 +393,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, manage
             return {
                 "id": response_id, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                             "logprobs": None, "finish_reason": _finish_reason(outcome.finish_reason)}],
+                             "logprobs": None, "finish_reason": outcome.finish_reason}],
                 "usage": _usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
             }
 
@@ -411,7 +411,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, manage
                 if delta.text:
                     yield chunk({"content": delta.text}, None)
                 if delta.finish_reason is not None:
-                    yield chunk({}, _finish_reason(delta.finish_reason))
+                    yield chunk({}, delta.finish_reason)
             if include_usage:
                 yield _sse({
                     "id": response_id, "object": "chat.completion.chunk", "created": created,
@@ -443,11 +443,6 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, manage
         return error_response("the engine is not running", 503)
 
     return app
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    # OpenAI clients know "stop" and "length"; an aborted request reports "abort" like vLLM.
-    return reason
 
 
 def _completion_prompt_ids(body: CompletionRequest, engine: AsyncEngine) -> list[int]:
