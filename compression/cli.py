@@ -17,7 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--input", required=True, help="JSONL file of documents")
     build.add_argument("--name", required=True, help="index name used by requests' retrieval.index")
     build.add_argument(
-        "--index-dir", default=None, help="where indexes live (default $CTXGATE_INDEX_DIR or ~/.cache/ctxgate/indexes)"
+        "--index-dir",
+        default=None,
+        help="where indexes live (default $CTXGATE_INDEX_DIR or ~/.cache/ctxgate/indexes)",
     )
     build.add_argument("--chunk-words", type=int, default=120, help="max words per chunk (whole sentences)")
     build.set_defaults(func=run_build)

@@ -80,8 +80,11 @@ class CachedCounter:
         return [self.count(text) for text in texts]
 
     def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
-        # Never cached: this is the final, authoritative check on what is sent.
-        return self.counter.count_chat(messages, add_generation_prompt)
+        """Exact: memoized on the rendered prompt text itself (rendering is cheap, BPE is not)."""
+        render = getattr(self.counter, "render_chat", None)
+        if render is None:
+            return self.counter.count_chat(messages, add_generation_prompt)
+        return self.count(render(messages, add_generation_prompt))
 
 
 def _batch_count(counter: TokenCounter, texts: list[str]) -> list[int]:

@@ -44,6 +44,9 @@ class Embedder:
             or self._model.get_sentence_embedding_dimension
         )
         self.dimension: int = int(dimension_of())
+        # Units are sentences; a longer one is still represented by its first 128 word pieces,
+        # which bounds the cost of one pathological sentence.
+        self._model.max_seq_length = min(int(self._model.max_seq_length or 256), 128)
         self._cache = cache
         self._local: OrderedDict[str, np.ndarray] = OrderedDict()
         self._max_local = max_local_entries

@@ -85,6 +85,7 @@ def build_index(
     from tqdm import tqdm
 
     from compression.embeddings import shared_embedder
+    from compression.rerank import combine_vectors
     from compression.text import default_splitter
 
     target = index_path(index_dir, name)
@@ -116,10 +117,20 @@ def build_index(
     ) as progress:
         for start in range(0, len(chunks), batch):
             part = chunks[start : start + batch]
-            chunk_vectors.append(embedder.embed([scoring_text(chunk) for chunk in part]))
             sentences = [sentence for chunk in part for sentence in chunk["sentences"]]
-            sentence_vectors.append(embedder.embed(sentences))
+            titles = sorted({chunk["title"] for chunk in part if chunk["title"]})
+            vectors = embedder.embed(sentences + titles)
+            title_vectors = dict(zip(titles, vectors[len(sentences) :], strict=True))
+            sentence_vectors.append(vectors[: len(sentences)])
+            start = 0
             for chunk in part:
+                end = start + len(chunk["sentences"])
+                # The same passage vector the rerankers compute (sentences + title), so search
+                # scores and rerank scores agree.
+                chunk_vectors.append(
+                    combine_vectors(vectors[start:end], title_vectors.get(chunk["title"]))[None, :]
+                )
+                start = end
                 offsets.append(offsets[-1] + len(chunk["sentences"]))
             progress.update(len(part))
     vectors = np.concatenate(chunk_vectors).astype(np.float32)
@@ -143,11 +154,6 @@ def build_index(
     }
     (target / "meta.json").write_text(json.dumps(meta, indent=2))
     return target
-
-
-def scoring_text(chunk: dict[str, Any]) -> str:
-    """Chunks are embedded with their title, exactly as the rerankers score passages."""
-    return f"{chunk['title']}. {chunk['text']}" if chunk.get("title") else chunk["text"]
 
 
 @dataclass

@@ -233,9 +233,10 @@ class CompressionPipeline:
         keep_titles = policy.extraction.keep_titles
         trimmed = 0
         # The passages block keeps its own cap exactly (numbering and order can shift a token).
-        while state.passages and self.counter.count(
-            render_context(state.passages, keep_titles)
-        ) > policy.documents.max_tokens:
+        while (
+            state.passages
+            and self.counter.count(render_context(state.passages, keep_titles)) > policy.documents.max_tokens
+        ):
             if drop_lowest_sentence(state.passages) is None:
                 break
             trimmed += 1

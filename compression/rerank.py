@@ -54,6 +54,46 @@ def bm25_scores(query: str, documents: list[str]) -> np.ndarray:
     return np.asarray(retriever.get_scores(known), dtype=np.float64)
 
 
+def live_sentences(passage: Passage) -> list[str]:
+    sentences = passage.sentences or [passage.text]
+    if passage.kept_sentences is not None:
+        return [sentences[i] for i in sorted(passage.kept_sentences)]
+    return [s for i, s in enumerate(sentences) if i not in passage.removed_sentences]
+
+
+def combine_vectors(sentence_vectors: np.ndarray, title_vector: np.ndarray | None) -> np.ndarray:
+    """A passage's vector: the normalized sum of its sentences' (and its title's) vectors.
+
+    Built from sentence vectors, which extraction needs anyway, so a passage costs one embedding
+    pass instead of two (the model call dominates compression time on a cold cache).
+    """
+    total = sentence_vectors.sum(axis=0)
+    if title_vector is not None:
+        total = total + title_vector
+    norm = float(np.linalg.norm(total))
+    return (total / norm).astype(np.float32) if norm > 0 else total.astype(np.float32)
+
+
+def passage_vectors(embedder: Embedder, passages: list[Passage]) -> np.ndarray:
+    """(len(passages), dim); passages must already be split into sentences."""
+    if not passages:
+        return np.zeros((0, embedder.dimension), dtype=np.float32)
+    per_passage = [live_sentences(p) or [p.text] for p in passages]
+    titles = [p.title for p in passages if p.title]
+    flat = [s for sentences in per_passage for s in sentences]
+    vectors = embedder.embed(flat + titles)
+    title_vectors = dict(zip(titles, vectors[len(flat) :], strict=True))
+    result = []
+    start = 0
+    for passage, sentences in zip(passages, per_passage, strict=True):
+        end = start + len(sentences)
+        result.append(
+            combine_vectors(vectors[start:end], title_vectors.get(passage.title) if passage.title else None)
+        )
+        start = end
+    return np.stack(result)
+
+
 class EmbeddingReranker:
     name = "embedding"
 
@@ -61,8 +101,8 @@ class EmbeddingReranker:
         self.embedder = embedder
 
     def score(self, question: str, passages: list[Passage]) -> np.ndarray:
-        vectors = self.embedder.embed([question] + [passage_text_for_scoring(p) for p in passages])
-        return (vectors[1:] @ vectors[0]).astype(np.float64)
+        question_vector = self.embedder.embed([question])[0]
+        return (passage_vectors(self.embedder, passages) @ question_vector).astype(np.float64)
 
 
 class BM25Reranker:

@@ -30,6 +30,7 @@ from compression.rerank import (
     FusedReranker,
     Reranker,
     passage_text_for_scoring,
+    passage_vectors,
 )
 from compression.state import Passage, PipelineState, message_text
 from compression.types import StageReport
@@ -178,7 +179,10 @@ class DedupStage(Stage):
         near = policy.near_duplicate_cosine
         embedder = ctx.services.embedder if near is not None else None
         texts = [passage_text_for_scoring(p) for p in state.passages]
-        vectors = embedder.embed(texts) if embedder is not None else None
+        vectors = None
+        if embedder is not None:
+            ensure_sentences(ctx, state.passages)
+            vectors = passage_vectors(embedder, state.passages)
         priority = [p.document.score if p.document.score is not None else 0.0 for p in state.passages]
         dropped = duplicate_indices(texts, vectors, policy.exact, near, priority)
         state.passages = [p for i, p in enumerate(state.passages) if i not in dropped]
@@ -232,6 +236,7 @@ class RerankStage(Stage):
         if not state.passages:
             return report
         before = passages_tokens(ctx.counter, state.passages)
+        ensure_sentences(ctx, state.passages)
         scores = self.reranker(ctx).score(state.question_text, state.passages)
         for passage, score in zip(state.passages, scores, strict=True):
             passage.score = float(score)

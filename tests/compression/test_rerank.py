@@ -83,3 +83,17 @@ async def test_cross_encoder_from_local_path_drives_the_ranking(tiny_cross_encod
 def test_cross_encoder_path_must_exist(tmp_path):
     with pytest.raises(ValueError, match="not a local model directory"):
         CrossEncoderReranker(str(tmp_path / "missing"))
+
+
+def test_llm_reranker_scores_the_answering_passage_highest(tokenizer):
+    from compression.llm_score import LLMReranker
+
+    reranker = LLMReranker.from_tokenizer(tokenizer)
+    documents = [
+        Document(text="Bananas are rich in potassium and grow in tropical climates.", title="Banana"),
+        Document(text="Paris is the capital and largest city of France.", title="Paris"),
+        Document(text="Jazz developed in New Orleans in the early twentieth century.", title="Jazz"),
+    ]
+    scores = LLMReranker.score(reranker, "What is the capital of France?", as_passages(documents))
+    assert scores.shape == (3,)
+    assert int(np.argmax(scores)) == 1
