@@ -2,7 +2,8 @@
 
 Each question goes twice through the gateway — full context (policy `passthrough`) and compressed
 (policy P) — one request at a time, the order alternating per question (A B, B A, ...) so warm-up
-and neighbour noise hit both arms alike. The engine's own `prefill_ms`/`ttft_ms` (usage.ctxgate)
+and neighbour noise hit both arms alike. Every prompt starts with a unique tag, so no request is
+served from the prefix cache. The engine's own `prefill_ms`/`ttft_ms` (usage.ctxgate)
 give the saving per 1k prompt tokens removed, and a least-squares fit over every request gives the
 cost model the gateway can use to estimate savings online:
 
@@ -18,6 +19,7 @@ import asyncio
 import datetime as dt
 import json
 import platform
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -149,19 +151,23 @@ async def _measure(url: str, dataset: Dataset, policy: str, full_policy: str, wa
     client = GatewayClient(url, api_key=api_key)
     pairs: list[dict[str, Any]] = []
     errors: list[str] = []
+    run_id = uuid.uuid4().hex[:8]
     try:
         model = await client.model()
         # Warm-up requests (first-call allocations, lazy imports) are not measured. They use
         # scrambled copies of the questions so no measured prompt finds its blocks in the prefix cache.
         for example in dataset.examples[:warmup]:
-            await client.chat(scrambled_copy(example), policy, max_tokens=1)
+            await client.chat(scrambled_copy(example), policy, max_tokens=1, cache_buster=f"warm-up {run_id}")
         for index, example in enumerate(tqdm(dataset.examples, desc="bench prefill", unit="q", disable=not progress)):
             arms = [("full", full_policy), ("compressed", policy)]
             if index % 2:
                 arms.reverse()
             pair: dict[str, Any] = {"id": example.id}
             for arm, policy_name in arms:
-                chat = await client.chat(example, policy_name, max_tokens=1)
+                # A fresh prefix per request: nothing measured comes from the prefix cache, whatever
+                # this gateway served before (earlier runs, the eval, the other arm).
+                buster = f"bench {run_id} {index} {arm}"
+                chat = await client.chat(example, policy_name, max_tokens=1, cache_buster=buster)
                 sample = _sample(chat, arm, example.id)
                 if sample is None:
                     errors.append(f"{example.id} {arm}: {chat.error or 'no prefill_ms in usage.ctxgate'}")

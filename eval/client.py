@@ -19,9 +19,12 @@ SYSTEM_PROMPT = (
 )
 
 
-def question_messages(example: EvalExample) -> list[dict[str, str]]:
+def question_messages(example: EvalExample, cache_buster: str | None = None) -> list[dict[str, str]]:
+    """System prompt + question. A `cache_buster` goes first in the system prompt, so the prompt
+    shares no KV block with any earlier request (benchmarks must not be flattered by prefix caching)."""
+    system = f"[{cache_buster}] {SYSTEM_PROMPT}" if cache_buster else SYSTEM_PROMPT
     return [
-        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "system", "content": system},
         {"role": "user", "content": example.question},
     ]
 
@@ -127,11 +130,12 @@ class GatewayClient:
         overrides: dict[str, Any] | None = None,
         temperature: float = 0.0,
         max_quota_waits: int = 5,
+        cache_buster: str | None = None,
     ) -> ChatOutcome:
         """A streamed chat completion. A 429 (the tenant's quota) is waited out as its Retry-After
         says: the eval measures answers and latency, not the quota's configuration."""
         for _ in range(max_quota_waits):
-            outcome = await self._chat_once(example, policy, max_tokens, overrides, temperature)
+            outcome = await self._chat_once(example, policy, max_tokens, overrides, temperature, cache_buster)
             if outcome.retry_after_s is None:
                 return outcome
             await asyncio.sleep(min(outcome.retry_after_s, 60.0))
@@ -144,6 +148,7 @@ class GatewayClient:
         max_tokens: int,
         overrides: dict[str, Any] | None,
         temperature: float,
+        cache_buster: str | None = None,
     ) -> ChatOutcome:
         """One streamed chat completion; TTFT is the first content chunk as the client sees it."""
         outcome = ChatOutcome()
@@ -154,7 +159,7 @@ class GatewayClient:
         try:
             stream = await self._openai.chat.completions.create(
                 model=await self.model(),
-                messages=question_messages(example),  # type: ignore[arg-type]
+                messages=question_messages(example, cache_buster),  # type: ignore[arg-type]
                 max_tokens=max_tokens,
                 temperature=temperature,
                 stream=True,

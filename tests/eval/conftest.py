@@ -8,16 +8,13 @@ import pytest
 
 @pytest.fixture(scope="session")
 def eval_engine(model_dir):
-    """The in-process engine (`backend.async_engine`) when present; until the engine branch lands,
-    the gateway tests' real transformers engine over the same model."""
-    try:
-        from backend.async_engine import AsyncEngine  # noqa: I001 (first-party once the engine lands)
-        from backend.config import EngineConfig
-    except ModuleNotFoundError:
-        from tests.gateway.reference_engine import ReferenceEngine
+    """The in-process engine, shared by every gateway these tests start."""
+    from backend.async_engine import AsyncEngine
+    from backend.config import EngineConfig
 
-        return ReferenceEngine(str(model_dir))
-    return AsyncEngine(EngineConfig(model=str(model_dir)))
+    engine = AsyncEngine(EngineConfig(model=str(model_dir)))
+    yield engine
+    engine.shutdown()
 
 
 # A small budget, so a 6-passage question is really cut (with or without compression stages), and
