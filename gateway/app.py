@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from backend.api import EngineClient, GenerationRequest
+from gateway.admission import AdmissionControl, AdmissionController
 from gateway.errors import APIError, BodyTooLarge, install_error_handlers, validation_message
 from gateway.keys import KeyStore
 from gateway.metrics import GatewayMetrics
@@ -49,7 +50,8 @@ def _default_engine(settings: GatewaySettings) -> EngineClient:
     from backend.config import EngineConfig
     from backend.model_prepare import prepare_default_model
 
-    return AsyncEngine(EngineConfig(model=str(settings.model or prepare_default_model())))
+    return AsyncEngine(EngineConfig(model=str(settings.model or prepare_default_model())),
+                       max_waiting_requests=settings.engine_max_waiting_requests)
 
 
 def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
@@ -187,6 +189,8 @@ def create_app(
     install_error_handlers(app)
     _add_routes(app, gateway)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.state.admission = AdmissionController(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
+    app.add_middleware(AdmissionControl, controller=app.state.admission)
     app.add_middleware(RequestCounter, metrics=metrics)
     return app
 
@@ -259,7 +263,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        engine_ready = bool(gateway.engine.is_ready())
+        engine_ready = bool(gateway.engine.is_ready()) and not app.state.admission.draining
         store_ready = await gateway.store.ping()
         metrics.quota_store_up.set(1 if store_ready else 0)
         body = {"status": "ready" if engine_ready and store_ready else "not ready",
@@ -371,7 +375,7 @@ class _Run:
         """Text pieces; records finish reason, counts and metrics from the final delta."""
         iterator = self.gateway.engine.generate(self.generation)
         try:
-            async for delta in iterator:
+            async for delta in _bounded(iterator, self.gateway.settings.request_timeout_s, self.prepared.received_at):
                 if delta.text:
                     now = time.perf_counter()
                     self.first_token_at = self.first_token_at or now
@@ -405,6 +409,25 @@ class _Run:
                     (self.last_token_at - self.first_token_at) / (self.outcome.completion_tokens - 1)
                 )
         metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+
+
+async def _bounded(iterator: AsyncIterator[Any], timeout_s: float | None, started: float) -> AsyncIterator[Any]:
+    """`iterator`, raising TimeoutError once `timeout_s` has passed since `started` (perf_counter)."""
+    if timeout_s is None:
+        async for item in iterator:
+            yield item
+        return
+    while True:
+        remaining = started + timeout_s - time.perf_counter()
+        if remaining <= 0:
+            raise TimeoutError(f"the request took longer than {timeout_s:g}s")
+        try:
+            item = await asyncio.wait_for(anext(iterator), remaining)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise TimeoutError(f"the request took longer than {timeout_s:g}s") from None
+        yield item
 
 
 def _choice(chat: bool, text: str, finish_reason: str | None, streaming: bool) -> dict[str, Any]:
