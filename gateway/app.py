@@ -25,6 +25,7 @@ from gateway.admission import AdmissionControl, AdmissionController
 from gateway.errors import APIError, BodyTooLarge, install_error_handlers, validation_message
 from gateway.keys import KeyStore
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import document_request_bodies
 from gateway.pipeline import BudgetOnlyPipeline, Pipeline
 from gateway.quota import create_store
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -188,6 +189,7 @@ def create_app(
     app.state.gateway = gateway
     install_error_handlers(app)
     _add_routes(app, gateway)
+    document_request_bodies(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     app.state.admission = AdmissionController(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
     app.add_middleware(AdmissionControl, controller=app.state.admission)
@@ -233,6 +235,12 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"malformed JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
+    try:  # JSON escapes can smuggle lone surrogates, which no tokenizer can encode
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "malformed JSON: a string holds an unpaired UTF-16 surrogate", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     try:
