@@ -64,6 +64,8 @@ class UpstreamClient:
 
     def __init__(self, config: UpstreamConfig, served_model_name: str | None = None):
         self.config = config
+        # Until /v1/models answers, the configured name; then the upstream's own unless one was given.
+        self._name_given = bool(served_model_name or config.model)
         self.model_name = served_model_name or config.model or "upstream"
         self.max_model_len = config.max_model_len
         self._upstream_model = config.model
@@ -85,7 +87,12 @@ class UpstreamClient:
 
     # -- health --------------------------------------------------------------------------------
     def is_ready(self) -> bool:
-        return self._healthy or any(self._down_until.get(url, 0) <= time.monotonic() for url in self.config.urls)
+        return self._healthy
+
+    @property
+    def needs_health_check(self) -> bool:
+        """True until an upstream has answered /v1/models (so its model name is known)."""
+        return not self._healthy or self._upstream_model is None
 
     async def check_health(self) -> bool:
         """Ask each upstream for its models; learns the upstream model name and context length."""
@@ -103,6 +110,8 @@ class UpstreamClient:
             self._down_until.pop(url, None)
             if models and self._upstream_model is None:
                 self._upstream_model = models[0].get("id")
+            if self._upstream_model and not self._name_given:
+                self.model_name = self._upstream_model
             if models and models[0].get("max_model_len"):
                 self.max_model_len = int(models[0]["max_model_len"])
         self._healthy = healthy
@@ -169,7 +178,7 @@ class UpstreamClient:
                     await response.aclose()
                     raise EngineError(_error_message(response), status_code=response.status_code)
                 self._down_until.pop(url, None)
-                self._healthy = True
+                self._healthy = self._upstream_model is not None
                 return url, response
             self._down_until[url] = time.monotonic() + self.config.down_for_s
         self._healthy = False

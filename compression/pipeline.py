@@ -232,6 +232,13 @@ class CompressionPipeline:
         policy = ctx.policy
         keep_titles = policy.extraction.keep_titles
         trimmed = 0
+        # The passages block keeps its own cap exactly (numbering and order can shift a token).
+        while state.passages and self.counter.count(
+            render_context(state.passages, keep_titles)
+        ) > policy.documents.max_tokens:
+            if drop_lowest_sentence(state.passages) is None:
+                break
+            trimmed += 1
         while True:
             passages = [p for p in state.passages if not p.is_empty()]
             messages = build_messages(

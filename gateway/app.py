@@ -65,7 +65,7 @@ def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
     return load_tokenizer(str(settings.model or prepare_default_model()))
 
 
-def default_pipeline(tokenizer: Any, engine: EngineClient) -> Pipeline:
+def default_pipeline(tokenizer: Any, engine: EngineClient, index_dir: Any = None) -> Pipeline:
     """The compression package's pipeline; the budget-only pipeline where it is not installed."""
     try:
         from compression.pipeline import CompressionPipeline
@@ -73,7 +73,7 @@ def default_pipeline(tokenizer: Any, engine: EngineClient) -> Pipeline:
         logger.warning("compression pipeline unavailable (%s); enforcing the budget without compression", exc)
         return BudgetOnlyPipeline(tokenizer)
     # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
-    return CompressionPipeline(tokenizer, engine=engine)
+    return CompressionPipeline(tokenizer, engine=engine, index_dir=index_dir)
 
 
 def _policy_registry(settings: GatewaySettings, metrics: GatewayMetrics) -> PolicyRegistry:
@@ -130,6 +130,11 @@ class BodySizeLimit:
         return await self.app(scope, counting_receive, send)
 
 
+_COUNTED_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/ctxgate/compress", "/v1/ctxgate/policies",
+})
+
+
 class RequestCounter:
     """Counts responses by endpoint and status (pure ASGI: does not wrap streaming bodies)."""
 
@@ -141,7 +146,8 @@ class RequestCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path.startswith("/v1/") and path.count("/") <= 4 else "other"
+        # Only known routes become label values: arbitrary paths must not grow the metric.
+        endpoint = path if path in _COUNTED_PATHS else "other"
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
@@ -160,7 +166,7 @@ def create_app(
     owns_engine = engine is None
     engine = engine if engine is not None else _default_engine(settings)
     tokenizer = _tokenizer_for(settings, engine)
-    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine)
+    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine, settings.index_dir)
     gateway = Gateway(
         settings=settings, engine=engine, tokenizer=tokenizer, pipeline=pipeline,
         policies=_policy_registry(settings, metrics), keys=KeyStore(settings.keys_file),
@@ -170,6 +176,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await _maybe_call(engine, "start")
+        # Load compression models (embedder, reranker) before the first request, where supported.
+        await _maybe_call(pipeline, "warmup")
         if hasattr(engine, "check_health"):
             await engine.check_health()
         watcher = asyncio.create_task(_watch_files(gateway), name="ctxgate-reload")
@@ -218,7 +226,7 @@ async def _watch_files(gateway: Gateway) -> None:
             if await asyncio.to_thread(gateway.policies.refresh):
                 gateway.metrics.policies_loaded.set(len(gateway.policies.names()))
             await asyncio.to_thread(gateway.keys.refresh)
-            if hasattr(gateway.engine, "check_health") and not gateway.engine.is_ready() and ticks % 5 == 0:
+            if getattr(gateway.engine, "needs_health_check", False) and ticks % 3 == 0:
                 await gateway.engine.check_health()
         except Exception:  # the watcher must survive anything a file can do to it
             logger.exception("policy/keys reload failed")
@@ -232,7 +240,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     if not raw:
         raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"malformed JSON: {exc}", code="invalid_json") from None
     except RecursionError:
@@ -248,6 +256,11 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     except ValidationError as exc:
         message, param = validation_message(exc.errors(include_url=False))
         raise APIError(400, message, param=param, code="invalid_value") from None
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN and Infinity are not JSON; Python would accept them and they poison arithmetic downstream.
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _usage_wanted(body: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -281,8 +294,8 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         payload = generate_latest(metrics.registry)
-        engine_registry = getattr(gateway.engine, "metrics_registry", None) or getattr(
-            gateway.engine, "registry", None)
+        engine_metrics = getattr(gateway.engine, "metrics", None)
+        engine_registry = getattr(engine_metrics, "registry", None)
         if engine_registry is not None:
             payload += generate_latest(engine_registry)
         return Response(payload, media_type=CONTENT_TYPE_LATEST)
@@ -348,7 +361,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
             messages=prepared.result.messages, prompt_text=prepared.prompt_text,
         )
         if body.stream:
-            return _stream(gateway, prepared, generation, body.model, chat=True, include_usage=_usage_wanted(body))
+            return await _stream(gateway, prepared, generation, body.model, chat=True, include_usage=_usage_wanted(body))
         return await _complete(gateway, request, prepared, generation, body.model, chat=True)
 
     @app.post("/v1/completions")
@@ -362,7 +375,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
             prompt_text=prepared.prompt_text,
         )
         if body.stream:
-            return _stream(gateway, prepared, generation, body.model, chat=False, include_usage=_usage_wanted(body))
+            return await _stream(gateway, prepared, generation, body.model, chat=False, include_usage=_usage_wanted(body))
         return await _complete(gateway, request, prepared, generation, body.model, chat=False)
 
 
@@ -378,34 +391,60 @@ class _Run:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.finished = False
+        self._iterator: Any = None
+        self._first: Any = None
+
+    async def start(self) -> None:
+        """Open the engine stream and wait for its first delta, so a refusal becomes an HTTP status."""
+        self._iterator = _bounded(self.gateway.engine.generate(self.generation),
+                                  self.gateway.settings.request_timeout_s, self.prepared.received_at)
+        try:
+            self._first = await self._iterator.__anext__()
+        except StopAsyncIteration:
+            self._first = None
+        except BaseException:
+            await self._stop_engine()
+            raise
+
+    async def _stop_engine(self) -> None:
+        # The client went away or the backend failed: stop the work upstream.
+        with contextlib.suppress(Exception):
+            await self._iterator.aclose()
+        with contextlib.suppress(Exception):
+            await self.gateway.engine.abort(self.generation.request_id)
+
+    def _take(self, delta) -> str:
+        if delta.text:
+            now = time.perf_counter()
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+            self.outcome.text += delta.text
+        self.outcome.completion_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finished = True
+            self.outcome.finish_reason = "length" if delta.finish_reason == "length" else "stop"
+            self.outcome.prompt_tokens = delta.prompt_tokens
+            if delta.completion_tokens:
+                self.outcome.completion_tokens = delta.completion_tokens
+            self.outcome.metrics = delta.metrics
+        return delta.text
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text pieces; records finish reason, counts and metrics from the final delta."""
-        iterator = self.gateway.engine.generate(self.generation)
+        if self._iterator is None:
+            await self.start()
         try:
-            async for delta in _bounded(iterator, self.gateway.settings.request_timeout_s, self.prepared.received_at):
-                if delta.text:
-                    now = time.perf_counter()
-                    self.first_token_at = self.first_token_at or now
-                    self.last_token_at = now
-                    self.outcome.text += delta.text
-                self.outcome.completion_tokens += len(delta.token_ids)
-                if delta.finish_reason is not None:
-                    self.finished = True
-                    self.outcome.finish_reason = "length" if delta.finish_reason == "length" else "stop"
-                    self.outcome.prompt_tokens = delta.prompt_tokens
-                    if delta.completion_tokens:
-                        self.outcome.completion_tokens = delta.completion_tokens
-                    self.outcome.metrics = delta.metrics
-                if delta.text:
-                    yield delta.text
+            if self._first is not None:
+                first, self._first = self._first, None
+                if text := self._take(first):
+                    yield text
+            if not self.finished:
+                async for delta in self._iterator:
+                    if text := self._take(delta):
+                        yield text
         finally:
             if not self.finished:
-                # The client went away or the backend failed: stop the work upstream.
-                with contextlib.suppress(Exception):
-                    await iterator.aclose()
-                with contextlib.suppress(Exception):
-                    await self.gateway.engine.abort(self.generation.request_id)
+                await self._stop_engine()
 
     def observe_latency(self, endpoint: str) -> None:
         metrics = self.gateway.metrics
@@ -421,21 +460,25 @@ class _Run:
 
 async def _bounded(iterator: AsyncIterator[Any], timeout_s: float | None, started: float) -> AsyncIterator[Any]:
     """`iterator`, raising TimeoutError once `timeout_s` has passed since `started` (perf_counter)."""
-    if timeout_s is None:
-        async for item in iterator:
-            yield item
-        return
-    while True:
-        remaining = started + timeout_s - time.perf_counter()
-        if remaining <= 0:
-            raise TimeoutError(f"the request took longer than {timeout_s:g}s")
-        try:
-            item = await asyncio.wait_for(anext(iterator), remaining)
-        except StopAsyncIteration:
+    try:
+        if timeout_s is None:
+            async for item in iterator:
+                yield item
             return
-        except TimeoutError:
-            raise TimeoutError(f"the request took longer than {timeout_s:g}s") from None
-        yield item
+        while True:
+            remaining = started + timeout_s - time.perf_counter()
+            if remaining <= 0:
+                raise TimeoutError(f"the request took longer than {timeout_s:g}s")
+            try:
+                item = await asyncio.wait_for(anext(iterator), remaining)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise TimeoutError(f"the request took longer than {timeout_s:g}s") from None
+            yield item
+    finally:
+        with contextlib.suppress(Exception):
+            await iterator.aclose()  # closing the wrapper closes the engine stream (frees its blocks)
 
 
 def _choice(chat: bool, text: str, finish_reason: str | None, streaming: bool) -> dict[str, Any]:
@@ -471,7 +514,10 @@ async def _complete(
         try:
             consumer.result()
         except Exception as exc:
-            await gateway.settle(prepared, run.outcome, count_metrics=False)
+            if run.first_token_at is None:
+                await gateway.release(prepared)  # the backend did no work: give the quota back
+            else:
+                await gateway.settle(prepared, run.outcome, count_metrics=False)
             raise gateway.engine_error(exc) from None
     finally:
         disconnect.cancel()
@@ -492,11 +538,16 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def _stream(
+async def _stream(
     gateway: Gateway, prepared: Prepared, generation: GenerationRequest, model: str, chat: bool,
     include_usage: bool,
 ) -> StreamingResponse:
     run = _Run(gateway, prepared, generation)
+    try:
+        await run.start()
+    except Exception as exc:
+        await gateway.release(prepared)  # refused before any work: give the quota back
+        raise gateway.engine_error(exc) from None
     chunk_object = "chat.completion.chunk" if chat else "text_completion"
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
 

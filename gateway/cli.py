@@ -11,12 +11,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible budget gateway")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    serve.add_argument("--model", default=None,
-                       help="HF model directory for the in-process engine and tokenizer (default: SmolLM2-135M)")
     serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
     serve.add_argument("--policy-dir", default=None,
                        help="directory of policy YAML files, watched for edits (packaged policies stay available)")
     serve.add_argument("--default-policy", default="rag-default", help="policy when none is named")
+    serve.add_argument("--index-dir", default=None,
+                       help="retrieval indexes built by `ctxgate index build` (default $CTXGATE_INDEX_DIR)")
     serve.add_argument("--keys", default=None, help="keys file (YAML); without it the gateway is open")
     serve.add_argument("--upstream", action="append", default=[], metavar="URL",
                        help="OpenAI-compatible upstream instead of the in-process engine (repeat to fail over)")
@@ -34,10 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request may wait for a slot")
     serve.add_argument("--request-timeout", type=float, default=300.0,
                        help="seconds an admitted request may take; 0 for no limit (default 300)")
-    serve.add_argument("--engine-max-waiting", type=int, default=256,
-                       help="bound on the in-process engine's waiting queue (default 256)")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds to let in-flight requests finish (new ones get 503)")
+    serve.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="in-process engine: refuse new requests with 503 beyond this many waiting (default 256)")
+    _add_engine_arguments(serve)  # --model and the in-process engine's knobs, as in `engine serve`
     serve.set_defaults(func=_serve)
 
     policy = subparsers.add_parser("policy", help="validate policies and print their schema")
@@ -58,6 +59,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add.set_defaults(func=_keys_add)
 
 
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    try:
+        from backend.cli import add_engine_arguments
+    except ImportError:  # an engine package without the shared flags: the model dir is enough
+        parser.add_argument("--model", default=None, help="Hugging Face model dir (default: SmolLM2-135M)")
+        return
+    add_engine_arguments(parser)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -66,21 +76,32 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = GatewaySettings(
         host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
-        policy_dir=args.policy_dir, keys_file=args.keys, upstreams=args.upstream,
+        policy_dir=args.policy_dir, keys_file=args.keys, index_dir=args.index_dir, upstreams=args.upstream,
         upstream_model=args.upstream_model, upstream_connect_timeout_s=args.upstream_connect_timeout,
         upstream_read_timeout_s=args.upstream_read_timeout, upstream_retries=args.upstream_retries,
         redis_url=args.redis_url or None, default_policy=args.default_policy,
         max_body_bytes=args.max_body_bytes, reload_interval_s=args.reload_interval,
         max_in_flight=args.max_in_flight or None, max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
-        request_timeout_s=args.request_timeout or None, engine_max_waiting_requests=args.engine_max_waiting,
+        request_timeout_s=args.request_timeout or None, engine_max_waiting_requests=args.max_waiting_requests,
         drain_timeout_s=args.drain_timeout,
     )
     from gateway.shutdown import DrainingServer
 
-    app = create_app(settings)
+    engine = None
+    if not settings.upstreams and hasattr(args, "dtype"):
+        from backend.async_engine import AsyncEngine
+        from backend.cli import engine_config_from_args
+
+        engine = AsyncEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
+    app = create_app(settings, engine=engine)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=5)
-    DrainingServer(config, app.state.admission, settings.drain_timeout_s).run()
+    try:
+        # SIGTERM drains: new requests get 503, in-flight ones finish (bounded by --drain-timeout).
+        DrainingServer(config, app.state.admission, settings.drain_timeout_s).run()
+    finally:
+        if engine is not None:
+            engine.shutdown()
     return 0
 
 

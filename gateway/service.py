@@ -243,6 +243,10 @@ class Gateway:
             self.metrics.quota_store_up.set(0)
             logger.warning("quota reconcile lost: %s", exc)
 
+    async def release(self, prepared: Prepared) -> None:
+        """Undo a reservation's tokens and spend (the request never reached the model)."""
+        await self.reconcile(prepared.reservation, 0, 0.0)
+
     # -- the whole preparation -----------------------------------------------------------------
     async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(body.model)

@@ -20,6 +20,8 @@ class GatewaySettings:
     # Extra policy directory watched for edits; the packaged policies are always available beneath it.
     policy_dir: Path | None = None
     keys_file: Path | None = None
+    # Retrieval indexes (`ctxgate index build`); None: $CTXGATE_INDEX_DIR or ~/.cache/ctxgate/indexes.
+    index_dir: Path | None = None
     upstreams: list[str] = field(default_factory=list)
     upstream_model: str | None = None
     upstream_connect_timeout_s: float = 2.0

@@ -48,15 +48,13 @@ class ServerThread:
 
 @pytest.fixture(scope="session")
 def engine(model_dir):
-    """The in-process engine when the engine branch has landed, else the transformers reference."""
-    try:
-        from backend.async_engine import AsyncEngine
-        from backend.config import EngineConfig
-    except ModuleNotFoundError:
-        from tests.gateway.reference_engine import ReferenceEngine
+    """The real in-process engine, shared by every gateway test server in this session."""
+    from backend.async_engine import AsyncEngine
+    from backend.config import EngineConfig
 
-        return ReferenceEngine(str(model_dir))
-    return AsyncEngine(EngineConfig(model=str(model_dir)))
+    engine = AsyncEngine(EngineConfig(model=str(model_dir), kv_cache_memory_mb=64, max_model_len=2048))
+    yield engine
+    engine.shutdown()
 
 
 def wait_http(url: str, timeout_s: float = 30.0, status: int = 200) -> None:

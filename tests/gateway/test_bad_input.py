@@ -96,6 +96,7 @@ def test_new_key_works_without_restart(secured):
         (b"[1, 2]", 400, "JSON object"),
         (b'{"model": "SmolLM2-135M-Instruct"}', 400, "messages"),
         (b"\xff\xfe\x00", 400, "malformed JSON"),
+        (b'{"model": "SmolLM2-135M-Instruct", "messages": [], "temperature": NaN}', 400, "NaN"),
     ],
 )
 def test_malformed_bodies(secured, content, status, mentions):

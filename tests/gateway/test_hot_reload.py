@@ -83,3 +83,4 @@ def test_new_policy_file_becomes_available(server):
     response = _wait_for(
         lambda: (r := httpx.post(f"{server.url}/v1/ctxgate/compress", json=body, timeout=60)).status_code == 200 and r)
     assert response.json()["report"]["prompt_tokens"] <= 120
+

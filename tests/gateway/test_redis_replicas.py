@@ -143,7 +143,8 @@ def test_redis_outage_follows_on_store_error_then_recovers(gateways, redis_modul
         denied = asyncio.run(call(second, "deny"))  # on_store_error: deny
         assert denied.status_code == 503
         assert denied.json()["error"]["code"] == "quota_store_unavailable"
-        assert httpx.get(f"{first}/ready").status_code == 503
+        not_ready = httpx.get(f"{first}/ready")
+        assert not_ready.status_code == 503 and not_ready.json()["store"] is False
         metrics = httpx.get(f"{first}/metrics").text
         assert 'ctxgate:quota_store_errors_total{action="allow"} 1.0' in metrics
         assert "ctxgate:quota_store_up 0.0" in metrics

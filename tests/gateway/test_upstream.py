@@ -3,6 +3,7 @@ ctxgate gateway running the real model), with failover, streaming passthrough an
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -101,18 +102,34 @@ async def test_all_upstreams_down_is_a_clear_502():
 def test_gateway_reports_upstream_errors_as_json(tmp_path):
     settings = GatewaySettings(upstreams=[f"http://127.0.0.1:{free_port()}"], served_model_name="m",
                                upstream_model="m", upstream_connect_timeout_s=0.2, upstream_retries=0)
-    with ServerThread(create_app(settings)) as running:
+    app = create_app(settings)
+    with ServerThread(app) as running:
         response = httpx.post(f"{running.url}/v1/chat/completions", timeout=30, json={
             "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert response.status_code == 502
         assert "no upstream" in response.json()["error"]["message"]
         assert 'ctxgate:upstream_errors_total{status="502"} 1.0' in httpx.get(f"{running.url}/metrics").text
         assert httpx.get(f"{running.url}/ready").status_code == 503
-        with httpx.stream("POST", f"{running.url}/v1/chat/completions", timeout=30, json={
-                "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                "stream": True}) as stream:
-            events = [line for line in stream.iter_lines() if line.startswith("data:")]
-        assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+        # Streamed too: the engine is asked before headers go out, so the failure is a real status.
+        streamed = httpx.post(f"{running.url}/v1/chat/completions", timeout=30, json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
+        assert streamed.status_code == 502 and "no upstream" in streamed.json()["error"]["message"]
+        # Requests the backend never served give their reserved tokens back.
+        ledger = asyncio.run(app.state.gateway.store.usage("anonymous"))
+        assert ledger["tokens_today"] == 0 and ledger["spend_micros_today"] == 0
+
+
+def test_non_streamed_client_disconnect_aborts_generation(backend_server):
+    recording = backend_server.engine
+    before = len(recording.cut_short)
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{backend_server.url}/v1/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while len(recording.cut_short) == before:
+        assert time.monotonic() < deadline, "generation went on after the client left"
+        time.sleep(0.05)
 
 
 def test_config_rejects_bad_urls():

@@ -1,0 +1,71 @@
+"""Quotas through HTTP with the in-process store: 429 + Retry-After, reserve-then-reconcile, spend."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from tests.gateway.conftest import ServerThread, write_policy
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    policy_dir = tmp_path_factory.mktemp("quota")
+    write_policy(policy_dir, "rpm", "name: rpm\nmax_input_tokens: 128\nreserve_output_tokens: 2\n"
+                 "documents: {max_tokens: 64}\nquota: {requests_per_minute: 2}\n")
+    write_policy(policy_dir, "priced", "name: priced\nmax_input_tokens: 128\nreserve_output_tokens: 8\n"
+                 "documents: {max_tokens: 64}\ncost: {prompt_per_1k: 1.0, completion_per_1k: 2.0}\n"
+                 "quota: {tokens_per_day: 1000000, spend_per_day: 0.05}\n")
+    app = create_app(GatewaySettings(policy_dir=policy_dir), engine=engine)
+    with ServerThread(app) as running:
+        running.store = app.state.gateway.store
+        yield running
+
+
+def _chat(policy: str, max_tokens: int = 1) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say one word."}],
+            "max_tokens": max_tokens, "temperature": 0, "ctxgate": {"policy": policy}}
+
+
+def test_requests_per_minute_gives_429_with_retry_after(server):
+    if time.time() % 60 > 55:
+        time.sleep(61 - time.time() % 60)
+    statuses = [httpx.post(f"{server.url}/v1/ctxgate/compress", json=_chat("rpm"), timeout=60) for _ in range(3)]
+    assert [r.status_code for r in statuses] == [200, 200, 429]
+    rejected = statuses[-1]
+    assert rejected.json()["error"]["type"] == "rate_limit_error"
+    assert rejected.json()["error"]["code"] == "requests_per_minute"
+    assert 1 <= int(rejected.headers["retry-after"]) <= 60
+    assert 'ctxgate:quota_rejections_total{reason="requests_per_minute",tenant="anonymous"} 1.0' in httpx.get(
+        f"{server.url}/metrics").text
+
+
+def test_reservation_is_reconciled_to_the_real_count_and_spend(server):
+    before = asyncio.run(server.store.usage("anonymous"))
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=_chat("priced", max_tokens=8), timeout=60)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    after = asyncio.run(server.store.usage("anonymous"))
+    # Reserved prompt + 8 tokens; the ledger keeps what was really used.
+    assert after["tokens_today"] - before["tokens_today"] == usage["total_tokens"]
+    spent_micros = after["spend_micros_today"] - before["spend_micros_today"]
+    assert spent_micros == round(usage["ctxgate"]["cost"] * 1_000_000)
+    assert usage["ctxgate"]["cost"] == pytest.approx(
+        usage["prompt_tokens"] / 1000 * 1.0 + usage["completion_tokens"] / 1000 * 2.0)
+
+
+def test_spend_per_day_is_enforced(server):
+    statuses = []
+    for _ in range(60):  # ~0.03-0.05 cost units per request against a 0.05 daily budget
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=_chat("priced", max_tokens=1), timeout=60)
+        statuses.append(response.status_code)
+        if response.status_code == 429:
+            break
+    assert statuses[-1] == 429
+    assert response.json()["error"]["code"] == "spend_per_day"
+    assert int(response.headers["retry-after"]) > 0
