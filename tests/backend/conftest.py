@@ -20,6 +20,7 @@ def hf_greedy_reference(model_dir, parity_prompts) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(1)  # see make_engine: robust against busy neighbours on a 2-core box
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     outputs = []
@@ -45,7 +46,8 @@ def make_engine(model_dir):
     from backend.llm_engine import LLMEngine
 
     def build(**overrides):
-        settings = {"model": str(model_dir), "dtype": "float32", "kv_cache_memory_mb": 32}
+        # One thread: a thread pool on a shared 2-core CI box stalls whenever a neighbour runs.
+        settings = {"model": str(model_dir), "dtype": "float32", "kv_cache_memory_mb": 32, "num_threads": 1}
         settings.update(overrides)
         return LLMEngine(EngineConfig(**settings))
 
