@@ -191,6 +191,17 @@ async def run_load(url: str, *, rate_per_s: float, max_requests: int, duration_s
     return report
 
 
+def merge_reports(reports: list[LoadReport]) -> LoadReport:
+    merged = LoadReport()
+    for report in reports:
+        for name in ("sent", "accepted", "rejected_429", "rejected_503", "completed", "aborted", "errors_5xx",
+                     "hung", "elapsed_s"):
+            setattr(merged, name, getattr(merged, name) + getattr(report, name))
+        merged.statuses.update(report.statuses)
+        merged.problems.extend(report.problems)
+    return merged
+
+
 def rss_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         small_engine_config,
         wait_until_idle,
     )
-    from tests.reliability.loadgen import measure_capacity, rss_bytes, run_load
+    from tests.reliability.loadgen import measure_capacity, merge_reports, rss_bytes, run_load
 
     engine = AsyncEngine(small_engine_config(prepare_default_model()), max_waiting_requests=4)
     with tempfile.TemporaryDirectory() as root:
@@ -49,8 +49,14 @@ def main(argv: list[str] | None = None) -> int:
             wait_until_idle(engine)
             rss_start = rss_bytes()
             started = time.monotonic()
-            report = asyncio.run(run_load(server.url, rate_per_s=args.factor * capacity,
-                                          max_requests=args.max_requests, duration_s=args.duration, seed=args.seed))
+            # Three equal segments, RSS after each: growth that continues after the first is a leak.
+            segments, rss_after = [], []
+            for part in range(3):
+                segments.append(asyncio.run(run_load(
+                    server.url, rate_per_s=args.factor * capacity, max_requests=args.max_requests // 3,
+                    duration_s=args.duration / 3, seed=args.seed + 10 * part)))
+                rss_after.append(round(rss_bytes() / 2**20, 1))
+            report = merge_reports(segments)
             try:
                 wait_until_idle(engine, timeout_s=60)
             except AssertionError as exc:
@@ -64,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         **report.figures(), "leaked_kv_blocks": stats.num_kv_blocks_total - stats.num_kv_blocks_free,
         "kv_blocks_total": stats.num_kv_blocks_total, "preemptions": stats.num_preemptions,
         "in_flight_at_end": admission.in_flight, "rss_start_mib": round(rss_start / 2**20, 1),
-        "rss_end_mib": round(rss_end / 2**20, 1), "wall_s": round(time.monotonic() - started, 1),
+        "rss_end_mib": round(rss_end / 2**20, 1), "rss_after_each_third_mib": rss_after, "wall_s": round(time.monotonic() - started, 1),
     }
     print(json.dumps(figures, indent=2))
     for problem in report.problems[:20]:
         print("problem:", problem, file=sys.stderr)
     ok = (not report.problems and report.errors_5xx == 0 and figures["leaked_kv_blocks"] == 0
-          and admission.in_flight == 0 and rss_end - rss_start < 200 * 2**20)
+          and admission.in_flight == 0 and not engine.engine.sequences
+          and rss_end - rss_start < 200 * 2**20 and rss_after[2] - rss_after[1] < 50)
     print("soak: OK" if ok else "soak: FAILED", file=sys.stderr)
     return 0 if ok else 1
 

@@ -45,5 +45,6 @@ def test_twice_capacity_sheds_load_and_leaks_nothing(loaded_gateway, small_engin
     assert admission.in_flight == 0 and admission.stats().queued == 0
     stats = small_engine.stats()
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+    assert small_engine.engine.sequences == {}  # no finished or aborted request left behind
     growth = rss_bytes() - rss_start
     assert growth < 150 * 1024 * 1024, f"RSS grew {growth / 2**20:.0f} MiB under load"
