@@ -41,5 +41,9 @@ eval: model
 	$(VENV)/bin/ctxgate eval run --dataset ../shared/data/eval/nq-multidoc-dev.jsonl \
 		--policy passthrough --policy rag-default --out eval-out
 
+# Long load test (default 180 s of load at 2x measured capacity); prints the figures. SOAK_ARGS to tune.
+soak: model
+	$(PY) -m tests.reliability.soak $(SOAK_ARGS)
+
 clean:
 	rm -rf $(VENV) bench-out eval-out

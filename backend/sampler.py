@@ -6,6 +6,8 @@ import torch
 
 from backend.sequence import Sequence
 
+GREEDY_TEMPERATURE = 1e-5
+
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask (to -inf) the tokens outside top-k and outside the top-p nucleus of a 1-D logits row."""
@@ -17,6 +19,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # Drop a token when the tokens before it already reach top_p (the top token always stays).
         remove_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        remove_sorted[0] = False  # even when top_p underflows to 0 in float32
         remove = torch.zeros_like(remove_sorted).scatter(0, sorted_indices, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits
@@ -30,7 +33,8 @@ def sample(logits: torch.Tensor, sequences: list[Sequence]) -> list[int]:
     tokens: list[int] = []
     for row, seq in enumerate(sequences):
         params = seq.sampling
-        if params.temperature == 0 or params.top_k == 1:
+        # A temperature this small overflows logits / temperature into inf (NaN probabilities): greedy.
+        if params.temperature < GREEDY_TEMPERATURE or params.top_k == 1:
             tokens.append(greedy_ids[row])
             continue
         row_logits = logits[row].float().cpu() / params.temperature

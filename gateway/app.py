@@ -21,9 +21,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from backend.api import EngineClient, GenerationRequest
+from gateway.admission import AdmissionControl, AdmissionController
 from gateway.errors import APIError, BodyTooLarge, install_error_handlers, validation_message
 from gateway.keys import KeyStore
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import document_request_bodies
 from gateway.pipeline import BudgetOnlyPipeline, Pipeline
 from gateway.quota import create_store
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -49,7 +51,8 @@ def _default_engine(settings: GatewaySettings) -> EngineClient:
     from backend.config import EngineConfig
     from backend.model_prepare import prepare_default_model
 
-    return AsyncEngine(EngineConfig(model=str(settings.model or prepare_default_model())))
+    return AsyncEngine(EngineConfig(model=str(settings.model or prepare_default_model())),
+                       max_waiting_requests=settings.engine_max_waiting_requests)
 
 
 def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
@@ -194,7 +197,10 @@ def create_app(
     app.state.gateway = gateway
     install_error_handlers(app)
     _add_routes(app, gateway)
+    document_request_bodies(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.state.admission = AdmissionController(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
+    app.add_middleware(AdmissionControl, controller=app.state.admission)
     app.add_middleware(RequestCounter, metrics=metrics)
     return app
 
@@ -237,6 +243,12 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"malformed JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
+    try:  # JSON escapes can smuggle lone surrogates, which no tokenizer can encode
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "malformed JSON: a string holds an unpaired UTF-16 surrogate", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     try:
@@ -272,7 +284,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        engine_ready = bool(gateway.engine.is_ready())
+        engine_ready = bool(gateway.engine.is_ready()) and not app.state.admission.draining
         store_ready = await gateway.store.ping()
         metrics.quota_store_up.set(1 if store_ready else 0)
         body = {"status": "ready" if engine_ready and store_ready else "not ready",
@@ -384,7 +396,8 @@ class _Run:
 
     async def start(self) -> None:
         """Open the engine stream and wait for its first delta, so a refusal becomes an HTTP status."""
-        self._iterator = self.gateway.engine.generate(self.generation)
+        self._iterator = _bounded(self.gateway.engine.generate(self.generation),
+                                  self.gateway.settings.request_timeout_s, self.prepared.received_at)
         try:
             self._first = await self._iterator.__anext__()
         except StopAsyncIteration:
@@ -443,6 +456,29 @@ class _Run:
                     (self.last_token_at - self.first_token_at) / (self.outcome.completion_tokens - 1)
                 )
         metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+
+
+async def _bounded(iterator: AsyncIterator[Any], timeout_s: float | None, started: float) -> AsyncIterator[Any]:
+    """`iterator`, raising TimeoutError once `timeout_s` has passed since `started` (perf_counter)."""
+    try:
+        if timeout_s is None:
+            async for item in iterator:
+                yield item
+            return
+        while True:
+            remaining = started + timeout_s - time.perf_counter()
+            if remaining <= 0:
+                raise TimeoutError(f"the request took longer than {timeout_s:g}s")
+            try:
+                item = await asyncio.wait_for(anext(iterator), remaining)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise TimeoutError(f"the request took longer than {timeout_s:g}s") from None
+            yield item
+    finally:
+        with contextlib.suppress(Exception):
+            await iterator.aclose()  # closing the wrapper closes the engine stream (frees its blocks)
 
 
 def _choice(chat: bool, text: str, finish_reason: str | None, streaming: bool) -> dict[str, Any]:

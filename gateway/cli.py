@@ -28,8 +28,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="shared quota store (default: $REDIS_URL; in-process when unset)")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     serve.add_argument("--reload-interval", type=float, default=1.0, help="seconds between policy file checks")
-    serve.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="in-process engine: refuse new requests with 503 beyond this many waiting")
+    serve.add_argument("--max-in-flight", type=int, default=64,
+                       help="generation requests running at once; 0 for no limit (default 64)")
+    serve.add_argument("--max-queued", type=int, default=64, help="requests waiting for a slot before 503s")
+    serve.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request may wait for a slot")
+    serve.add_argument("--request-timeout", type=float, default=300.0,
+                       help="seconds an admitted request may take; 0 for no limit (default 300)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds to let in-flight requests finish (new ones get 503)")
+    serve.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="in-process engine: refuse new requests with 503 beyond this many waiting (default 256)")
     _add_engine_arguments(serve)  # --model and the in-process engine's knobs, as in `engine serve`
     serve.set_defaults(func=_serve)
 
@@ -73,7 +81,12 @@ def _serve(args: argparse.Namespace) -> int:
         upstream_read_timeout_s=args.upstream_read_timeout, upstream_retries=args.upstream_retries,
         redis_url=args.redis_url or None, default_policy=args.default_policy,
         max_body_bytes=args.max_body_bytes, reload_interval_s=args.reload_interval,
+        max_in_flight=args.max_in_flight or None, max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
+        request_timeout_s=args.request_timeout or None, engine_max_waiting_requests=args.max_waiting_requests,
+        drain_timeout_s=args.drain_timeout,
     )
+    from gateway.shutdown import DrainingServer
+
     engine = None
     if not settings.upstreams and hasattr(args, "dtype"):
         from backend.async_engine import AsyncEngine
@@ -81,8 +94,11 @@ def _serve(args: argparse.Namespace) -> int:
 
         engine = AsyncEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
     app = create_app(settings, engine=engine)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+        # SIGTERM drains: new requests get 503, in-flight ones finish (bounded by --drain-timeout).
+        DrainingServer(config, app.state.admission, settings.drain_timeout_s).run()
     finally:
         if engine is not None:
             engine.shutdown()

@@ -24,6 +24,7 @@ from gateway.keys import KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
+from gateway.sanitize import Neutraliser
 from gateway.schemas import ChatCompletionRequest, CtxgateExtras, _SamplingFields
 from gateway.settings import GatewaySettings
 from policies.loader import PolicyRegistry, apply_overrides
@@ -80,6 +81,7 @@ class Gateway:
         self.keys = keys
         self.store = store
         self.metrics = metrics
+        self.neutraliser = Neutraliser(tokenizer)
 
     # -- identity and policy -------------------------------------------------------------------
     @property
@@ -136,13 +138,15 @@ class Gateway:
         self, body: ChatCompletionRequest, tenant: Tenant, policy: Policy
     ) -> tuple[list[dict[str, Any]], CompressionResult]:
         try:
-            messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+            # Client text may not forge control tokens or context markers (gateway/sanitize.py).
+            messages = [{"role": m.role, "content": self.neutraliser.text(m.text())} | ({"name": m.name} if m.name else {})
                         for m in body.messages]
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages", code="unsupported_content") from None
         extras = body.ctxgate or CtxgateExtras()
         documents = [
-            Document(text=d.text, id=None if d.id is None else str(d.id), title=d.title, score=d.score)
+            Document(text=self.neutraliser.document(d.text), id=None if d.id is None else str(d.id),
+                     title=None if d.title is None else self.neutraliser.document(d.title), score=d.score)
             for d in extras.documents or []
         ]
         retrieval = RetrievalSpec(extras.retrieval.index, extras.retrieval.top_n) if extras.retrieval else None
@@ -329,7 +333,12 @@ class Gateway:
     def engine_error(self, exc: Exception) -> APIError:
         if isinstance(exc, EngineError):
             self.metrics.upstream_errors.labels(str(exc.status_code)).inc()
-            return APIError(exc.status_code, str(exc), code="engine_error")
+            # An engine refusing for load is the documented overload answer: tell clients when to retry.
+            retry = {"Retry-After": "1"} if exc.status_code in (429, 503) else None
+            return APIError(exc.status_code, str(exc), code="overloaded" if retry else "engine_error", headers=retry)
+        if isinstance(exc, TimeoutError):
+            self.metrics.upstream_errors.labels("504").inc()
+            return APIError(504, str(exc) or "the request timed out", code="timeout")
         self.metrics.upstream_errors.labels("502").inc()
         logger.exception("model backend failed")
         return APIError(502, f"model backend failed: {exc.__class__.__name__}: {exc}", code="upstream_error")

@@ -32,6 +32,17 @@ class GatewaySettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     reload_interval_s: float = 1.0
     include_packaged_policies: bool = True
+    # Admission control (gateway/admission.py): requests running at once, how many more may wait for
+    # a slot and for how long; beyond that the answer is 503 + Retry-After. None: no limit.
+    max_in_flight: int | None = 64
+    max_queued: int = 64
+    queue_timeout_s: float = 10.0
+    # Whole-request limit once admitted (generation included); None: no limit. Over it: 504.
+    request_timeout_s: float | None = 300.0
+    # Bound on the in-process engine's waiting queue (beyond it the engine refuses with 503).
+    engine_max_waiting_requests: int | None = 256
+    # On SIGTERM: refuse new requests with 503 and wait up to this long for in-flight ones.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy_dir is not None:

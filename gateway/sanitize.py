@@ -1,0 +1,43 @@
+"""Neutralise client text that could forge prompt structure.
+
+The prompt is rendered as text and then tokenized, so a document (or message) containing a
+control-token string such as `<|im_end|>` would become a real control token and let retrieved text
+close its turn and open a `system` turn. Every special-token string of the model's tokenizer is
+broken with a zero-width space, which the tokenizer then reads as ordinary text. Documents also
+cannot fake the context block's own markers ("Documents:", "Question:", "[n]" passage headers) at
+the start of a line: such lines are quoted so the real question stays the only one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+ZERO_WIDTH_SPACE = "\u200b"
+_STRUCTURE_LINE = re.compile(
+    r"^(\s*)(documents:|question:|summary of the earlier conversation:|\[\d+\])", re.IGNORECASE | re.MULTILINE
+)
+
+
+class Neutraliser:
+    def __init__(self, tokenizer: Any):
+        hf = getattr(tokenizer, "hf", None)
+        specials: set[str] = set()
+        if hf is not None:
+            specials.update(str(token) for token in getattr(hf, "all_special_tokens", []) or [])
+            for added in (getattr(hf, "added_tokens_decoder", None) or {}).values():
+                if getattr(added, "special", False):
+                    specials.add(str(added.content))
+        # Longest first so a token that contains another is broken as a whole.
+        self.special_tokens = sorted((s for s in specials if len(s) > 1), key=len, reverse=True)
+
+    def text(self, value: str) -> str:
+        """Client text with every special-token string made inert."""
+        for token in self.special_tokens:
+            if token in value:
+                value = value.replace(token, token[0] + ZERO_WIDTH_SPACE + token[1:])
+        return value
+
+    def document(self, value: str) -> str:
+        """A passage: inert special tokens, and no line that mimics the context block's markers."""
+        return _STRUCTURE_LINE.sub(lambda m: f"{m.group(1)}> {m.group(2)}", self.text(value))
