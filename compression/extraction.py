@@ -26,6 +26,7 @@ PASSAGE_WEIGHT = 0.20
 # Sharpness of value = exp((score - best) / temperature): the knapsack should prefer one strong
 # sentence over several weak ones of the same total cost.
 VALUE_TEMPERATURE = 0.12
+FEEDBACK_WEIGHT = 0.9  # a second-hop match counts a little less than a direct one
 
 
 def lexical_overlap(question: str, texts: list[str]) -> np.ndarray:
@@ -64,6 +65,7 @@ def score_sentences(
     question_vector: np.ndarray,
     passages: list[Passage],
     embed: Callable[[list[str]], np.ndarray],
+    expand_query: bool = False,
 ) -> list[SentenceUnit]:
     units: list[SentenceUnit] = []
     for passage_index, passage in enumerate(passages):
@@ -82,6 +84,18 @@ def score_sentences(
             + LEXICAL_WEIGHT * lexical[position]
             + PASSAGE_WEIGHT * passage_scores[unit.passage_index]
         )
+    if expand_query and len(units) > 1:
+        best = max(units, key=lambda unit: unit.score)
+        title = passages[best.passage_index].title or ""
+        expanded = f"{question} {title} {best.text}"
+        expanded_vector = embed([expanded])[0]
+        semantic2 = minmax((vectors @ expanded_vector).astype(np.float64))
+        lexical2 = lexical_overlap(expanded, [unit.text for unit in units])
+        for position, unit in enumerate(units):
+            if unit.passage_index == best.passage_index:
+                continue
+            second = EMBEDDING_WEIGHT * semantic2[position] + LEXICAL_WEIGHT * lexical2[position]
+            unit.score = max(unit.score, FEEDBACK_WEIGHT * (second + PASSAGE_WEIGHT))
     for passage_index, passage in enumerate(passages):
         scores = [0.0] * len(passage.sentences or [])
         for unit in units:

@@ -41,7 +41,9 @@ class LLMReranker:
     def from_tokenizer(cls, tokenizer: Any) -> LLMReranker:
         model_dir = getattr(tokenizer, "model_dir", None)
         if model_dir is None:
-            raise ValueError("rerank.method 'llm' needs the built-in backend model (its tokenizer has no model_dir)")
+            raise ValueError(
+                "rerank.method 'llm' needs the built-in backend model (its tokenizer has no model_dir)"
+            )
         return cls(model_dir)
 
     def score(self, question: str, passages: list[Passage]) -> np.ndarray:
@@ -56,7 +58,8 @@ class LLMReranker:
                 text = f"{passage.title}. {passage.body()}" if passage.title else passage.body()
                 passage_ids = self.tokenizer.encode(text, add_special_tokens=False)[: self.max_passage_tokens]
                 prefix = self.tokenizer.encode(
-                    PROMPT_TEMPLATE.format(passage=self.tokenizer.decode(passage_ids)), add_special_tokens=False
+                    PROMPT_TEMPLATE.format(passage=self.tokenizer.decode(passage_ids)),
+                    add_special_tokens=False,
                 )
                 sequences.append((prefix, prefix + question_ids))
             width = max(len(ids) for _, ids in sequences)

@@ -46,7 +46,7 @@ def make_policy(budget: int, args: argparse.Namespace):
         max_input_tokens=max(budget + 256, 512),
         documents={"max_tokens": budget},
         rerank={"top_k": args.top_k, "method": args.method},
-        extraction={"neighbours": args.neighbours},
+        extraction={"neighbours": args.neighbours, "expand_query": args.expand_query},
     )
 
 
@@ -157,7 +157,12 @@ async def main_async(args: argparse.Namespace) -> None:
 
     tokenizer = load_tokenizer(str(args.model_dir or prepare_default_model()))
     pipeline = CompressionPipeline(tokenizer)
-    common = {"data": Path(args.data).name, "top_k": args.top_k, "method": args.method}
+    common = {
+        "data": Path(args.data).name,
+        "top_k": args.top_k,
+        "method": args.method,
+        "expand_query": args.expand_query,
+    }
     if args.limit:
         rows = load_rows(args.data, args.limit)
         for ratio in [float(r) for r in args.ratios.split(",")]:
@@ -180,6 +185,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--method", default="embedding-bm25")
     parser.add_argument("--neighbours", type=int, default=0)
+    parser.add_argument("--expand-query", action="store_true", help="multi-hop query expansion")
     parser.add_argument("--model-dir", default=None)
     asyncio.run(main_async(parser.parse_args()))
 

@@ -268,7 +268,11 @@ class ExtractionStage(Stage):
         if policy.enabled and policy.unit == "sentence":
             ensure_sentences(ctx, state.passages)
             units = score_sentences(
-                state.question_text, ctx.question_vector(state), state.passages, ctx.services.embedder.embed
+                state.question_text,
+                ctx.question_vector(state),
+                state.passages,
+                ctx.services.embedder.embed,
+                policy.expand_query,
             )
             select_sentences(
                 units,

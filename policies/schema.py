@@ -51,6 +51,9 @@ class ExtractionPolicy(_Section):
     unit: Literal["sentence", "passage"] = "sentence"
     neighbours: int = Field(0, ge=0)
     keep_titles: bool = True
+    # Multi-hop questions: score sentences again against the question plus the best sentence
+    # found so far (pseudo-relevance feedback), so the bridge passage is found too.
+    expand_query: bool = False
 
 
 class AssemblyPolicy(_Section):
