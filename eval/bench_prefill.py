@@ -157,7 +157,7 @@ async def _measure(url: str, dataset: Dataset, policy: str, full_policy: str, wa
         # Warm-up requests (first-call allocations, lazy imports) are not measured. They use
         # scrambled copies of the questions so no measured prompt finds its blocks in the prefix cache.
         for example in dataset.examples[:warmup]:
-            await client.chat(scrambled_copy(example), policy, max_tokens=1, cache_buster=f"warm-up {run_id}")
+            await client.chat(scrambled_copy(example), policy, max_tokens=1, cache_buster=f"{uuid.uuid4().hex[:12]} warm-up")
         for index, example in enumerate(tqdm(dataset.examples, desc="bench prefill", unit="q", disable=not progress)):
             arms = [("full", full_policy), ("compressed", policy)]
             if index % 2:
@@ -166,7 +166,8 @@ async def _measure(url: str, dataset: Dataset, policy: str, full_policy: str, wa
             for arm, policy_name in arms:
                 # A fresh prefix per request: nothing measured comes from the prefix cache, whatever
                 # this gateway served before (earlier runs, the eval, the other arm).
-                buster = f"bench {run_id} {index} {arm}"
+                # (the unique part first: the first KV block must already differ)
+                buster = f"{uuid.uuid4().hex[:12]} bench {run_id} {index} {arm}"
                 chat = await client.chat(example, policy_name, max_tokens=1, cache_buster=buster)
                 sample = _sample(chat, arm, example.id)
                 if sample is None:
