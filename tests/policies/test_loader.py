@@ -84,7 +84,7 @@ def test_policy_schema_cli():
 def test_overrides_only_where_allowed():
     policy = load_policy_file(packaged_policy_dir() / "rag-default.yaml")
     changed = apply_overrides(policy, {"documents.max_tokens": 300})
-    assert changed.documents.max_tokens == 300 and policy.documents.max_tokens == 1200
+    assert changed.documents.max_tokens == 300 and policy.documents.max_tokens == 560
     with pytest.raises(ValueError, match="does not allow"):
         apply_overrides(policy, {"max_input_tokens": 100000})
     with pytest.raises(ValueError, match="max_tokens"):
