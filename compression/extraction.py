@@ -74,8 +74,19 @@ def score_sentences(
                 units.append(SentenceUnit(passage_index, sentence_index, sentence, 0.0))
     if not units:
         return units
-    vectors = embed([unit.text for unit in units])
-    semantic = minmax((vectors @ question_vector).astype(np.float64))
+    # Only the pre-filter's candidates are embedded; the others keep a zero vector (semantic 0).
+    wanted = [
+        position
+        for position, unit in enumerate(units)
+        if passages[unit.passage_index].embed_sentences is None
+        or unit.sentence_index in passages[unit.passage_index].embed_sentences
+    ]
+    vectors = np.zeros((len(units), len(question_vector)), dtype=np.float32)
+    if wanted:
+        vectors[wanted] = embed([units[i].text for i in wanted])
+    semantic = np.zeros(len(units))
+    if wanted:
+        semantic[wanted] = minmax((vectors[wanted] @ question_vector).astype(np.float64))
     lexical = lexical_overlap(question, [unit.text for unit in units])
     passage_scores = minmax(np.array([p.score for p in passages], dtype=np.float64))
     for position, unit in enumerate(units):
@@ -89,7 +100,9 @@ def score_sentences(
         title = passages[best.passage_index].title or ""
         expanded = f"{question} {title} {best.text}"
         expanded_vector = embed([expanded])[0]
-        semantic2 = minmax((vectors @ expanded_vector).astype(np.float64))
+        semantic2 = np.zeros(len(units))
+        if wanted:
+            semantic2[wanted] = minmax((vectors[wanted] @ expanded_vector).astype(np.float64))
         lexical2 = lexical_overlap(expanded, [unit.text for unit in units])
         for position, unit in enumerate(units):
             if unit.passage_index == best.passage_index:

@@ -57,8 +57,13 @@ def bm25_scores(query: str, documents: list[str]) -> np.ndarray:
 def live_sentences(passage: Passage) -> list[str]:
     sentences = passage.sentences or [passage.text]
     if passage.kept_sentences is not None:
-        return [sentences[i] for i in sorted(passage.kept_sentences)]
-    return [s for i, s in enumerate(sentences) if i not in passage.removed_sentences]
+        indices = sorted(passage.kept_sentences)
+    else:
+        indices = [i for i in range(len(sentences)) if i not in passage.removed_sentences]
+    if passage.embed_sentences is not None:
+        # The lexical pre-filter chose which sentences are worth an embedding.
+        indices = [i for i in indices if i in passage.embed_sentences]
+    return [sentences[i] for i in indices]
 
 
 def combine_vectors(sentence_vectors: np.ndarray, title_vector: np.ndarray | None) -> np.ndarray:
@@ -67,7 +72,7 @@ def combine_vectors(sentence_vectors: np.ndarray, title_vector: np.ndarray | Non
     Built from sentence vectors, which extraction needs anyway, so a passage costs one embedding
     pass instead of two (the model call dominates compression time on a cold cache).
     """
-    total = sentence_vectors.sum(axis=0)
+    total = sentence_vectors.sum(axis=0) if len(sentence_vectors) else np.zeros(sentence_vectors.shape[1])
     if title_vector is not None:
         total = total + title_vector
     norm = float(np.linalg.norm(total))
@@ -78,7 +83,7 @@ def passage_vectors(embedder: Embedder, passages: list[Passage]) -> np.ndarray:
     """(len(passages), dim); passages must already be split into sentences."""
     if not passages:
         return np.zeros((0, embedder.dimension), dtype=np.float32)
-    per_passage = [live_sentences(p) or [p.text] for p in passages]
+    per_passage = [live_sentences(p) or ([] if p.title else [p.text]) for p in passages]
     titles = [p.title for p in passages if p.title]
     flat = [s for sentences in per_passage for s in sentences]
     vectors = embedder.embed(flat + titles)

@@ -23,6 +23,7 @@ from compression.extraction import (
     values_from_scores,
 )
 from compression.knapsack import knapsack
+from compression.prefilter import mark_embedding_candidates
 from compression.rerank import (
     BM25Reranker,
     CrossEncoderReranker,
@@ -74,6 +75,17 @@ def ensure_sentences(ctx: StageContext, passages: list[Passage]) -> None:
     for passage in passages:
         if passage.sentences is None:
             passage.sentences = ctx.services.splitter.split(passage.text) or [passage.text]
+
+
+def ensure_candidates(ctx: StageContext, state: PipelineState) -> None:
+    """Run the lexical pre-filter once per request, before anything is embedded."""
+    if ctx.notes.get("prefiltered") or state.retrieval is not None:
+        return  # retrieved passages bring their vectors from the index: embedding them is free
+    ctx.notes["prefiltered"] = True
+    ensure_sentences(ctx, state.passages)
+    ctx.notes["not_embedded"] = mark_embedding_candidates(
+        state.question_text, state.passages, documents_budget(state, ctx)
+    )
 
 
 class Stage:
@@ -181,7 +193,7 @@ class DedupStage(Stage):
         texts = [passage_text_for_scoring(p) for p in state.passages]
         vectors = None
         if embedder is not None:
-            ensure_sentences(ctx, state.passages)
+            ensure_candidates(ctx, state)
             vectors = passage_vectors(embedder, state.passages)
         priority = [p.document.score if p.document.score is not None else 0.0 for p in state.passages]
         dropped = duplicate_indices(texts, vectors, policy.exact, near, priority)
@@ -192,7 +204,17 @@ class DedupStage(Stage):
             ensure_sentences(ctx, state.passages)
             owners = [(pi, si) for pi, p in enumerate(state.passages) for si in range(len(p.sentences or []))]
             sentences = [state.passages[pi].sentences[si] for pi, si in owners]
-            sentence_vectors = embedder.embed(sentences) if embedder is not None else None
+            sentence_vectors = None
+            if embedder is not None:
+                # Sentences the pre-filter left out get a zero vector: exact dedup only.
+                wanted = [
+                    position
+                    for position, (pi, si) in enumerate(owners)
+                    if state.passages[pi].embed_sentences is None or si in state.passages[pi].embed_sentences
+                ]
+                sentence_vectors = np.zeros((len(sentences), embedder.dimension), dtype=np.float32)
+                if wanted:
+                    sentence_vectors[wanted] = embedder.embed([sentences[i] for i in wanted])
             sentence_priority = [priority_of(state.passages[pi]) for pi, _ in owners]
             dropped_sentences = duplicate_indices(
                 sentences, sentence_vectors, policy.exact, near, sentence_priority
@@ -236,7 +258,7 @@ class RerankStage(Stage):
         if not state.passages:
             return report
         before = passages_tokens(ctx.counter, state.passages)
-        ensure_sentences(ctx, state.passages)
+        ensure_candidates(ctx, state)
         scores = self.reranker(ctx).score(state.question_text, state.passages)
         for passage, score in zip(state.passages, scores, strict=True):
             passage.score = float(score)
@@ -266,7 +288,7 @@ class ExtractionStage(Stage):
         if ctx.counter.count(render_context(state.passages, keep_titles)) <= budget:
             return report
         if policy.enabled and policy.unit == "sentence":
-            ensure_sentences(ctx, state.passages)
+            ensure_candidates(ctx, state)
             units = score_sentences(
                 state.question_text,
                 ctx.question_vector(state),

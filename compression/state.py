@@ -31,6 +31,8 @@ class Passage:
     sentence_scores: list[float] | None = None
     removed_sentences: set[int] = field(default_factory=set)  # dedup
     kept_sentences: list[int] | None = None  # extraction; None keeps every (non-removed) sentence
+    # Lexical pre-filter: the sentences worth an embedding (None: all of them).
+    embed_sentences: set[int] | None = None
 
     @property
     def text(self) -> str:

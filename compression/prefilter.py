@@ -1,0 +1,56 @@
+"""Cheap lexical pre-filter: which sentences are worth an embedding.
+
+Embedding every sentence dominates compression time on a cold cache, yet the block budget is a
+fraction of the input, so most sentences can never be sent. Sentences are ranked by IDF-weighted
+overlap with the question plus their passage's BM25 score, and only the best ones, worth a multiple
+of the budget in (estimated) tokens, are embedded; the rest keep their lexical score alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compression.rerank import bm25_scores, minmax, passage_text_for_scoring
+from compression.state import Passage
+
+# Embedded text ~ this multiple of the budget (or this share of the input, whichever is larger).
+BUDGET_MULTIPLE = 1.5
+MIN_SHARE = 0.3
+PASSAGE_WEIGHT = 0.5  # how much a sentence inherits from its passage's lexical match
+CHARS_PER_TOKEN = 4.0  # estimate only: the selection does not need exact counts
+
+
+def estimated_tokens(text: str) -> float:
+    return len(text) / CHARS_PER_TOKEN + 1
+
+
+def mark_embedding_candidates(question: str, passages: list[Passage], budget_tokens: int) -> int:
+    """Set `embed_sentences` on every passage; return how many sentences were left out."""
+    from compression.extraction import lexical_overlap
+
+    units = [
+        (passage_index, sentence_index, sentence)
+        for passage_index, passage in enumerate(passages)
+        for sentence_index, sentence in enumerate(passage.sentences or [passage.text])
+        if sentence_index not in passage.removed_sentences
+    ]
+    total = sum(estimated_tokens(text) for _, _, text in units)
+    allowance = max(BUDGET_MULTIPLE * budget_tokens, MIN_SHARE * total)
+    for passage in passages:
+        passage.embed_sentences = None
+    if total <= allowance:
+        return 0
+    lexical = lexical_overlap(question, [text for _, _, text in units])
+    passage_lexical = minmax(bm25_scores(question, [passage_text_for_scoring(p) for p in passages]))
+    scores = lexical + PASSAGE_WEIGHT * np.array([passage_lexical[p] for p, _, _ in units])
+    chosen: dict[int, set[int]] = {index: set() for index in range(len(passages))}
+    spent = 0.0
+    for position in np.argsort(-scores, kind="stable"):
+        passage_index, sentence_index, text = units[position]
+        if spent >= allowance:
+            break
+        chosen[passage_index].add(sentence_index)
+        spent += estimated_tokens(text)
+    for passage_index, passage in enumerate(passages):
+        passage.embed_sentences = chosen[passage_index]
+    return len(units) - sum(len(s) for s in chosen.values())
