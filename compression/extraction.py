@@ -8,6 +8,7 @@ the block budget; sentences are then emitted in their original order, passage ti
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,12 @@ PASSAGE_WEIGHT = 0.20
 # Sharpness of value = exp((score - best) / temperature): the knapsack should prefer one strong
 # sentence over several weak ones of the same total cost.
 VALUE_TEMPERATURE = 0.12
+# Second hop by title mention: how many first-hop passages are read for titles, how many opening
+# sentences of a bridge passage are lifted, and how far below the best sentence they land.
+BRIDGE_SOURCES = 1
+REVERSE_SOURCES = 1
+BRIDGE_SENTENCES = 3
+BRIDGE_GAP = 0.05
 FEEDBACK_WEIGHT = 0.9  # a second-hop match counts a little less than a direct one
 
 
@@ -109,6 +116,8 @@ def score_sentences(
                 continue
             second = EMBEDDING_WEIGHT * semantic2[position] + LEXICAL_WEIGHT * lexical2[position]
             unit.score = max(unit.score, FEEDBACK_WEIGHT * (second + PASSAGE_WEIGHT))
+    if expand_query and len(passages) > 1:
+        boost_bridge_passages(units, passages)
     for passage_index, passage in enumerate(passages):
         scores = [0.0] * len(passage.sentences or [])
         for unit in units:
@@ -116,6 +125,42 @@ def score_sentences(
                 scores[unit.sentence_index] = unit.score
         passage.sentence_scores = scores
     return units
+
+
+def title_core(title: str) -> str:
+    """'Boston, Lincolnshire' -> 'boston'; 'Kiss and Tell (1945 film)' -> 'kiss and tell'."""
+    return title.split(" (")[0].split(", ")[0].strip().lower()
+
+
+def mentions(text: str, phrase: str) -> bool:
+    return re.search(rf"\b{re.escape(phrase)}\b", text) is not None
+
+
+def boost_bridge_passages(units: list[SentenceUnit], passages: list[Passage]) -> None:
+    """Second hop: a passage whose title the best first-hop passages mention is the bridge a
+    multi-hop question needs, however little it shares with the question; its opening sentences
+    (where an entity is defined) are scored just below the best first-hop sentence."""
+    best_of: dict[int, float] = {}
+    for unit in units:
+        best_of[unit.passage_index] = max(best_of.get(unit.passage_index, 0.0), unit.score)
+    hop_sources = sorted(best_of, key=lambda index: -best_of[index])[:BRIDGE_SOURCES]
+    source_text = " ".join(passages[index].text.lower() for index in hop_sources)
+    top_score = max(best_of.values())
+    source_titles = [title_core(passages[index].title or "") for index in hop_sources[:REVERSE_SOURCES]]
+    source_titles = [core for core in source_titles if len(core) >= 3]
+    bridges = set()
+    for index, passage in enumerate(passages):
+        if index in hop_sources:
+            continue
+        core = title_core(passage.title or "")
+        # Either a top passage names this one, or this one names a top passage.
+        if (len(core) >= 3 and mentions(source_text, core)) or any(
+            mentions(passage.text.lower(), title) for title in source_titles
+        ):
+            bridges.add(index)
+    for unit in units:
+        if unit.passage_index in bridges and unit.sentence_index < BRIDGE_SENTENCES:
+            unit.score = max(unit.score, top_score - BRIDGE_GAP * (1 + unit.sentence_index))
 
 
 def header_cost(count: Callable[[str], int], number: int, passage: Passage, keep_titles: bool) -> int:
