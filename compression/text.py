@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import threading
@@ -26,10 +27,16 @@ def content_hash(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
 
 
+@functools.lru_cache(maxsize=50_000)
 def normalize_for_dedup(text: str) -> str:
-    """Case, accents, punctuation and spacing differences do not make a passage new."""
-    decomposed = unicodedata.normalize("NFKD", text)
-    stripped = "".join(ch for ch in decomposed if not unicodedata.combining(ch))
+    """Case, accents, punctuation and spacing differences do not make a passage new.
+
+    Cached: dedup normalizes every sentence of every request, and warm requests repeat them."""
+    if text.isascii():
+        stripped = text  # nothing to decompose; skips a per-character pass
+    else:
+        decomposed = unicodedata.normalize("NFKD", text)
+        stripped = "".join(ch for ch in decomposed if not unicodedata.combining(ch))
     return " ".join(_WORD_RE.findall(stripped.lower()))
 
 
