@@ -18,7 +18,7 @@ from policies.loader import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = ["passthrough", "rag-default", "rag-strict", "chat-long-history"]
+SHIPPED = ["passthrough", "rag-default", "rag-strict", "chat-long-history", "rag-multihop"]
 
 
 def _ctxgate(*args: str) -> subprocess.CompletedProcess:
