@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # bm25s pins its own logger to DEBUG at import, which would log every index build per request.
+    logging.getLogger("bm25s").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         result = args.func(args)
     except KeyboardInterrupt:
