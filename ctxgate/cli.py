@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # bm25s pins its own logger to DEBUG at import, which would log every index build per request.
-    logging.getLogger("bm25s").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # bm25s pins its own logger to DEBUG when imported (lazily, on the first request), which would
+    # log every per-request index build; a filter outlives that setLevel call.
+    logging.getLogger("bm25s").addFilter(lambda record: record.levelno >= logging.WARNING)
     try:
         result = args.func(args)
     except KeyboardInterrupt:
