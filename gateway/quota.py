@@ -188,13 +188,10 @@ class InProcessQuotaStore:
         return Reservation(tenant, tokens, spend_micros, windows)
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
-        if not reservation.recorded or reservation.reconciled or reservation.windows is None:
+        deltas = _reconcile_deltas(reservation, actual_tokens, actual_spend_micros)
+        if deltas is None:
             return
-        reservation.reconciled = True
-        _, tpm, tpd, spd = _keys(reservation.tenant, reservation.windows)
-        token_delta = actual_tokens - reservation.tokens
-        spend_delta = actual_spend_micros - reservation.spend_micros
-        for key, delta in ((tpm, token_delta), (tpd, token_delta), (spd, spend_delta)):
+        for key, delta in deltas:
             if delta and key in self._counters:  # a window already evicted stays gone
                 self._counters[key] = max(0, self._counters[key] + delta)
 
@@ -291,17 +288,12 @@ class RedisQuotaStore:
         return Reservation(tenant, tokens, spend_micros, windows)
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
-        if not reservation.recorded or reservation.reconciled or reservation.windows is None:
+        deltas = _reconcile_deltas(reservation, actual_tokens, actual_spend_micros)
+        if deltas is None or not any(delta for _, delta in deltas):
             return
-        reservation.reconciled = True
-        _, tpm, tpd, spd = _keys(reservation.tenant, reservation.windows)
-        token_delta = actual_tokens - reservation.tokens
-        spend_delta = actual_spend_micros - reservation.spend_micros
-        if token_delta == 0 and spend_delta == 0:
-            return
-        await self._call(
-            lambda: self._reconcile(keys=[tpm, tpd, spd], args=[token_delta, token_delta, spend_delta])
-        )
+        keys = [key for key, _ in deltas]
+        args = [delta for _, delta in deltas]
+        await self._call(lambda: self._reconcile(keys=keys, args=args))
 
     async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now
@@ -318,6 +310,22 @@ class RedisQuotaStore:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _reconcile_deltas(
+    reservation: Reservation, actual_tokens: int, actual_spend_micros: int
+) -> list[tuple[str, int]] | None:
+    """(key, delta) for tokens-per-minute, tokens-per-day and spend; None if nothing to reconcile.
+
+    Marks the reservation reconciled, so a second call for the same request is a no-op.
+    """
+    if not reservation.recorded or reservation.reconciled or reservation.windows is None:
+        return None
+    reservation.reconciled = True
+    _, tpm, tpd, spd = _keys(reservation.tenant, reservation.windows)
+    token_delta = actual_tokens - reservation.tokens
+    spend_delta = actual_spend_micros - reservation.spend_micros
+    return [(tpm, token_delta), (tpd, token_delta), (spd, spend_delta)]
 
 
 def create_store(redis_url: str | None) -> QuotaStore:
