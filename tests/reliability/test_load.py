@@ -23,6 +23,10 @@ def loaded_gateway(small_engine, tmp_path_factory):
         yield running
 
 
+# Its overload and memory figures depend on how busy the 2 shared cores are (capacity is measured
+# first, then driven at twice that): once in about five full-suite runs it failed and a rerun passed.
+# One rerun keeps CI honest without hiding a real leak, which fails both times.
+@pytest.mark.flaky(reruns=1)
 def test_twice_capacity_sheds_load_and_leaks_nothing(loaded_gateway, small_engine):
     url = loaded_gateway.url
     admission = loaded_gateway.app.state.admission
