@@ -32,7 +32,8 @@ class PrefillChunk:
 
     row_start: int  # first row in the flat token batch
     row_end: int
-    context_slots: torch.Tensor  # [context_len] slots of all tokens the chunk attends to
+    context_blocks: torch.Tensor  # [ceil(context_len / block_size)] blocks of the chunk's context
+    context_len: int
     # [query_len, context_len] boolean (True = attend), None when the chunk is the whole context
     # so plain causal attention applies.
     mask: torch.Tensor | None
@@ -42,7 +43,9 @@ class PrefillChunk:
 class AttentionMetadata:
     write_plan: KVWritePlan
     num_decodes: int  # decode rows are the first `num_decodes` rows of the batch
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] gather slots (padded)
+    # [num_decodes, max_blocks] block tables padded to a common length (padding reads block 0)
+    decode_blocks: torch.Tensor | None
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     decode_bias: torch.Tensor | None  # [1, num_decodes, 1, max_context] additive mask, None if unpadded
     prefills: list[PrefillChunk]
     # Raw per-sequence facts for backends (e.g. CUDA kernels) that want them.
@@ -118,10 +121,23 @@ class ReferenceAttention(AttentionBackend):
         return out
 
 
+_NO_SCALES = torch.empty(0)
+
+
 class CPUBatchedAttention(AttentionBackend):
-    """Decodes batched in one GQA matmul over a padded gather; prefill chunks through SDPA."""
+    """Decodes batched in one GQA matmul over a padded gather; prefill chunks through SDPA.
+
+    With the C++ kernels loaded (backend/cpu_kernels.py), bfloat16 and int8 decodes read K/V
+    straight from the paged pool instead (no gathered copy per layer).
+    """
 
     name = "cpu_batched"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        from backend import cpu_kernels
+
+        self.use_kernel = cpu_kernels.load()
 
     def forward(self, layer, q, k, v, kv_cache, metadata):
         kv_cache.write(layer, k, v, metadata.write_plan)
@@ -137,16 +153,31 @@ class CPUBatchedAttention(AttentionBackend):
                 keys = k[chunk.row_start : chunk.row_end].transpose(0, 1)
                 values = v[chunk.row_start : chunk.row_end].transpose(0, 1)
             else:
-                keys, values = kv_cache.gather(layer, chunk.context_slots)
+                keys, values = kv_cache.gather_blocks(layer, chunk.context_blocks)
+                keys, values = keys[:, : chunk.context_len], values[:, : chunk.context_len]
             out[chunk.row_start : chunk.row_end] = _causal_sdpa(
                 q[chunk.row_start : chunk.row_end], keys, values, chunk.mask, self.scale
             )
         return out
 
     def _decode(self, layer: int, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata):
-        assert metadata.decode_slots is not None
-        batch, max_context = metadata.decode_slots.shape
-        keys, values = kv_cache.gather(layer, metadata.decode_slots.view(-1))  # [KVH, B*L, D]
+        assert metadata.decode_blocks is not None and metadata.decode_context_lens is not None
+        if self.use_kernel and kv_cache.keys[layer].dtype in (torch.bfloat16, torch.int8):
+            quantized = kv_cache.quantized
+            return torch.ops.ctxgate_cpu.paged_decode_attention(
+                q,
+                kv_cache.keys[layer],
+                kv_cache.values[layer],
+                kv_cache.key_scales[layer] if quantized else _NO_SCALES,
+                kv_cache.value_scales[layer] if quantized else _NO_SCALES,
+                metadata.decode_blocks,
+                metadata.decode_context_lens,
+                kv_cache.spec.block_size,
+                self.scale,
+            )
+        batch, max_blocks = metadata.decode_blocks.shape
+        max_context = max_blocks * kv_cache.spec.block_size
+        keys, values = kv_cache.gather_blocks(layer, metadata.decode_blocks.view(-1))  # [KVH, B*L, D]
         keys = keys.view(self.num_kv_heads, batch, max_context, self.head_dim)
         values = values.view(self.num_kv_heads, batch, max_context, self.head_dim)
         # Batch over (kv head, sequence) with the query heads of a group as rows: every operand is

@@ -123,6 +123,26 @@ class KVCache:
         quantized = (new.float() / token_scales).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
         cache.index_copy_(1, plan.slot_mapping, quantized)
 
+    def gather_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks, [kv_heads, len(block_ids) * block_size, head_dim], compute dtype.
+
+        Copying whole blocks moves block_size * head_dim contiguous values per index: measured
+        several times faster than a per-slot gather for decode batches.
+        """
+        spec = self.spec
+        heads, block_size, head_dim = spec.num_kv_heads, spec.block_size, spec.head_dim
+        num_gathered = block_ids.shape[0]
+        keys = self.keys[layer].view(heads, self.num_blocks, block_size * head_dim).index_select(1, block_ids)
+        values = self.values[layer].view(heads, self.num_blocks, block_size * head_dim).index_select(1, block_ids)
+        if self.quantized:
+            dtype = spec.dtype
+            key_scales = self.key_scales[layer].index_select(1, block_ids).unsqueeze(-1).to(dtype)
+            value_scales = self.value_scales[layer].index_select(1, block_ids).unsqueeze(-1).to(dtype)
+            keys = keys.to(dtype) * key_scales
+            values = values.to(dtype) * value_scales
+        shape = (heads, num_gathered * block_size, head_dim)
+        return keys.view(shape), values.view(shape)
+
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at 1-D `slots` as [kv_heads, len(slots), head_dim] in the compute dtype."""
         # index_select measured several times faster than advanced indexing for this gather.

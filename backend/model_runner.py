@@ -32,18 +32,14 @@ class ModelRunner:
         self.attention = attention
         self.device = device
         self.block_size = kv_cache.spec.block_size
-        self._block_offsets = torch.arange(self.block_size, device=device)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _context_slots(self, block_tables: list[list[int]], context_len: int) -> torch.Tensor:
-        """[num_seqs, context_len] slots from padded block tables (padding reads block 0, masked)."""
-        max_blocks = -(-context_len // self.block_size)
-        padded = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in block_tables]
-        blocks = self._tensor(padded)
-        slots = blocks.unsqueeze(-1) * self.block_size + self._block_offsets
-        return slots.view(len(block_tables), -1)[:, :context_len].contiguous()
+    def _padded_blocks(self, block_tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+        """[num_seqs, num_blocks] block ids; short tables are padded with block 0 (masked by callers)."""
+        padded = [table[:num_blocks] + [0] * (num_blocks - len(table[:num_blocks])) for table in block_tables]
+        return self._tensor(padded)
 
     def prepare(
         self, scheduled: list[ScheduledSequence]
@@ -58,7 +54,8 @@ class ModelRunner:
         metadata = AttentionMetadata(
             write_plan=None,  # type: ignore[arg-type]  # filled below
             num_decodes=0,
-            decode_slots=None,
+            decode_blocks=None,
+            decode_context_lens=None,
             decode_bias=None,
             prefills=[],
         )
@@ -86,21 +83,24 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_context_lens.append(context_len)
             else:
-                context_slots = self._context_slots([table], context_len)[0]
+                context_blocks = self._padded_blocks([table], -(-context_len // size))[0]
                 mask = None
                 if first > 0:
                     query_positions = torch.arange(first, context_len, device=self.device)
                     key_positions = torch.arange(context_len, device=self.device)
                     mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
-                metadata.prefills.append(PrefillChunk(start_row, start_row + num_new, context_slots, mask))
+                metadata.prefills.append(PrefillChunk(start_row, start_row + num_new, context_blocks, context_len, mask))
 
         if decode_tables:
             # Round the padded context up to a bucket: oneDNN compiles a kernel per new matmul shape
             # (~0.4 ms each in bfloat16), so a length growing by one every step would recompile
             # in every layer. Padded positions read block 0 and are masked out.
-            longest = max(decode_context_lens)
-            max_context = -(-longest // DECODE_CONTEXT_BUCKET) * DECODE_CONTEXT_BUCKET
-            metadata.decode_slots = self._context_slots(decode_tables, max_context)
+            bucket_blocks = max(1, DECODE_CONTEXT_BUCKET // size)
+            longest_blocks = -(-max(decode_context_lens) // size)
+            max_blocks = -(-longest_blocks // bucket_blocks) * bucket_blocks
+            max_context = max_blocks * size
+            metadata.decode_blocks = self._padded_blocks(decode_tables, max_blocks)
+            metadata.decode_context_lens = self._tensor(decode_context_lens)
             if min(decode_context_lens) != max_context:
                 lengths = self._tensor(decode_context_lens)
                 padding = torch.arange(max_context, device=self.device).unsqueeze(0) >= lengths.unsqueeze(1)

@@ -1,0 +1,75 @@
+"""Builds and loads the C++ decode kernels (backend/csrc/cpu_kernels.cpp) once per machine.
+
+The kernels are compiled with the local C++ compiler through torch.utils.cpp_extension the first
+time they are needed (about 30 s) and cached under the ctxgate cache folder, keyed by the source
+hash, so later engine starts load the built library in milliseconds. Where no compiler is present,
+or with CTXGATE_CPU_KERNELS=0, the engine keeps its pure-PyTorch paths (slower, same results up to
+floating-point rounding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _build_dir() -> Path:
+    from backend.model_prepare import cache_dir
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"cpu-{digest}"
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get("CTXGATE_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off")
+
+
+def load() -> bool:
+    """Compile (first time) and load the kernels; False when unavailable. Thread-safe, cached."""
+    with _lock:
+        if "loaded" in _state:
+            return _state["loaded"]
+        _state["loaded"] = _load_uncached()
+        return _state["loaded"]
+
+
+def _load_uncached() -> bool:
+    if disabled_by_env():
+        logger.info("CPU kernels disabled by CTXGATE_CPU_KERNELS=0")
+        return False
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        build_dir = _build_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        load_extension(
+            name="ctxgate_cpu_kernels",
+            sources=[str(SOURCE)],
+            build_directory=str(build_dir),
+            # -fopenmp makes at::parallel_for use threads; the library resolves libgomp.so.1 to
+            # the copy torch already loaded, so there is one OpenMP runtime and one thread pool.
+            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - no compiler, no headers, build error: fall back
+        logger.warning("CPU kernels unavailable, using the PyTorch paths: %s", str(exc).splitlines()[0][:300])
+        return False
+    return hasattr(torch.ops, "ctxgate_cpu") and hasattr(torch.ops.ctxgate_cpu, "gemv_bf16")
+
+
+def available() -> bool:
+    """Whether the kernels are loaded (does not trigger a build)."""
+    return _state.get("loaded", False)
