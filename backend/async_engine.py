@@ -161,6 +161,11 @@ class AsyncEngine:
             if self._stopped:
                 raise EngineError("the engine has been shut down", 503)
             self._thread = threading.Thread(target=self._run, name="ctxgate-engine", daemon=True)
+            # The engine thread gets the cores: the caller (model loading, event loop) keeps no
+            # OpenMP team that would make libgomp throttle the engine's (backend/openmp.py).
+            from backend import openmp
+
+            openmp.hand_cores_to_engine()
             self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -229,6 +234,9 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.engine.num_threads)
         try:
             while True:
                 # Idle: block until a command arrives instead of spinning.

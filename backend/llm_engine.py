@@ -83,7 +83,8 @@ class LLMEngine:
 
         config.validate()
         self.config = config
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.num_threads = config.num_threads or os.cpu_count() or 1
+        torch.set_num_threads(self.num_threads)
         model_path = resolve_model_path(config.model)
         self.model_name = model_path.name
         self.device = resolve_device(config.device)
