@@ -206,6 +206,36 @@ class DecoderLayer(nn.Module):
         )
         return hidden + self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer through the C++ elementwise kernels (bfloat16 on CPU).
+
+        The MLP output is returned as `delta` instead of being added, so the next layer adds it
+        in the same pass as its input norm. Returns (hidden, delta); hidden + delta is the output.
+        """
+        ops = torch.ops.ctxgate_cpu
+        num_tokens = hidden.shape[0]
+        eps = self.input_layernorm.eps
+        if delta is None:
+            normed = ops.rms_norm(hidden, self.input_layernorm.weight, eps)
+        else:
+            normed, hidden = ops.add_rms_norm(hidden, delta, self.input_layernorm.weight, eps)
+        qkv = self.qkv_proj(normed)
+        q, k = ops.rotary_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        attn = attention.forward(self.layer_index, q, k, v, kv_cache, metadata)
+        attn_out = self.o_proj(attn.reshape(num_tokens, self.q_size))
+        normed, hidden = ops.add_rms_norm(hidden, attn_out, self.post_attention_layernorm.weight, eps)
+        return hidden, self.down_proj(ops.silu_and_mul(self.gate_up_proj(normed)))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelArchConfig, qkv_bias: bool = False):
@@ -219,6 +249,7 @@ class LlamaModel(nn.Module):
         self.rotary: RotaryTable | None = None
         self.packed_lm_head: torch.Tensor | None = None
         self.use_gemv_kernel = False
+        self.use_fused_layers = False
 
     def prepack_for_cpu(self) -> bool:
         """Reorder bfloat16 weights for oneDNN (CPU only); returns whether it was done."""
@@ -242,6 +273,7 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear):
                 module.use_gemv_kernel = True
         self.use_gemv_kernel = True
+        self.use_fused_layers = True
         return True
 
     def init_rotary(self, max_positions: int) -> None:
@@ -267,8 +299,15 @@ class LlamaModel(nn.Module):
         assert self.rotary is not None, "call init_rotary first"
         cos, sin = self.rotary.lookup(positions)
         hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attention, kv_cache, metadata)
+        if self.use_fused_layers:
+            delta: torch.Tensor | None = None
+            for layer in self.layers:
+                hidden, delta = layer.forward_fused(hidden, delta, cos, sin, attention, kv_cache, metadata)
+            if delta is not None:
+                hidden = hidden + delta
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, cos, sin, attention, kv_cache, metadata)
         last = self.norm(hidden.index_select(0, logits_indices))
         if self.use_gemv_kernel and last.shape[0] <= GEMV_MAX_ROWS:
             logits = torch.ops.ctxgate_cpu.gemv_bf16(last, self.lm_head_matrix())

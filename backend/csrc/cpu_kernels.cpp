@@ -7,6 +7,10 @@
 //   the paged pool through the block table (bfloat16 or int8 with per-block scales), so no gathered
 //   copy of the context is made per layer.
 //
+// - rms_norm / add_rms_norm / silu_and_mul / rotary_qk: the elementwise parts of a layer, one
+//   call each instead of 5-8 small ATen ops (each ~2 us of dispatch at decode sizes), with the
+//   same bfloat16 rounding points as the eager code in backend/model.py.
+//
 // Plain C++ that GCC vectorises (fixed-width accumulator arrays); threads come from ATen's pool
 // (at::parallel_for), so torch.set_num_threads governs them and no second OpenMP runtime is used.
 
@@ -125,6 +129,91 @@ inline void gemv_rows(const uint16_t* weight, int64_t first_output, const uint16
 }
 #endif
 
+#ifdef CTXGATE_HAVE_AVX512_BF16
+// exp for 16 floats: range reduction to n*ln2 + r, Cephes' degree-6 polynomial, scale by 2^n.
+// Relative error ~2e-7 on the softmax range, far below bfloat16 rounding.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
+  poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(poly, n);
+}
+
+inline __m512 load_bf16x16(const uint16_t* source) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)source)), 16));
+}
+
+inline __m512 load_bf16x16_masked(const uint16_t* source, __mmask16 mask) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, source)), 16));
+}
+
+// In-place softmax of `length` floats.
+inline void softmax_avx512(float* row, int64_t length) {
+  __m512 peak_vec = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= length; i += 16) peak_vec = _mm512_max_ps(peak_vec, _mm512_loadu_ps(row + i));
+  float peak = _mm512_reduce_max_ps(peak_vec);
+  for (; i < length; ++i) peak = std::max(peak, row[i]);
+  const __m512 peak_b = _mm512_set1_ps(peak);
+  __m512 total_vec = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= length; i += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + i), peak_b));
+    _mm512_storeu_ps(row + i, e);
+    total_vec = _mm512_add_ps(total_vec, e);
+  }
+  if (i < length) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (length - i)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + i), peak_b));
+    _mm512_mask_storeu_ps(row + i, mask, e);
+    total_vec = _mm512_add_ps(total_vec, _mm512_maskz_mov_ps(mask, e));
+  }
+  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total_vec));
+  for (i = 0; i + 16 <= length; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), inverse));
+  for (; i < length; ++i) row[i] *= _mm512_cvtss_f32(inverse);
+}
+
+// One (sequence, kv head) of paged decode attention over a bfloat16 cache, head_dim = 16 * CHUNKS.
+// K and V rows are read in place through the block table; query heads of the group reuse them
+// from L1/L2. Writes float32 outputs for the group's query heads.
+template <int CHUNKS>
+void decode_task_bf16(const uint16_t* q_group, int64_t group, const uint16_t* keys, const uint16_t* values,
+                      const int64_t* table, int64_t length, int64_t block_size, float scale, float* scores,
+                      float* out_group) {
+  constexpr int64_t kHeadDim = CHUNKS * 16;
+  for (int64_t g = 0; g < group; ++g) {
+    const uint16_t* q_row = q_group + g * kHeadDim;
+    __m512 q_vec[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) q_vec[c] = load_bf16x16(q_row + c * 16);
+    float* score_row = scores + g * length;
+    for (int64_t position = 0; position < length; ++position) {
+      const uint16_t* k_row = keys + (table[position / block_size] * block_size + position % block_size) * kHeadDim;
+      __m512 acc = _mm512_mul_ps(q_vec[0], load_bf16x16(k_row));
+      for (int c = 1; c < CHUNKS; ++c) acc = _mm512_fmadd_ps(q_vec[c], load_bf16x16(k_row + c * 16), acc);
+      score_row[position] = _mm512_reduce_add_ps(acc) * scale;
+    }
+    softmax_avx512(score_row, length);
+    __m512 out_vec[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) out_vec[c] = _mm512_setzero_ps();
+    for (int64_t position = 0; position < length; ++position) {
+      const uint16_t* v_row = values + (table[position / block_size] * block_size + position % block_size) * kHeadDim;
+      const __m512 weight = _mm512_set1_ps(score_row[position]);
+      for (int c = 0; c < CHUNKS; ++c) out_vec[c] = _mm512_fmadd_ps(weight, load_bf16x16(v_row + c * 16), out_vec[c]);
+    }
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(out_group + g * kHeadDim + c * 16, out_vec[c]);
+  }
+}
+#endif
+
 at::Tensor gemv_bf16(const at::Tensor& input, const at::Tensor& weight) {
   TORCH_CHECK(input.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "gemv_bf16 takes bfloat16 input and weight");
@@ -213,6 +302,33 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
     }
   }
 
+#ifdef CTXGATE_HAVE_AVX512_BF16
+  if (!quantized && query.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
+    const at::Tensor q_bf16 = query.contiguous();
+    const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(q_bf16.data_ptr<at::BFloat16>());
+    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t seq = task / num_kv_heads;
+        const int64_t kv_head = task % num_kv_heads;
+        const int64_t length = length_data[seq];
+        scores.resize(static_cast<size_t>(group * length));
+        const int64_t cache_offset = kv_head * num_slots * head_dim;
+        const uint16_t* q_group = q_bits + (seq * num_heads + kv_head * group) * head_dim;
+        float* out_group = out_data + (seq * num_heads + kv_head * group) * head_dim;
+        const int64_t* table = table_data + seq * max_blocks;
+        if (head_dim == 64) {
+          decode_task_bf16<4>(q_group, group, key_bf16 + cache_offset, value_bf16 + cache_offset, table, length,
+                              block_size, softmax_scale, scores.data(), out_group);
+        } else {
+          decode_task_bf16<8>(q_group, group, key_bf16 + cache_offset, value_bf16 + cache_offset, table, length,
+                              block_size, softmax_scale, scores.data(), out_group);
+        }
+      }
+    });
+    return out.to(query.scalar_type());
+  }
+#endif
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
@@ -273,9 +389,155 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out.to(query.scalar_type());
 }
 
+inline float round_bf16(float value) { return static_cast<float>(at::BFloat16(value)); }
+
+inline void check_bf16_rows(const at::Tensor& tensor, const char* name) {
+  TORCH_CHECK(tensor.scalar_type() == at::kBFloat16 && tensor.dim() == 2 && tensor.stride(1) == 1,
+              name, " must be a bfloat16 [rows, features] tensor with contiguous rows");
+}
+
+// Rows per parallel task for the elementwise kernels: decode-sized inputs run inline.
+constexpr int64_t kElementwiseGrain = 16;
+
+// x * rsqrt(mean(x^2) + eps) in float32, rounded to bfloat16, times the weight (rounded again).
+inline void rms_norm_row(const at::BFloat16* x, const at::BFloat16* weight, at::BFloat16* out, int64_t hidden,
+                         float eps) {
+  float sum_squares = 0.0f;
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float value = static_cast<float>(x[i]);
+    sum_squares += value * value;
+  }
+  const float inverse = 1.0f / std::sqrt(sum_squares / static_cast<float>(hidden) + eps);
+  for (int64_t i = 0; i < hidden; ++i) {
+    out[i] = at::BFloat16(static_cast<float>(weight[i]) * round_bf16(static_cast<float>(x[i]) * inverse));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  check_bf16_rows(input, "input");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == input.size(1),
+              "weight must be a contiguous bfloat16 [features] tensor");
+  const int64_t rows = input.size(0), hidden = input.size(1), stride = input.stride(0);
+  at::Tensor out = at::empty({rows, hidden}, input.options());
+  const at::BFloat16* x = input.data_ptr<at::BFloat16>();
+  const at::BFloat16* w = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * stride, w, o + r * hidden, hidden, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual_out = residual + delta (bfloat16), normed = rms_norm(residual_out): the residual add and
+// the next norm of a layer in one pass. Returns [normed, residual_out].
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight,
+                                     double eps) {
+  check_bf16_rows(residual, "residual");
+  check_bf16_rows(delta, "delta");
+  TORCH_CHECK(residual.sizes() == delta.sizes(), "residual and delta shapes differ");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == residual.size(1),
+              "weight must be a contiguous bfloat16 [features] tensor");
+  const int64_t rows = residual.size(0), hidden = residual.size(1);
+  at::Tensor summed = at::empty({rows, hidden}, residual.options());
+  at::Tensor normed = at::empty({rows, hidden}, residual.options());
+  const at::BFloat16* a = residual.data_ptr<at::BFloat16>();
+  const at::BFloat16* b = delta.data_ptr<at::BFloat16>();
+  const at::BFloat16* w = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* s = summed.data_ptr<at::BFloat16>();
+  at::BFloat16* n = normed.data_ptr<at::BFloat16>();
+  const int64_t a_stride = residual.stride(0), b_stride = delta.stride(0);
+  at::parallel_for(0, rows, kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < hidden; ++i) {
+        s[r * hidden + i] = at::BFloat16(static_cast<float>(a[r * a_stride + i]) + static_cast<float>(b[r * b_stride + i]));
+      }
+      rms_norm_row(s + r * hidden, w, n + r * hidden, hidden, static_cast<float>(eps));
+    }
+  });
+  return {normed, summed};
+}
+
+// gate_up: [rows, 2 * inner] -> silu(gate) * up, rounding where eager bfloat16 ops round.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_bf16_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  at::Tensor out = at::empty({rows, inner}, gate_up.options());
+  const at::BFloat16* g = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* gate = g + r * stride;
+      const at::BFloat16* up = gate + inner;
+      int64_t i = 0;
+#ifdef CTXGATE_HAVE_AVX512_BF16
+      const uint16_t* gate_bits = reinterpret_cast<const uint16_t*>(gate);
+      const uint16_t* up_bits = reinterpret_cast<const uint16_t*>(up);
+      for (; i + 16 <= inner; i += 16) {
+        const __m512 x = load_bf16x16(gate_bits + i);
+        const __m512 activated = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        // Round the activation to bfloat16 as the eager op does, then multiply and round again.
+        const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(activated));
+        const __m512 product = _mm512_mul_ps(rounded, load_bf16x16(up_bits + i));
+        _mm256_storeu_si256((__m256i*)(o + r * inner + i), (__m256i)_mm512_cvtneps_pbh(product));
+      }
+#endif
+      for (; i < inner; ++i) {
+        const float x = static_cast<float>(gate[i]);
+        const float activated = round_bf16(x / (1.0f + std::exp(-x)));
+        o[r * inner + i] = at::BFloat16(activated * static_cast<float>(up[i]));
+      }
+    }
+  });
+  return out;
+}
+
+// Rotary embedding of q and k straight from the fused qkv rows ([rows, (H + 2 KVH) * D]), with
+// cos/sin as [rows, D] (the rotate-half layout). Returns [q [rows, H, D], k [rows, KVH, D]].
+std::vector<at::Tensor> rotary_qk(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  check_bf16_rows(qkv, "qkv");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16, "cos/sin must be bfloat16");
+  const at::Tensor c = cos.reshape({-1, head_dim}).contiguous();
+  const at::Tensor sn = sin.reshape({-1, head_dim}).contiguous();
+  const int64_t rows = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
+  TORCH_CHECK(c.size(0) == rows && sn.size(0) == rows, "one cos/sin row per token");
+  TORCH_CHECK(qkv.size(1) >= (num_heads + num_kv_heads) * head_dim, "qkv is too narrow");
+  at::Tensor q = at::empty({rows, num_heads, head_dim}, qkv.options());
+  at::Tensor k = at::empty({rows, num_kv_heads, head_dim}, qkv.options());
+  const at::BFloat16* src = qkv.data_ptr<at::BFloat16>();
+  const at::BFloat16* cos_data = c.data_ptr<at::BFloat16>();
+  const at::BFloat16* sin_data = sn.data_ptr<at::BFloat16>();
+  at::BFloat16* q_data = q.data_ptr<at::BFloat16>();
+  at::BFloat16* k_data = k.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* cos_row = cos_data + r * head_dim;
+      const at::BFloat16* sin_row = sin_data + r * head_dim;
+      for (int64_t head = 0; head < num_heads + num_kv_heads; ++head) {
+        const at::BFloat16* x = src + r * stride + head * head_dim;
+        at::BFloat16* out = head < num_heads ? q_data + (r * num_heads + head) * head_dim
+                                             : k_data + (r * num_kv_heads + head - num_heads) * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) {
+          // rotate_half: [-x2, x1]; eager rounds x*cos and rotated*sin to bf16 before adding.
+          const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+          const float left = round_bf16(static_cast<float>(x[i]) * static_cast<float>(cos_row[i]));
+          const float right = round_bf16(rotated * static_cast<float>(sin_row[i]));
+          out[i] = at::BFloat16(left + right);
+        }
+      }
+    }
+  });
+  return {q, k};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ctxgate_cpu, m) {
+  m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor residual, Tensor delta, Tensor weight, float eps) -> Tensor[]");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def(
+      "rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim) -> Tensor[]");
   m.def("gemv_bf16(Tensor input, Tensor weight) -> Tensor");
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor key_scales, "
@@ -285,4 +547,8 @@ TORCH_LIBRARY(ctxgate_cpu, m) {
 TORCH_LIBRARY_IMPL(ctxgate_cpu, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_qk", &rotary_qk);
 }

@@ -103,12 +103,13 @@ def test_engine_greedy_same_with_and_without_kernels(make_engine, parity_prompts
     from backend.api import SamplingParams
 
     engine = make_engine(dtype="bfloat16")
-    assert engine.model.use_gemv_kernel and engine.attention.use_kernel
+    assert engine.model.use_gemv_kernel and engine.model.use_fused_layers and engine.attention.use_kernel
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = parity_prompts[:4]
     with_kernels = [engine.generate([prompt], params)[0] for prompt in prompts]  # batch 1: GEMV path
     with_kernels_batched = engine.generate(prompts, params)
     engine.model.use_gemv_kernel = False
+    engine.model.use_fused_layers = False
     for module in engine.model.modules():
         if hasattr(module, "use_gemv_kernel"):
             module.use_gemv_kernel = False
@@ -120,3 +121,41 @@ def test_engine_greedy_same_with_and_without_kernels(make_engine, parity_prompts
     assert with_kernels_batched == with_kernels or sum(
         a == b for x, y in zip(with_kernels_batched, with_kernels, strict=True) for a, b in zip(x, y, strict=True)
     ) >= 0.9 * sum(len(x) for x in with_kernels)
+
+
+def test_elementwise_kernels_match_eager_bfloat16():
+    """rms_norm, add_rms_norm, silu_and_mul and rotary_qk round where the eager bf16 code rounds."""
+    import torch.nn.functional as F
+
+    from backend.model import RMSNorm, apply_rotary
+
+    generator = torch.Generator().manual_seed(11)
+    rows, hidden = 5, 576
+    x = torch.randn(rows, hidden, generator=generator).to(torch.bfloat16)
+    delta = torch.randn(rows, hidden, generator=generator).to(torch.bfloat16)
+    norm = RMSNorm(hidden, 1e-5).to(torch.bfloat16)
+    norm.weight.data = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(torch.bfloat16)
+    with torch.no_grad():
+        eager = norm(x)
+        fused = torch.ops.ctxgate_cpu.rms_norm(x, norm.weight, norm.eps)
+        assert (fused.float() - eager.float()).abs().max() <= 0.02 * eager.float().abs().max()
+        normed, summed = torch.ops.ctxgate_cpu.add_rms_norm(x, delta, norm.weight, norm.eps)
+        assert torch.equal(summed, x + delta)
+        assert (normed.float() - norm(x + delta).float()).abs().max() <= 0.02 * normed.float().abs().max()
+
+        gate_up = torch.randn(rows, 2 * 40, generator=generator).to(torch.bfloat16)
+        gate, up = gate_up.split(40, dim=-1)
+        expected = F.silu(gate) * up
+        assert (torch.ops.ctxgate_cpu.silu_and_mul(gate_up).float() - expected.float()).abs().max() <= 0.02
+
+        heads, kv_heads, head_dim = 9, 3, 64
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator).to(torch.bfloat16)
+        angles = torch.rand(rows, head_dim // 2, generator=generator) * 6.28
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().to(torch.bfloat16).unsqueeze(1), emb.sin().to(torch.bfloat16).unsqueeze(1)
+        q, k = torch.ops.ctxgate_cpu.rotary_qk(qkv, cos, sin, heads, kv_heads, head_dim)
+        q_eager = apply_rotary(qkv[:, : heads * head_dim].view(rows, heads, head_dim), cos, sin)
+        k_eager = apply_rotary(
+            qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim), cos, sin
+        )
+        assert torch.equal(q, q_eager) and torch.equal(k, k_eager)
