@@ -48,6 +48,7 @@ def _load_uncached() -> bool:
     if disabled_by_env():
         logger.info("CPU kernels disabled by CTXGATE_CPU_KERNELS=0")
         return False
+    _put_ninja_on_path()
     try:
         from torch.utils.cpp_extension import load as load_extension
 
@@ -68,6 +69,19 @@ def _load_uncached() -> bool:
         logger.warning("CPU kernels unavailable, using the PyTorch paths: %s", str(exc).splitlines()[0][:300])
         return False
     return hasattr(torch.ops, "ctxgate_cpu") and hasattr(torch.ops.ctxgate_cpu, "gemv_bf16")
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip-installed one lives in the venv's bin, which is not on
+    PATH when the venv's python is run directly (as `make test` does)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    path = os.environ.get("PATH", "")
+    if bin_dir and bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path
 
 
 def available() -> bool:
