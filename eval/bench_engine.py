@@ -147,9 +147,30 @@ class CpuMeter:
         # user nice system idle iowait irq softirq steal (guest is already inside user).
         return fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + (fields[7] if len(fields) > 7 else 0)
 
+    def _own_pids(self) -> set[int]:
+        """The excluded processes and all their descendants (a server's engine and worker
+        processes run as children: vLLM's EngineCore, uvicorn workers)."""
+        parents: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+        own, frontier = set(self._pids), list(self._pids)
+        while frontier:
+            for child in parents.get(frontier.pop(), []):
+                if child not in own:
+                    own.add(child)
+                    frontier.append(child)
+        return own
+
     def _own_ticks(self) -> int:
         total = 0
-        for pid in self._pids:
+        for pid in self._own_pids():
             try:
                 with open(f"/proc/{pid}/stat") as stat:
                     fields = stat.read().rsplit(")", 1)[1].split()
@@ -238,8 +259,11 @@ class OpenAIServerRunner:
 
     name = "server"
 
-    def __init__(self, base_url: str, model_name: str | None = None, tokenizer=None):
+    def __init__(self, base_url: str, model_name: str | None = None, tokenizer=None, name: str | None = None):
         import httpx
+
+        if name is not None:
+            self.name = name
 
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
@@ -467,8 +491,12 @@ def run_benchmark(
     tokenizer,
     options: BenchOptions,
     report: Callable[[str], None] = print,
+    peers: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """Interleave target and baseline runs for each selected workload; returns the JSON report."""
+    """Interleave target, peer and baseline runs for each selected workload; returns the JSON report.
+
+    Each repetition runs the target, then every peer, then the baseline on the same prompts, so all
+    see the same drift of the machine; ratios are the target's against each of the others."""
     report_data: dict[str, Any] = {"workloads": {}}
     for name in options.workloads:
         if name not in WORKLOADS:
@@ -481,22 +509,30 @@ def run_benchmark(
         def conversations_for(seed: int, workload: Workload = workload) -> list:
             return make_prompt_messages(tokenizer, workload, options.seed * 7919 + seed)
 
-        target_runs, baseline_runs = [], []
+        others = [*peers, *([baseline] if baseline is not None else [])]
+        runs: dict[str, list[dict[str, Any]]] = {runner.name: [] for runner in [target, *others]}
         for repeat in range(options.repeats):
-            # A B A B ...: both see the same drift of the machine.
-            target_runs.append(measure(target, conversations_for, workload, options, 2 * repeat))
-            if baseline is not None:
-                baseline_runs.append(measure(baseline, conversations_for, workload, options, 2 * repeat + 1))
-        entry: dict[str, Any] = {"workload": dataclasses.asdict(workload), target.name: _combine(target_runs)}
+            # A B C A B C ...: every system sees the same drift of the machine, and the same
+            # prompts within a repetition (the seed is per repetition, not per system).
+            for runner in [target, *others]:
+                runs[runner.name].append(measure(runner, conversations_for, workload, options, repeat))
+        entry: dict[str, Any] = {"workload": dataclasses.asdict(workload)}
+        for runner_name, runner_runs in runs.items():
+            entry[runner_name] = _combine(runner_runs)
         if baseline is not None:
-            entry[baseline.name] = _combine(baseline_runs)
             entry["ratios"] = _ratios(entry[target.name], entry[baseline.name])
+        if peers:
+            entry["ratios_vs"] = {peer.name: _ratios(entry[target.name], entry[peer.name]) for peer in peers}
         report_data["workloads"][name] = entry
-        report(format_workload(entry, target.name, baseline.name if baseline is not None else None))
+        report(format_workload(
+            entry, target.name, baseline.name if baseline is not None else None, [peer.name for peer in peers]
+        ))
     return report_data
 
 
-def format_workload(entry: dict[str, Any], target_name: str, baseline_name: str | None) -> str:
+def format_workload(
+    entry: dict[str, Any], target_name: str, baseline_name: str | None, peer_names: Sequence[str] = ()
+) -> str:
     workload = entry["workload"]
     lines = [
         f"{workload['name']} {workload['description']}: {workload['num_requests']} requests, "
@@ -505,7 +541,7 @@ def format_workload(entry: dict[str, Any], target_name: str, baseline_name: str 
         f"  {'system':<12} {'out tok/s':>9} {'req/s':>7}  {'TTFT ms p50 / p95 / p99':>26}  "
         f"{'TPOT ms p50 / p95 / p99':>24}  {'others CPU':>10}",
     ]
-    for name in (target_name, baseline_name):
+    for name in (target_name, *peer_names, baseline_name):
         if name is None:
             continue
         row = entry[name]
@@ -516,10 +552,12 @@ def format_workload(entry: dict[str, Any], target_name: str, baseline_name: str 
             f"{tpot['p50']:>7.1f} / {tpot['p95']:>6.1f} / {tpot['p99']:>6.1f}  "
             f"{100 * row['others_cpu_frac_max']:>9.0f}%"
         )
+    comparisons = [(peer, entry["ratios_vs"][peer]) for peer in peer_names if peer in entry.get("ratios_vs", {})]
     if "ratios" in entry:
-        ratios = entry["ratios"]
+        comparisons.append((baseline_name, entry["ratios"]))
+    for other, ratios in comparisons:
         lines.append(
-            f"  {target_name} vs {baseline_name}: output tok/s x{ratios['output_tok_s']:.2f}, "
+            f"  {target_name} vs {other}: output tok/s x{ratios['output_tok_s']:.2f}, "
             f"req/s x{ratios['req_s']:.2f}, TTFT P50 {ratios['ttft_p50_speedup']:.2f}x faster, "
             f"TTFT P95 {ratios['ttft_p95_speedup']:.2f}x faster, TPOT P50 {ratios['tpot_p50_speedup']:.2f}x faster"
         )

@@ -38,6 +38,20 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     )
 
 
+def parse_peers(specs: list[str], target_name: str) -> list[tuple[str, str]]:
+    """`NAME=URL` pairs; names must be unique and differ from the target's and the baseline's."""
+    peers: list[tuple[str, str]] = []
+    for spec in specs:
+        name, separator, url = spec.partition("=")
+        name, url = name.strip(), url.strip()
+        if not separator or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--peer takes NAME=URL (e.g. vllm=http://127.0.0.1:8000), not {spec!r}")
+        if name in (target_name, HFGenerateRunner.name) or name in {n for n, _ in peers}:
+            raise ValueError(f"--peer name {name!r} is already taken")
+        peers.append((name, url))
+    return peers
+
+
 def bench_engine_command(args: argparse.Namespace) -> int:
     import torch
 
@@ -67,12 +81,14 @@ def bench_engine_command(args: argparse.Namespace) -> int:
         target = EngineRunner(async_engine)
         baseline_dtype = engine_torch_dtype(async_engine)
         settings["engine_config"] = {k: str(v) for k, v in vars(config).items()}
+    peers = [OpenAIServerRunner(url, None, tokenizer, name=name) for name, url in parse_peers(args.peer, target.name)]
+    settings["peers"] = {peer.name: peer.base_url for peer in peers}
     baseline = HFGenerateRunner(model_dir, baseline_dtype, tokenizer) if options.baseline else None
     settings["baseline_dtype"] = str(baseline_dtype) if baseline is not None else None
     print(f"bench engine: {settings['mode']}, model {model_dir}, torch threads {settings['threads']}, "
           f"baseline {settings['baseline_dtype']}")
     try:
-        report = run_benchmark(target, baseline, tokenizer, options)
+        report = run_benchmark(target, baseline, tokenizer, options, peers=peers)
     finally:
         if not args.url:
             async_engine.shutdown()

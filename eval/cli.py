@@ -167,6 +167,11 @@ def _register_bench_engine(bench_sub: argparse._SubParsersAction) -> None:
         "--server-pid", type=int, action="append", default=[],
         help="in --url mode, the server's pid: its CPU time is not counted as a neighbour's",
     )
+    engine.add_argument(
+        "--peer", action="append", default=[], metavar="NAME=URL",
+        help="another OpenAI-compatible server (vLLM, llama.cpp) run interleaved with the target on the "
+        "same prompts; repeatable. Pass its pid with --server-pid so its CPU is not a neighbour's",
+    )
     engine.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset of W1,W2,W3")
     engine.add_argument("--num-requests", type=int, default=None, help="scale every workload to N requests")
     engine.add_argument("--prompt-tokens", type=int, default=None, help="override prompt length")

@@ -44,13 +44,59 @@ def test_bench_engine_url_mode(tmp_path, model_dir):
     engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, max_model_len=128))
     out_dir = tmp_path / "bench"
     with running_server(engine) as url:
-        code = main(["bench", "engine", "--url", url, "--workloads", "W2", *TINY, "--no-baseline",
-                     "--out", str(out_dir), "--model", str(model_dir)])
+        # The same server once more as a "peer": the interleaved side-by-side mode.
+        code = main(["bench", "engine", "--url", url, "--peer", f"again={url}", "--workloads", "W2", *TINY,
+                     "--no-baseline", "--out", str(out_dir), "--model", str(model_dir)])
     assert code == 0
-    entry = json.loads((out_dir / "bench_engine.json").read_text())["workloads"]["W2"]
+    report = json.loads((out_dir / "bench_engine.json").read_text())
+    entry = report["workloads"]["W2"]
     assert entry["workload"]["concurrency"] == 2
     _check_run_summary(entry["server"])
+    _check_run_summary(entry["again"])
+    assert set(entry["ratios_vs"]["again"]) >= {"output_tok_s", "ttft_p95_speedup", "tpot_p50_speedup"}
+    assert report["settings"]["peers"] == {"again": url.rstrip("/")}
     assert "hf_generate" not in entry
+
+
+def test_bench_engine_rejects_bad_peer_specs():
+    import pytest
+
+    from eval.bench_engine_cli import parse_peers
+
+    assert parse_peers(["vllm=http://h:1", "llama=http://h:2"], "server") == [
+        ("vllm", "http://h:1"), ("llama", "http://h:2"),
+    ]
+    for bad in (["vllm"], ["=http://h:1"], ["x=ftp://h"], ["server=http://h:1"], ["a=http://h:1", "a=http://h:2"]):
+        with pytest.raises(ValueError):
+            parse_peers(bad, "server")
+
+
+def test_cpu_meter_counts_a_servers_children_as_its_own():
+    import os
+    import subprocess
+    import sys
+
+    from eval.bench_engine import CpuMeter
+
+    already_own = CpuMeter()._own_pids()  # this test process's other descendants (test servers)
+    grandchild = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    parent = subprocess.Popen([sys.executable, "-c", grandchild])
+    try:
+        import time
+
+        deadline = time.monotonic() + 10
+        meter = CpuMeter([parent.pid])
+        while time.monotonic() < deadline and len(meter._own_pids()) < 3:
+            time.sleep(0.05)
+        own = meter._own_pids()
+        assert {os.getpid(), parent.pid} <= own and len(own) >= 3  # the grandchild is found too
+    finally:
+        for pid in CpuMeter([parent.pid])._own_pids() - already_own:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        parent.wait()
 
 
 def test_prompts_differ_and_have_the_requested_length(tokenizer):
