@@ -348,8 +348,12 @@ class HFGenerateRunner:
 
     name = "hf_generate"
 
-    def __init__(self, model_dir: str, torch_dtype, tokenizer):
+    def __init__(self, model_dir: str, torch_dtype, tokenizer, num_threads: int | None = None):
         import torch
+
+        # The in-process engine leaves this thread one OpenMP thread (backend/openmp.py); the
+        # baseline gets the same thread count as the engine for the length of each run.
+        self.num_threads = num_threads
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -362,10 +366,19 @@ class HFGenerateRunner:
 
     def run(self, conversations: list[list[dict[str, str]]], workload: Workload) -> list[RequestResult]:
         prompts = [self.tokenizer.encode_chat(messages) for messages in conversations]
-        results = []
-        for begin in range(0, len(prompts), workload.concurrency):
-            results.extend(self._run_batch(prompts[begin : begin + workload.concurrency], workload.output_tokens))
-        return results
+        if self.num_threads:
+            self.torch.set_num_threads(self.num_threads)
+        try:
+            results = []
+            for begin in range(0, len(prompts), workload.concurrency):
+                batch = prompts[begin : begin + workload.concurrency]
+                results.extend(self._run_batch(batch, workload.output_tokens))
+            return results
+        finally:
+            if self.num_threads:
+                from backend import openmp
+
+                openmp.hand_cores_to_engine()  # this thread's team would throttle the engine's
 
     def _run_batch(self, prompts: list[list[int]], output_tokens: int) -> list[RequestResult]:
         torch = self.torch

@@ -83,7 +83,8 @@ def bench_engine_command(args: argparse.Namespace) -> int:
         settings["engine_config"] = {k: str(v) for k, v in vars(config).items()}
     peers = [OpenAIServerRunner(url, None, tokenizer, name=name) for name, url in parse_peers(args.peer, target.name)]
     settings["peers"] = {peer.name: peer.base_url for peer in peers}
-    baseline = HFGenerateRunner(model_dir, baseline_dtype, tokenizer) if options.baseline else None
+    baseline_threads = None if args.url else async_engine.engine.num_threads
+    baseline = HFGenerateRunner(model_dir, baseline_dtype, tokenizer, baseline_threads) if options.baseline else None
     settings["baseline_dtype"] = str(baseline_dtype) if baseline is not None else None
     print(f"bench engine: {settings['mode']}, model {model_dir}, torch threads {settings['threads']}, "
           f"baseline {settings['baseline_dtype']}")
