@@ -34,6 +34,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto")
+    parser.add_argument(
+        "--weight-quant", choices=["none", "int4"], default="none",
+        help="int4: 4-bit group-32 weights for decode-sized matmuls (bfloat16 on CPU; prefill keeps bf16)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     kv_size = parser.add_mutually_exclusive_group()
     kv_size.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks in the pool")
@@ -56,6 +60,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "dtype": args.dtype,
         "device": args.device,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "weight_quant": getattr(args, "weight_quant", None),
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
         "kv_cache_memory_mb": args.kv_cache_memory_mb,

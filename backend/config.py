@@ -14,6 +14,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # if None, derived from kv_cache_memory_mb
     kv_cache_memory_mb: int = 256
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8
+    # none | int4: decode-sized matmuls read 4-bit weights (groups of 32, asymmetric); the default
+    # model ships as Q4_1, whose grid int4 reproduces up to bfloat16 scale rounding.
+    weight_quant: str = "none"
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 32
     max_model_len: int | None = None  # default: min(model max positions, 8192)
@@ -27,6 +30,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.weight_quant not in ("none", "int4"):
+            raise ValueError(f"weight_quant must be none or int4, not {self.weight_quant!r}")
+        if self.weight_quant == "int4" and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError("weight_quant int4 runs with bfloat16 activations: use dtype bfloat16 (or auto)")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto or int8, not {self.kv_cache_dtype!r}")
         if self.block_size <= 0:

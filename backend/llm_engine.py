@@ -90,7 +90,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tokenizer: Tokenizer = load_tokenizer(str(model_path))
-        self.model = load_model(model_path, self.dtype, self.device)
+        self.model = load_model(model_path, self.dtype, self.device, config.weight_quant)
         arch = self.model.config
 
         spec = KVCacheSpec(

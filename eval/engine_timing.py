@@ -13,12 +13,17 @@ import statistics
 import time
 
 
-def measure(dtype: str, threads: int, batch: int, prompt_tokens: int, output_tokens: int, backend: str) -> dict:
+def measure(
+    dtype: str, threads: int, batch: int, prompt_tokens: int, output_tokens: int, backend: str,
+    weight_quant: str = "none",
+) -> dict:
     from backend.api import GenerationRequest, SamplingParams
     from backend.config import EngineConfig
     from backend.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(dtype=dtype, num_threads=threads, attention_backend=backend))
+    engine = LLMEngine(
+        EngineConfig(dtype=dtype, num_threads=threads, attention_backend=backend, weight_quant=weight_quant)
+    )
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     for index in range(batch):
         # Distinct prompts so the prefix cache does not share anything.
@@ -55,12 +60,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--weight-quant", choices=["none", "int4"], default="none")
     args = parser.parse_args()
     import os
 
     result = measure(
         args.dtype, args.threads or os.cpu_count() or 1, args.batch, args.prompt_tokens, args.output_tokens,
-        args.attention_backend,
+        args.attention_backend, args.weight_quant,
     )
     print(" ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}" for key, value in result.items()))
 
