@@ -24,11 +24,24 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
 
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags: the library is built with -march=native, so a cache folder shared
+    with (or copied to) another CPU type must not reuse it."""
+    try:
+        with open("/proc/cpuinfo", "rb") as handle:
+            for line in handle:
+                if line.startswith((b"flags", b"Features")):
+                    return line
+    except OSError:
+        pass
+    return b""
+
+
 def _build_dir() -> Path:
     from backend.model_prepare import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"cpu-{digest}"
+    key = SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()
+    return cache_dir() / "kernels" / f"cpu-{hashlib.sha256(key).hexdigest()[:16]}"
 
 
 def disabled_by_env() -> bool:
