@@ -40,8 +40,14 @@ def _cpu_flags() -> bytes:
 def _build_dir() -> Path:
     from backend.model_prepare import cache_dir
 
-    key = SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()
+    key = SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags() + " ".join(_extra_defines()).encode()
     return cache_dir() / "kernels" / f"cpu-{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def _extra_defines() -> list[str]:
+    # CTXGATE_CPU_KERNELS_PORTABLE=1 leaves out the AVX-512 paths, so tests can cover the portable
+    # ones (what a CPU without AVX-512 BF16 runs) on this machine too.
+    return ["-DCTXGATE_PORTABLE_ONLY"] if os.environ.get("CTXGATE_CPU_KERNELS_PORTABLE") == "1" else []
 
 
 def disabled_by_env() -> bool:
@@ -73,7 +79,7 @@ def _load_uncached() -> bool:
             build_directory=str(build_dir),
             # -fopenmp makes at::parallel_for use threads; the library resolves libgomp.so.1 to
             # the copy torch already loaded, so there is one OpenMP runtime and one thread pool.
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp", *_extra_defines()],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -25,7 +25,8 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// CTXGATE_PORTABLE_ONLY builds only the portable paths (tests use it to cover them on AVX-512 CPUs).
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(CTXGATE_PORTABLE_ONLY)
 #include <immintrin.h>
 #define CTXGATE_HAVE_AVX512_BF16 1
 #endif
@@ -41,42 +42,30 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
-// Dot product of a bfloat16 row with a float vector; lanes keep the loop vectorisable without
+// Cache element -> float: bfloat16 bits or int8 (scaled by the caller).
+inline float element_to_float(uint16_t bits) { return bf16_to_float(bits); }
+inline float element_to_float(int8_t value) { return static_cast<float>(value); }
+
+// Dot product of a cache row with a float vector; lanes keep the loop vectorisable without
 // -ffast-math (each lane accumulates independently).
-inline float dot_bf16_f32(const uint16_t* row, const float* vec, int64_t length) {
+template <typename T>
+inline float dot_f32(const T* row, const float* vec, int64_t length) {
   float lanes[kLanes] = {0};
   int64_t index = 0;
   for (; index + kLanes <= length; index += kLanes) {
     for (int64_t lane = 0; lane < kLanes; ++lane) {
-      lanes[lane] += bf16_to_float(row[index + lane]) * vec[index + lane];
+      lanes[lane] += element_to_float(row[index + lane]) * vec[index + lane];
     }
   }
   float total = 0.0f;
   for (int64_t lane = 0; lane < kLanes; ++lane) total += lanes[lane];
-  for (; index < length; ++index) total += bf16_to_float(row[index]) * vec[index];
+  for (; index < length; ++index) total += element_to_float(row[index]) * vec[index];
   return total;
 }
 
-inline float dot_i8_f32(const int8_t* row, const float* vec, int64_t length) {
-  float lanes[kLanes] = {0};
-  int64_t index = 0;
-  for (; index + kLanes <= length; index += kLanes) {
-    for (int64_t lane = 0; lane < kLanes; ++lane) {
-      lanes[lane] += static_cast<float>(row[index + lane]) * vec[index + lane];
-    }
-  }
-  float total = 0.0f;
-  for (int64_t lane = 0; lane < kLanes; ++lane) total += lanes[lane];
-  for (; index < length; ++index) total += static_cast<float>(row[index]) * vec[index];
-  return total;
-}
-
-inline void axpy_bf16(float* out, const uint16_t* row, float weight, int64_t length) {
-  for (int64_t index = 0; index < length; ++index) out[index] += weight * bf16_to_float(row[index]);
-}
-
-inline void axpy_i8(float* out, const int8_t* row, float weight, int64_t length) {
-  for (int64_t index = 0; index < length; ++index) out[index] += weight * static_cast<float>(row[index]);
+template <typename T>
+inline void axpy_f32(float* out, const T* row, float weight, int64_t length) {
+  for (int64_t index = 0; index < length; ++index) out[index] += weight * element_to_float(row[index]);
 }
 
 #ifdef CTXGATE_HAVE_AVX512_BF16
@@ -246,7 +235,7 @@ at::Tensor gemv_bf16(const at::Tensor& input, const at::Tensor& weight) {
     for (int64_t output = begin; output < end; ++output) {
       const uint16_t* row = w_data + output * inner;
       for (int64_t r = 0; r < rows; ++r) {
-        out_data[r * outputs + output] = at::BFloat16(dot_bf16_f32(row, x_data + r * inner, inner));
+        out_data[r * outputs + output] = at::BFloat16(dot_f32(row, x_data + r * inner, inner));
       }
     }
   });
@@ -346,10 +335,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
           float dot;
           if (quantized) {
             const int8_t* k_row = key_i8 + cache_offset + slot * head_dim;
-            dot = dot_i8_f32(k_row, q_row, head_dim) * key_scale_data[kv_head * num_blocks + block];
+            dot = dot_f32(k_row, q_row, head_dim) * key_scale_data[kv_head * num_blocks + block];
           } else {
             const uint16_t* k_row = key_bf16 + cache_offset + slot * head_dim;
-            dot = dot_bf16_f32(k_row, q_row, head_dim);
+            dot = dot_f32(k_row, q_row, head_dim);
           }
           scores[g * length + position] = dot * softmax_scale;
         }
@@ -376,11 +365,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
           const float weight = scores[g * length + position];
           if (quantized) {
             const int8_t* v_row = value_i8 + cache_offset + slot * head_dim;
-            axpy_i8(out_rows + g * head_dim, v_row, weight * value_scale_data[kv_head * num_blocks + block],
+            axpy_f32(out_rows + g * head_dim, v_row, weight * value_scale_data[kv_head * num_blocks + block],
                     head_dim);
           } else {
             const uint16_t* v_row = value_bf16 + cache_offset + slot * head_dim;
-            axpy_bf16(out_rows + g * head_dim, v_row, weight, head_dim);
+            axpy_f32(out_rows + g * head_dim, v_row, weight, head_dim);
           }
         }
       }

@@ -188,3 +188,22 @@ def test_kernel_path_with_chunked_prefill_prefix_cache_and_preemption(make_engin
             chosen = logits.gather(1, torch.tensor(generated).unsqueeze(1)).squeeze(1)
             worst_gap = max(worst_gap, float((logits.max(dim=1).values - chosen).max()))
     assert worst_gap < 1.0, f"a generated token was {worst_gap:.2f} logits below the reference argmax"
+
+
+def test_portable_kernel_paths_in_a_separate_build(tmp_path):
+    """The paths a CPU without AVX-512 BF16 runs, built with CTXGATE_CPU_KERNELS_PORTABLE=1 into a
+    fresh cache folder and put through the same kernel tests in a child process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "CTXGATE_CPU_KERNELS_PORTABLE": "1", "CTXGATE_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "gemv or paged_decode or elementwise"],
+        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "passed" in result.stdout and "skipped" not in result.stdout
+    assert list((tmp_path / "kernels").iterdir()), "the portable build went to the fresh cache folder"
