@@ -242,6 +242,20 @@ at::Tensor gemv_bf16(const at::Tensor& input, const at::Tensor& weight) {
   return out;
 }
 
+// Runs fn(seq, kv_head, length, scores) for every (sequence, kv head) pair on ATen's threads,
+// with a zeroed [group * length] float scratch buffer per call.
+template <typename Fn>
+void for_each_sequence_head(int64_t batch, int64_t num_kv_heads, int64_t group, const int64_t* lengths, Fn&& fn) {
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / num_kv_heads;
+      scores.assign(static_cast<size_t>(group * lengths[seq]), 0.0f);
+      fn(seq, task % num_kv_heads, lengths[seq], scores);
+    }
+  });
+}
+
 // q: [B, H, D] (any float dtype); key/value cache: [KVH, num_slots, D] bfloat16 or int8;
 // scales (int8 only): [KVH, num_blocks] float32; block_tables: [B, max_blocks] int64;
 // context_lens: [B] int64. Returns [B, H, D] in q's dtype.
@@ -295,13 +309,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   if (!quantized && query.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
     const at::Tensor q_bf16 = query.contiguous();
     const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(q_bf16.data_ptr<at::BFloat16>());
-    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t seq = task / num_kv_heads;
-        const int64_t kv_head = task % num_kv_heads;
-        const int64_t length = length_data[seq];
-        scores.resize(static_cast<size_t>(group * length));
+    for_each_sequence_head(batch, num_kv_heads, group, length_data,
+                           [&](int64_t seq, int64_t kv_head, int64_t length, std::vector<float>& scores) {
         const int64_t cache_offset = kv_head * num_slots * head_dim;
         const uint16_t* q_group = q_bits + (seq * num_heads + kv_head * group) * head_dim;
         float* out_group = out_data + (seq * num_heads + kv_head * group) * head_dim;
@@ -313,18 +322,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
           decode_task_bf16<8>(q_group, group, key_bf16 + cache_offset, value_bf16 + cache_offset, table, length,
                               block_size, softmax_scale, scores.data(), out_group);
         }
-      }
     });
     return out.to(query.scalar_type());
   }
 #endif
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads;
-      const int64_t kv_head = task % num_kv_heads;
-      const int64_t length = length_data[seq];
-      scores.assign(static_cast<size_t>(group * length), 0.0f);
+  for_each_sequence_head(batch, num_kv_heads, group, length_data,
+                         [&](int64_t seq, int64_t kv_head, int64_t length, std::vector<float>& scores) {
       const int64_t cache_offset = kv_head * num_slots * head_dim;
       // Pass 1: scores of every query head of the group against every context token.
       for (int64_t position = 0; position < length; ++position) {
@@ -373,7 +376,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
           }
         }
       }
-    }
   });
   return out.to(query.scalar_type());
 }
