@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _lock = threading.Lock()
-_state: dict[str, bool] = {}
+_loaded: bool | None = None  # None until the first load()
 
 
 def _cpu_flags() -> bytes:
@@ -56,11 +56,11 @@ def disabled_by_env() -> bool:
 
 def load() -> bool:
     """Compile (first time) and load the kernels; False when unavailable. Thread-safe, cached."""
+    global _loaded
     with _lock:
-        if "loaded" in _state:
-            return _state["loaded"]
-        _state["loaded"] = _load_uncached()
-        return _state["loaded"]
+        if _loaded is None:
+            _loaded = _load_uncached()
+        return _loaded
 
 
 def _load_uncached() -> bool:
@@ -101,8 +101,3 @@ def _put_ninja_on_path() -> None:
     path = os.environ.get("PATH", "")
     if bin_dir and bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
-
-
-def available() -> bool:
-    """Whether the kernels are loaded (does not trigger a build)."""
-    return _state.get("loaded", False)

@@ -100,9 +100,8 @@ class ModelRunner:
             max_blocks = -(-longest_blocks // bucket_blocks) * bucket_blocks
             max_context = max_blocks * size
             metadata.decode_blocks = self._padded_blocks(decode_tables, max_blocks)
-            metadata.decode_context_lens = self._tensor(decode_context_lens)
+            lengths = metadata.decode_context_lens = self._tensor(decode_context_lens)
             if min(decode_context_lens) != max_context:
-                lengths = self._tensor(decode_context_lens)
                 padding = torch.arange(max_context, device=self.device).unsqueeze(0) >= lengths.unsqueeze(1)
                 bias = torch.zeros(padding.shape, dtype=torch.float32, device=self.device)
                 bias.masked_fill_(padding, float("-inf"))

@@ -269,8 +269,13 @@ class OpenAIServerRunner:
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[: -len("/v1")]
         if model_name is None:
-            models = httpx.get(self.base_url + "/v1/models", timeout=30).json()
-            model_name = models["data"][0]["id"]
+            try:
+                models = httpx.get(self.base_url + "/v1/models", timeout=30).json()
+                model_name = models["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+                raise ValueError(
+                    f"{self.base_url}: no OpenAI-compatible server listed a model at /v1/models ({exc})"
+                ) from exc
         self.model_name = model_name
         self.tokenizer = tokenizer
 

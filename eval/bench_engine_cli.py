@@ -60,6 +60,7 @@ def bench_engine_command(args: argparse.Namespace) -> int:
     from backend.tokenizer import load_tokenizer
 
     options = options_from_args(args)
+    peer_specs = parse_peers(args.peer, OpenAIServerRunner.name if args.url else EngineRunner.name)
     model_dir = str(args.model or prepare_default_model())
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,7 +82,7 @@ def bench_engine_command(args: argparse.Namespace) -> int:
         target = EngineRunner(async_engine)
         baseline_dtype = engine_torch_dtype(async_engine)
         settings["engine_config"] = {k: str(v) for k, v in vars(config).items()}
-    peers = [OpenAIServerRunner(url, None, tokenizer, name=name) for name, url in parse_peers(args.peer, target.name)]
+    peers = [OpenAIServerRunner(url, None, tokenizer, name=name) for name, url in peer_specs]
     settings["peers"] = {peer.name: peer.base_url for peer in peers}
     baseline_threads = None if args.url else async_engine.engine.num_threads
     baseline = HFGenerateRunner(model_dir, baseline_dtype, tokenizer, baseline_threads) if options.baseline else None
