@@ -1,9 +1,10 @@
 """Builds and loads the C++ decode kernels (backend/csrc/cpu_kernels.cpp) once per machine.
 
 The kernels are compiled with the local C++ compiler through torch.utils.cpp_extension the first
-time they are needed (about 30 s) and cached under the ctxgate cache folder, keyed by the source
-hash, so later engine starts load the built library in milliseconds. Where no compiler is present,
-or with CTXGATE_CPU_KERNELS=0, the engine keeps its pure-PyTorch paths (slower, same results up to
+time they are needed (about 30 s) for the ISA `backend.cpu_features` chose (AVX-512 BF16, AVX2 or
+portable x86-64), and cached under the ctxgate cache folder keyed by the source hash and that ISA,
+so later engine starts load the built library in milliseconds. Where no compiler is present, or
+with CTXGATE_CPU_KERNELS=0, the engine keeps its pure-PyTorch paths (slower, same results up to
 floating-point rounding).
 """
 
@@ -24,30 +25,30 @@ _lock = threading.Lock()
 _loaded: bool | None = None  # None until the first load()
 
 
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags: the library is built with -march=native, so a cache folder shared
-    with (or copied to) another CPU type must not reuse it."""
-    try:
-        with open("/proc/cpuinfo", "rb") as handle:
-            for line in handle:
-                if line.startswith((b"flags", b"Features")):
-                    return line
-    except OSError:
-        pass
-    return b""
+def kernel_isa() -> str:
+    """The ISA the kernels are built for on this machine (see backend.cpu_features)."""
+    from backend.cpu_features import cpu_path
+
+    return cpu_path().kernel_isa
+
+
+def _compile_flags() -> list[str]:
+    from backend.cpu_features import KERNEL_ISA_CFLAGS
+
+    return KERNEL_ISA_CFLAGS[kernel_isa()]
 
 
 def _build_dir() -> Path:
+    from backend.cpu_features import cpu_path
     from backend.model_prepare import cache_dir
 
-    key = SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags() + " ".join(_extra_defines()).encode()
-    return cache_dir() / "kernels" / f"cpu-{hashlib.sha256(key).hexdigest()[:16]}"
-
-
-def _extra_defines() -> list[str]:
-    # CTXGATE_CPU_KERNELS_PORTABLE=1 leaves out the AVX-512 paths, so tests can cover the portable
-    # ones (what a CPU without AVX-512 BF16 runs) on this machine too.
-    return ["-DCTXGATE_PORTABLE_ONLY"] if os.environ.get("CTXGATE_CPU_KERNELS_PORTABLE") == "1" else []
+    # -march=native depends on the CPU itself, so its flags are part of the key: a cache folder
+    # shared with (or copied to) another CPU type must not reuse the library.
+    key = b"|".join([
+        SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_compile_flags()).encode(),
+        " ".join(cpu_path().flags).encode(),
+    ])
+    return cache_dir() / "kernels" / f"cpu-{kernel_isa()}-{hashlib.sha256(key).hexdigest()[:16]}"
 
 
 def disabled_by_env() -> bool:
@@ -79,7 +80,7 @@ def _load_uncached() -> bool:
             build_directory=str(build_dir),
             # -fopenmp makes at::parallel_for use threads; the library resolves libgomp.so.1 to
             # the copy torch already loaded, so there is one OpenMP runtime and one thread pool.
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp", *_extra_defines()],
+            extra_cflags=["-O3", *_compile_flags(), "-fno-math-errno", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -87,7 +88,10 @@ def _load_uncached() -> bool:
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers, build error: fall back
         logger.warning("CPU kernels unavailable, using the PyTorch paths: %s", str(exc).splitlines()[0][:300])
         return False
-    return hasattr(torch.ops, "ctxgate_cpu") and hasattr(torch.ops.ctxgate_cpu, "gemv_bf16")
+    loaded = hasattr(torch.ops, "ctxgate_cpu") and hasattr(torch.ops.ctxgate_cpu, "gemv_bf16")
+    if loaded:
+        logger.info("CPU kernels loaded (%s build)", kernel_isa())
+    return loaded
 
 
 def _put_ninja_on_path() -> None:

@@ -17,8 +17,9 @@ from backend.api import EngineError, GenerationDelta, GenerationRequest, Request
 from backend.attention import create_backend
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
+from backend.cpu_features import cpu_path
 from backend.kv_cache import KVCache, KVCacheSpec
-from backend.model import load_model
+from backend.model_loader import load_model
 from backend.model_runner import ModelRunner
 from backend.sampler import sample
 from backend.scheduler import Scheduler
@@ -54,27 +55,12 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # bfloat16 halves the weight bytes streamed per decode step; on CPUs with native bf16
-        # matmuls (AVX-512 BF16 / AMX) it measured faster than float32, elsewhere it is emulated.
+        # bfloat16 halves the weight bytes a decode step streams; on CPU the choice depends on
+        # the kernels this CPU runs (backend.cpu_features: AVX-512 BF16 or AVX2 -> bfloat16).
         if device.type == "cuda":
             return torch.bfloat16
-        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        return getattr(torch, cpu_path().auto_dtype)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        capability = torch.backends.cpu.get_cpu_capability()
-    except AttributeError:  # pragma: no cover - older torch
-        return False
-    if capability not in ("AVX512", "AVX512_BF16", "AMX"):
-        return False
-    try:
-        with open("/proc/cpuinfo") as handle:
-            flags = handle.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class LLMEngine:
@@ -124,9 +110,9 @@ class LLMEngine:
         self.last_step_batch_size = 0
         self.last_step_num_tokens = 0
         logger.info(
-            "engine ready: %s %s on %s, %d KV blocks of %d tokens (%s), attention=%s",
+            "engine ready: %s %s on %s, %d KV blocks of %d tokens (%s), attention=%s; %s",
             self.model_name, self.dtype, self.device, num_blocks, config.block_size,
-            "int8" if spec.quantized else str(self.dtype), self.attention.name,
+            "int8" if spec.quantized else str(self.dtype), self.attention.name, self.cpu_path_summary(),
         )
 
     # ---- requests ---------------------------------------------------------------------------
@@ -262,6 +248,34 @@ class LLMEngine:
         )
 
     # ---- introspection -----------------------------------------------------------------------
+    def path_info(self) -> dict[str, object]:
+        """Which compute path this engine runs: shown on /v1/models, in metrics and bench reports."""
+        info: dict[str, object] = {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": "int8" if self.kv_cache.spec.quantized else str(self.dtype).removeprefix("torch."),
+            "weight_quant": self.config.weight_quant,
+            "attention": self.attention.name,
+            "threads": self.num_threads,
+        }
+        if self.device.type == "cpu":
+            path = cpu_path()
+            plan = self.model.matmul_plan
+            info.update({
+                "cpu_model": path.model_name,
+                "cpu_flags": list(path.flags),
+                "cpu_kernel_isa": path.kernel_isa if self.model.use_fused_layers else "none",
+                "cpu_isa_capped_by": path.capped_by,
+                "matmul": plan.summary() if plan else "plain",
+            })
+        return info
+
+    def cpu_path_summary(self) -> str:
+        info = self.path_info()
+        if self.device.type != "cpu":
+            return f"device {info['device']}"
+        return f"cpu kernels {info['cpu_kernel_isa']}, {info['matmul']}, flags {' '.join(info['cpu_flags'])}"
+
     def stats(self) -> EngineStats:
         total = self.block_manager.num_blocks
         free = self.block_manager.num_free_blocks

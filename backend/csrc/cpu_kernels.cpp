@@ -11,8 +11,13 @@
 //   call each instead of 5-8 small ATen ops (each ~2 us of dispatch at decode sizes), with the
 //   same bfloat16 rounding points as the eager code in backend/model.py.
 //
-// Plain C++ that GCC vectorises (fixed-width accumulator arrays); threads come from ATen's pool
-// (at::parallel_for), so torch.set_num_threads governs them and no second OpenMP runtime is used.
+// Three builds of this file, chosen by backend/cpu_features.py and compiled by backend/cpu_kernels.py:
+// - avx512_bf16 (-march=native on CPUs with AVX-512 BF16): vdpbf16ps GEMV, AVX-512 attention;
+// - avx2 (-march=haswell: AVX2 + FMA + F16C): bf16 weights and KV widened to fp32 by a 16-bit shift,
+//   fp32 FMA compute, a vectorised exp for softmax and SiLU;
+// - portable (-march=x86-64): plain C++ loops (fixed-width accumulator arrays GCC vectorises).
+// Threads come from ATen's pool (at::parallel_for), so torch.set_num_threads governs them and no
+// second OpenMP runtime is used.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,10 +30,15 @@
 #include <limits>
 #include <vector>
 
-// CTXGATE_PORTABLE_ONLY builds only the portable paths (tests use it to cover them on AVX-512 CPUs).
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(CTXGATE_PORTABLE_ONLY)
-#include <immintrin.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define CTXGATE_HAVE_AVX512_BF16 1
+#endif
+// The AVX2 helpers also serve the AVX-512 build where it has no wider path (int8 KV, odd head dims).
+#if defined(__AVX2__) && defined(__FMA__)
+#define CTXGATE_HAVE_AVX2 1
+#endif
+#if defined(CTXGATE_HAVE_AVX512_BF16) || defined(CTXGATE_HAVE_AVX2)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -46,6 +56,153 @@ inline float bf16_to_float(uint16_t bits) {
 inline float element_to_float(uint16_t bits) { return bf16_to_float(bits); }
 inline float element_to_float(int8_t value) { return static_cast<float>(value); }
 
+#ifdef CTXGATE_HAVE_AVX2
+// 8 bfloat16 -> 8 floats: widen to 32 bits and shift into the high half.
+inline __m256 load8(const uint16_t* source) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source))), 16));
+}
+inline __m256 load8(const int8_t* source) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(source))));
+}
+inline __m256 load8(const float* source) { return _mm256_loadu_ps(source); }
+
+inline float hsum256(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+
+inline float hmax256(__m256 v) {
+  __m128 peak = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  peak = _mm_max_ps(peak, _mm_movehl_ps(peak, peak));
+  peak = _mm_max_ss(peak, _mm_movehdup_ps(peak));
+  return _mm_cvtss_f32(peak);
+}
+
+// exp for 8 floats, the same range reduction and Cephes polynomial as the AVX-512 exp below;
+// 2^n is built in the exponent bits (AVX2 has no scalef).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 poly = _mm256_set1_ps(1.9875691500e-4f);
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.3981999507e-3f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(8.3334519073e-3f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(4.1665795894e-2f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.6666665459e-1f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(5.0000001201e-1f));
+  poly = _mm256_fmadd_ps(poly, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(poly, _mm256_castsi256_ps(exponent));
+}
+
+// float -> bfloat16 bits with round-to-nearest-even, as at::BFloat16 rounds (inputs here are finite).
+inline __m128i to_bf16x8(__m256 values) {
+  const __m256i bits = _mm256_castps_si256(values);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  // Pack the low 16 bits of the eight 32-bit lanes (values fit in 16 bits, so no saturation).
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+inline __m256 round_bf16x8(__m256 values) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16x8(values)), 16));
+}
+
+// Dot product of a cache row with a float vector, two accumulators to hide the FMA latency.
+template <typename T>
+inline float dot_f32(const T* row, const float* vec, int64_t length) {
+  __m256 first = _mm256_setzero_ps(), second = _mm256_setzero_ps();
+  int64_t index = 0;
+  for (; index + 16 <= length; index += 16) {
+    first = _mm256_fmadd_ps(load8(row + index), _mm256_loadu_ps(vec + index), first);
+    second = _mm256_fmadd_ps(load8(row + index + 8), _mm256_loadu_ps(vec + index + 8), second);
+  }
+  for (; index + 8 <= length; index += 8) first = _mm256_fmadd_ps(load8(row + index), _mm256_loadu_ps(vec + index), first);
+  float total = hsum256(_mm256_add_ps(first, second));
+  for (; index < length; ++index) total += element_to_float(row[index]) * vec[index];
+  return total;
+}
+
+template <typename T>
+inline void axpy_f32(float* out, const T* row, float weight, int64_t length) {
+  const __m256 scale = _mm256_set1_ps(weight);
+  int64_t index = 0;
+  for (; index + 8 <= length; index += 8) {
+    _mm256_storeu_ps(out + index, _mm256_fmadd_ps(scale, load8(row + index), _mm256_loadu_ps(out + index)));
+  }
+  for (; index < length; ++index) out[index] += weight * element_to_float(row[index]);
+}
+
+// In-place softmax of `length` floats.
+inline void softmax_f32(float* row, int64_t length) {
+  __m256 peak_vec = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= length; i += 8) peak_vec = _mm256_max_ps(peak_vec, _mm256_loadu_ps(row + i));
+  float peak = hmax256(peak_vec);
+  for (; i < length; ++i) peak = std::max(peak, row[i]);
+  const __m256 peak_b = _mm256_set1_ps(peak);
+  __m256 total_vec = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= length; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + i), peak_b));
+    _mm256_storeu_ps(row + i, e);
+    total_vec = _mm256_add_ps(total_vec, e);
+  }
+  float total = hsum256(total_vec);
+  for (; i < length; ++i) {
+    row[i] = std::exp(row[i] - peak);
+    total += row[i];
+  }
+  const float inverse = 1.0f / total;
+  const __m256 inverse_b = _mm256_set1_ps(inverse);
+  for (i = 0; i + 8 <= length; i += 8) _mm256_storeu_ps(row + i, _mm256_mul_ps(_mm256_loadu_ps(row + i), inverse_b));
+  for (; i < length; ++i) row[i] *= inverse;
+}
+
+constexpr int64_t kAvx2InputTile = 4;  // input rows sharing each widened weight chunk
+
+// out[first_input + r, output] = inputs[first_input + r] . weight[output] (fp32 inputs, bf16 weight):
+// each 16-value weight chunk is widened once and used by every input row of the tile.
+template <int INPUTS>
+inline void gemv_tile_avx2(const uint16_t* weight_row, int64_t output, const float* inputs, int64_t first_input,
+                           int64_t inner, int64_t outputs, at::BFloat16* out) {
+  __m256 acc_low[INPUTS], acc_high[INPUTS];
+  for (int r = 0; r < INPUTS; ++r) acc_low[r] = acc_high[r] = _mm256_setzero_ps();
+  int64_t index = 0;
+  for (; index + 16 <= inner; index += 16) {
+    const __m256 low = load8(weight_row + index);
+    const __m256 high = load8(weight_row + index + 8);
+    for (int r = 0; r < INPUTS; ++r) {
+      const float* x = inputs + (first_input + r) * inner + index;
+      acc_low[r] = _mm256_fmadd_ps(low, _mm256_loadu_ps(x), acc_low[r]);
+      acc_high[r] = _mm256_fmadd_ps(high, _mm256_loadu_ps(x + 8), acc_high[r]);
+    }
+  }
+  for (int r = 0; r < INPUTS; ++r) {
+    const float* x = inputs + (first_input + r) * inner;
+    float total = hsum256(_mm256_add_ps(acc_low[r], acc_high[r]));
+    for (int64_t tail = index; tail < inner; ++tail) total += bf16_to_float(weight_row[tail]) * x[tail];
+    out[(first_input + r) * outputs + output] = at::BFloat16(total);
+  }
+}
+
+inline void gemv_row_avx2(const uint16_t* weight_row, int64_t output, const float* inputs, int64_t num_inputs,
+                          int64_t inner, int64_t outputs, at::BFloat16* out) {
+  int64_t first_input = 0;
+  for (; first_input + kAvx2InputTile <= num_inputs; first_input += kAvx2InputTile)
+    gemv_tile_avx2<kAvx2InputTile>(weight_row, output, inputs, first_input, inner, outputs, out);
+  switch (num_inputs - first_input) {
+    case 3: gemv_tile_avx2<3>(weight_row, output, inputs, first_input, inner, outputs, out); break;
+    case 2: gemv_tile_avx2<2>(weight_row, output, inputs, first_input, inner, outputs, out); break;
+    case 1: gemv_tile_avx2<1>(weight_row, output, inputs, first_input, inner, outputs, out); break;
+    default: break;
+  }
+}
+#else
 // Dot product of a cache row with a float vector; lanes keep the loop vectorisable without
 // -ffast-math (each lane accumulates independently).
 template <typename T>
@@ -67,6 +224,18 @@ template <typename T>
 inline void axpy_f32(float* out, const T* row, float weight, int64_t length) {
   for (int64_t index = 0; index < length; ++index) out[index] += weight * element_to_float(row[index]);
 }
+
+inline void softmax_f32(float* row, int64_t length) {
+  const float peak = *std::max_element(row, row + length);
+  float total = 0.0f;
+  for (int64_t position = 0; position < length; ++position) {
+    row[position] = std::exp(row[position] - peak);
+    total += row[position];
+  }
+  const float inverse = 1.0f / total;
+  for (int64_t position = 0; position < length; ++position) row[position] *= inverse;
+}
+#endif
 
 #ifdef CTXGATE_HAVE_AVX512_BF16
 constexpr int64_t kInputTile = 4;  // input rows sharing each weight load
@@ -223,6 +392,14 @@ at::Tensor gemv_bf16(const at::Tensor& input, const at::Tensor& weight) {
 #endif
   const at::Tensor x_float = x.to(at::kFloat);
   const float* x_data = x_float.data_ptr<float>();
+#ifdef CTXGATE_HAVE_AVX2
+  at::parallel_for(0, outputs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t output = begin; output < end; ++output) {
+      gemv_row_avx2(w_data + output * inner, output, x_data, rows, inner, outputs, out_data);
+    }
+  });
+  return out;
+#endif
   at::parallel_for(0, outputs, grain, [&](int64_t begin, int64_t end) {
     for (int64_t output = begin; output < end; ++output) {
       const uint16_t* row = w_data + output * inner;
@@ -338,18 +515,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
           scores[g * length + position] = dot * softmax_scale;
         }
       }
-      // Softmax per query head.
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * length;
-        const float peak = *std::max_element(row, row + length);
-        float total = 0.0f;
-        for (int64_t position = 0; position < length; ++position) {
-          row[position] = std::exp(row[position] - peak);
-          total += row[position];
-        }
-        const float inverse = 1.0f / total;
-        for (int64_t position = 0; position < length; ++position) row[position] *= inverse;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_f32(scores.data() + g * length, length);
       // Pass 2: weighted sum of the values.
       float* out_rows = out_data + (seq * num_heads + kv_head * group) * head_dim;
       std::fill(out_rows, out_rows + group * head_dim, 0.0f);
@@ -462,6 +628,15 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
         const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(activated));
         const __m512 product = _mm512_mul_ps(rounded, load_bf16x16(up_bits + i));
         _mm256_storeu_si256((__m256i*)(o + r * inner + i), (__m256i)_mm512_cvtneps_pbh(product));
+      }
+#elif defined(CTXGATE_HAVE_AVX2)
+      const uint16_t* gate_bits = reinterpret_cast<const uint16_t*>(gate);
+      const uint16_t* up_bits = reinterpret_cast<const uint16_t*>(up);
+      for (; i + 8 <= inner; i += 8) {
+        const __m256 x = load8(gate_bits + i);
+        const __m256 activated = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        const __m256 product = _mm256_mul_ps(round_bf16x8(activated), load8(up_bits + i));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + r * inner + i), to_bf16x8(product));
       }
 #endif
       for (; i < inner; ++i) {

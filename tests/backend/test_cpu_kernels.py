@@ -1,4 +1,5 @@
-"""The C++ decode kernels against plain PyTorch: GEMV and paged decode attention (bf16 and int8 KV)."""
+"""The C++ decode kernels against plain PyTorch: GEMV, paged decode attention (bf16 and int8 KV),
+the fused elementwise kernels; for every kernel build this CPU can run."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from backend import cpu_kernels
+from backend.cpu_features import ISA_CAP_ENV, ISA_FEATURES, KERNEL_ISAS, TORCH_ISA_CAPS, runnable_kernel_isas
 from backend.kv_cache import KVCache, KVCacheSpec
 
 
@@ -103,16 +105,14 @@ def test_engine_greedy_same_with_and_without_kernels(make_engine, parity_prompts
     from backend.api import SamplingParams
 
     engine = make_engine(dtype="bfloat16")
-    assert engine.model.use_gemv_kernel and engine.model.use_fused_layers and engine.attention.use_kernel
+    assert engine.model.lm_head.gemv_max_rows >= 1 and engine.model.use_fused_layers and engine.attention.use_kernel
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = parity_prompts[:4]
     with_kernels = [engine.generate([prompt], params)[0] for prompt in prompts]  # batch 1: GEMV path
     with_kernels_batched = engine.generate(prompts, params)
-    engine.model.use_gemv_kernel = False
     engine.model.use_fused_layers = False
-    for module in engine.model.modules():
-        if hasattr(module, "use_gemv_kernel"):
-            module.use_gemv_kernel = False
+    for linear in engine.model.linears():
+        linear.gemv_max_rows = 0
     engine.attention.use_kernel = False
     without = [engine.generate([prompt], params)[0] for prompt in prompts]
 
@@ -129,7 +129,8 @@ def test_elementwise_kernels_match_eager_bfloat16():
     """rms_norm, add_rms_norm, silu_and_mul and rotary_qk round where the eager bf16 code rounds."""
     import torch.nn.functional as F
 
-    from backend.model import RMSNorm, apply_rotary
+    from backend.model import RMSNorm
+    from backend.rope import apply_rotary
 
     generator = torch.Generator().manual_seed(11)
     rows, hidden = 5, 576
@@ -192,15 +193,22 @@ def test_kernel_path_with_chunked_prefill_prefix_cache_and_preemption(make_engin
     assert worst_gap < 1.0, f"a generated token was {worst_gap:.2f} logits below the reference argmax"
 
 
-def test_portable_kernel_paths_in_a_separate_build(tmp_path):
-    """The paths a CPU without AVX-512 BF16 runs, built with CTXGATE_CPU_KERNELS_PORTABLE=1 into a
-    fresh cache folder and put through the same kernel tests in a child process."""
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_every_kernel_build_this_cpu_runs(isa, tmp_path):
+    """Each kernel build (AVX-512 BF16, AVX2, portable x86-64) that this CPU can execute, built
+    into a fresh cache folder and put through the kernel tests above in a child process with the
+    CPU capped to it; the machine's own best build is what the tests above already ran."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    env = {**os.environ, "CTXGATE_CPU_KERNELS_PORTABLE": "1", "CTXGATE_CACHE_DIR": str(tmp_path)}
+    runnable = runnable_kernel_isas()
+    if isa not in runnable:
+        pytest.skip(f"the {isa} kernels need CPU features this machine lacks: {', '.join(ISA_FEATURES[isa])}")
+    if isa == runnable[0] and not os.environ.get(ISA_CAP_ENV):
+        pytest.skip(f"{isa} is this machine's own build, covered by the tests above in this process")
+    env = {**os.environ, ISA_CAP_ENV: isa, "CTXGATE_CACHE_DIR": str(tmp_path), **TORCH_ISA_CAPS.get(isa, {})}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          "-k", "gemv or paged_decode or elementwise"],
@@ -208,4 +216,4 @@ def test_portable_kernel_paths_in_a_separate_build(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "passed" in result.stdout and "skipped" not in result.stdout
-    assert list((tmp_path / "kernels").iterdir()), "the portable build went to the fresh cache folder"
+    assert [p.name for p in (tmp_path / "kernels").iterdir()][0].startswith(f"cpu-{isa}-")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from backend.config import EngineConfig
-from backend.model import INT4_GROUP_SIZE, load_model, quantize_int4
+from backend.linear import INT4_GROUP_SIZE, quantize_int4
+from backend.model_loader import load_model
 
 
 def _dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int) -> torch.Tensor:
