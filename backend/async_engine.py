@@ -137,6 +137,9 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
         self.max_waiting_requests = max_waiting_requests
         self.metrics = EngineMetrics(self.model_name)
+        # Which compute path serves (CPU kernels, dtype, matmul dispatch): fixed for the process.
+        self.path_info: dict[str, object] = engine.path_info()
+        self.metrics.set_path_info(self.path_info)
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 if TYPE_CHECKING:
     from backend.api import GenerationDelta
@@ -101,6 +101,9 @@ class EngineMetrics:
         self.num_kv_blocks_total = gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
         self.num_kv_blocks_free = gauge("num_kv_blocks_free", "Free KV cache blocks.")
         self.batch_size = gauge("last_step_batch_size", "Sequences in the last engine step.")
+        # ctxgate:engine_path_info{device, dtype, cpu_kernel_isa, cpu_flags, matmul, ...} 1
+        self.path_info = Info(PREFIX + "engine_path", "The compute path this engine runs.", labels,
+                              registry=self.registry)
 
         # Create every labelled series now so /metrics shows zeros before the first request.
         for metric in (
@@ -118,6 +121,13 @@ class EngineMetrics:
 
         # Cumulative engine counters arrive as totals; counters are advanced by the difference.
         self._last_totals = {"queried": 0, "hits": 0, "preemptions": 0, "ttft_misses": 0}
+
+    def set_path_info(self, info: dict[str, object]) -> None:
+        values = {
+            key: " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+            for key, value in info.items()
+        }
+        self._label(self.path_info).info(values)
 
     def _label(self, metric):
         return metric.labels(model_name=self._model_name)

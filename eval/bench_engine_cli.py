@@ -65,7 +65,11 @@ def bench_engine_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from backend.cpu_features import cpu_path
+
     settings: dict = {"mode": "url" if args.url else "in-process", "model": model_dir, "threads": torch.get_num_threads()}
+    # Every figure names the CPU path that produced it: this machine's, and the engine's own choice.
+    settings["cpu_path"] = cpu_path().as_dict()
     if args.url:
         tokenizer = load_tokenizer(model_dir)
         target = OpenAIServerRunner(args.url, args.model_name, tokenizer)
@@ -82,6 +86,7 @@ def bench_engine_command(args: argparse.Namespace) -> int:
         target = EngineRunner(async_engine)
         baseline_dtype = engine_torch_dtype(async_engine)
         settings["engine_config"] = {k: str(v) for k, v in vars(config).items()}
+        settings["engine_path"] = async_engine.path_info
     peers = [OpenAIServerRunner(url, None, tokenizer, name=name) for name, url in peer_specs]
     settings["peers"] = {peer.name: peer.base_url for peer in peers}
     baseline_threads = None if args.url else async_engine.engine.num_threads
@@ -89,6 +94,9 @@ def bench_engine_command(args: argparse.Namespace) -> int:
     settings["baseline_dtype"] = str(baseline_dtype) if baseline is not None else None
     print(f"bench engine: {settings['mode']}, model {model_dir}, torch threads {settings['threads']}, "
           f"baseline {settings['baseline_dtype']}")
+    print(f"bench engine: {cpu_path().summary()}")
+    if "engine_path" in settings:
+        print(f"bench engine: engine path {settings['engine_path']}")
     try:
         report = run_benchmark(target, baseline, tokenizer, options, peers=peers)
     finally:

@@ -194,6 +194,7 @@ def run_bench_prefill(
     api_key: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
+    from eval.report import cpu_path_line
     from eval.server import GatewayProcess
 
     dataset = load_dataset(resolve_dataset_path(dataset_path), limit=limit)
@@ -214,6 +215,7 @@ def run_bench_prefill(
         "policy": policy,
         "full_policy": full_policy,
         "dataset": dataset.path,
+        "cpu_path": cpu_path_line(),
         "summary": summarize_pairs(pairs),
         "cost_model": cost_model,
         "errors": errors,
@@ -233,6 +235,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"# Prefill saved: `{result['policy']}` vs `{result['full_policy']}`",
         "",
         f"- Dataset: `{result['dataset']}`; {summary['pairs']} question pairs, interleaved, one request at a time",
+        f"- Machine: {result.get('cpu_path', 'not recorded')}",
         f"- Tokens removed per request (mean): {summary['tokens_removed_mean']:.0f}",
         f"- Prefill ms: full {summary['prefill_ms_full_mean']:.1f} → compressed "
         f"{summary['prefill_ms_compressed_mean']:.1f}; saved {summary['prefill_ms_saved_mean']:.1f} ms "

@@ -167,6 +167,7 @@ def build_report(
             "temperature": config.temperature,
             "compress_only": bool(getattr(config, "compress_only", False)),
             "gateway": config.url or "started for this run on a free port",
+            "cpu_path": cpu_path_line(),
         },
         "run": {
             "wall_s": round(wall_s, 3),
@@ -202,6 +203,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + [""]
 
 
+def cpu_path_line() -> str:
+    """The CPU and engine path of the machine that produced a report's figures."""
+    from backend.cpu_features import cpu_path
+
+    return cpu_path().summary()
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     arms = report["arms"]
     settings = report["settings"]
@@ -214,6 +222,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Gateway: {settings['gateway']}; concurrency {settings['concurrency']}; "
         f"max_tokens {settings['max_tokens']}; temperature {settings['temperature']}",
         f"- Run: {report['run']['requests']} requests in {report['run']['wall_s']:.1f} s; created {report['created_at']}",
+        f"- Machine: {settings.get('cpu_path', 'not recorded')}",
         "",
         "Intervals are 95% percentile-bootstrap intervals over questions."
         + (" Compress-only run: nothing was generated, so answer scores and latencies are not measured."
