@@ -96,7 +96,7 @@ async def test_all_upstreams_down_is_a_clear_502():
     assert info.value.status_code == 502
     assert client.connection_errors == 4  # two URLs, one retry each
     assert not await client.check_health()
-    await client.close()
+    await client.stop()
 
 
 def test_gateway_reports_upstream_errors_as_json(tmp_path):
