@@ -24,11 +24,12 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, **extra: Any) -> Usage:
+        """Usage with the total filled in; `extra` adds server-specific blocks (the gateway's `ctxgate`)."""
         return cls(
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens), **extra,
         )
 
 

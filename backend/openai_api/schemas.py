@@ -102,7 +102,9 @@ class CompletionRequest(SamplingFields):
     def _single_prompt(
         cls, value: str | list[int] | list[str] | list[list[int]]
     ) -> str | list[int] | list[str] | list[list[int]]:
-        if isinstance(value, list) and value and not isinstance(value[0], int) and len(value) != 1:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and not isinstance(value[0], int) and len(value) != 1:
             raise ValueError("exactly one prompt per request")
         return value
 
@@ -118,11 +120,9 @@ class CompletionRequest(SamplingFields):
         return None
 
     def prompt_token_ids(self) -> list[int] | None:
-        """The prompt when it is token ids (empty for `[]`); None when it is text."""
+        """The prompt when it is token ids; None when it is text."""
         if isinstance(self.prompt, str):
             return None
-        if not self.prompt:
-            return []
         first = self.prompt[0]
         if isinstance(first, int):
             return [int(token_id) for token_id in self.prompt]  # type: ignore[arg-type]
