@@ -9,7 +9,12 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # type-only: this module stays free of the tokenizer and metrics libraries
+    from prometheus_client import CollectorRegistry
+
+    from backend.tokenizer import Tokenizer
 
 
 class Priority(enum.IntEnum):
@@ -92,13 +97,42 @@ class EngineError(Exception):
 
 @runtime_checkable
 class EngineClient(Protocol):
+    """Everything the gateway and the compression pipeline use of an engine, in-process or remote."""
+
     model_name: str
     max_model_len: int
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The engine's own tokenizer; None when it tokenizes remotely (the gateway then loads one)."""
+        ...
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry | None:
+        """Engine metrics the gateway re-exports on its `/metrics`; None when there are none here."""
+        ...
+
+    @property
+    def needs_health_check(self) -> bool:
+        """True while `is_ready` may be stale and only `check_health` can refresh it."""
+        ...
+
+    def start(self) -> None:
+        """Begin serving. Returns at once; idempotent."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop serving and release what the client holds; requests still running fail."""
+        ...
+
+    def is_ready(self) -> bool: ...
+
+    async def check_health(self) -> bool:
+        """Probe the engine now (and learn what it serves); returns `is_ready()` afterwards."""
+        ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Stream deltas; abort happens when the consumer stops iterating or calls `abort`."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
-
-    def is_ready(self) -> bool: ...

@@ -23,6 +23,8 @@ from backend.api import EngineError, GenerationDelta, GenerationRequest, Request
 from backend.metrics import EngineMetrics
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from backend.config import EngineConfig
     from backend.llm_engine import EngineStats, LLMEngine
     from backend.tokenizer import Tokenizer
@@ -180,12 +182,26 @@ class AsyncEngine:
             self._commands.put(_Stop())
             thread.join(timeout)
 
+    async def stop(self) -> None:
+        """`shutdown` off the event loop (it joins the engine thread)."""
+        await asyncio.to_thread(self.shutdown)
+
     def is_ready(self) -> bool:
         return (
             not self._stopped
             and self._fatal_error is None
             and (self._thread is None or self._thread.is_alive())
         )
+
+    # In-process, `is_ready` is always current: there is nothing a probe could learn.
+    needs_health_check = False
+
+    async def check_health(self) -> bool:
+        return self.is_ready()
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        return self.metrics.registry
 
     def stats(self) -> EngineStats:
         """The engine statistics as of the last step or command batch (never blocks on a step)."""

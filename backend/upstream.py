@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 
 from backend.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
+from backend.openai_api.sse import read_sse_payloads
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,16 @@ class UpstreamClient:
         self._healthy = healthy
         return healthy
 
-    async def close(self) -> None:
+    def start(self) -> None:
+        """Nothing to launch: connections open per request, and `check_health` learns the model."""
+
+    async def stop(self) -> None:
         await self._client.aclose()
+
+    @property
+    def metrics_registry(self) -> None:
+        """The upstream server exposes its own engine metrics; none are kept here."""
+        return None
 
     # -- generation ----------------------------------------------------------------------------
     def _candidate_urls(self) -> list[str]:
@@ -193,7 +201,7 @@ class UpstreamClient:
         usage: dict[str, Any] = {}
         completion_text_chunks = 0
         try:
-            async for payload in _sse_payloads(response):
+            async for payload in read_sse_payloads(response.aiter_lines()):
                 if "error" in payload and not payload.get("choices"):
                     error = payload["error"]
                     message = error.get("message", "upstream error") if isinstance(error, dict) else str(error)
@@ -254,20 +262,3 @@ def _error_message(response: httpx.Response) -> str:
     except ValueError:
         pass
     return f"upstream returned HTTP {response.status_code}: {response.text[:200]}"
-
-
-async def _sse_payloads(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """JSON payloads of `data:` lines until `[DONE]`."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:"):].strip()
-        if data == "[DONE]":
-            return
-        try:
-            payload = json.loads(data)
-        except ValueError:
-            logger.warning("ignoring a malformed SSE line from upstream: %.100s", data)
-            continue
-        if isinstance(payload, dict):
-            yield payload

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect
 
-from gateway.errors import APIError
+from backend.openai_api.errors import APIError
 
 # Paths whose requests reach the model; everything else (health, metrics, models) is never queued.
 ADMITTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/ctxgate/compress")

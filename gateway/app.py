@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,22 +17,37 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from backend.api import EngineClient, GenerationRequest
+from backend.openai_api.errors import ClientDisconnected, install_error_handlers
+from backend.openai_api.http import BodySizeLimit, document_request_bodies, parse_body, unless_disconnected
+from backend.openai_api.responses import ResponseWriter
+from backend.openai_api.sse import DONE, event_stream_response, sse_event
 from gateway.admission import AdmissionControl, AdmissionController
-from gateway.errors import APIError, BodyTooLarge, install_error_handlers, validation_message
-from gateway.keys import KeyStore
+from gateway.keys import KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
-from gateway.openapi import document_request_bodies
 from gateway.pipeline import BudgetOnlyPipeline, Pipeline
 from gateway.quota import create_store
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
 from gateway.service import Gateway, Outcome, Prepared
 from gateway.settings import GatewaySettings
 from policies.loader import PolicyRegistry, ReloadError, packaged_policy_dir
 
 logger = logging.getLogger(__name__)
+
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/ctxgate/compress": ChatCompletionRequest,
+}
+ERROR_ANSWERS = {
+    "400": "invalid request (OpenAI-style error object)",
+    "401": "missing or invalid API key",
+    "413": "body or prompt too large for the limit or policy budget",
+    "429": "over quota; see Retry-After",
+    "503": "overloaded or draining (error code 'overloaded'); see Retry-After",
+}
 
 
 # -- construction --------------------------------------------------------------------------------
@@ -56,9 +70,8 @@ def _default_engine(settings: GatewaySettings) -> EngineClient:
 
 
 def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
-    tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is not None:
-        return tokenizer
+    if engine.tokenizer is not None:
+        return engine.tokenizer
     from backend.model_prepare import prepare_default_model
     from backend.tokenizer import load_tokenizer
 
@@ -95,39 +108,6 @@ def _policy_registry(settings: GatewaySettings, metrics: GatewayMetrics) -> Poli
     registry = PolicyRegistry(directories, on_reload_failure=on_failure, on_reload=on_reload)
     metrics.policies_loaded.set(len(registry.names()))
     return registry
-
-
-class BodySizeLimit:
-    """Refuse bodies over the limit before they are buffered (413), by header or by counting."""
-
-    def __init__(self, app, max_body_bytes: int):
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        for name, value in scope.get("headers", []):
-            if name == b"content-length":
-                try:
-                    too_large = int(value) > self.max_body_bytes
-                except ValueError:
-                    too_large = False
-                if too_large:
-                    response = APIError(413, str(BodyTooLarge(self.max_body_bytes)), code="body_too_large")
-                    return await response.response()(scope, receive, send)
-        received = 0
-
-        async def counting_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise BodyTooLarge(self.max_body_bytes)
-            return message
-
-        return await self.app(scope, counting_receive, send)
 
 
 _COUNTED_PATHS = frozenset({
@@ -172,32 +152,12 @@ def create_app(
         policies=_policy_registry(settings, metrics), keys=KeyStore(settings.keys_file),
         store=create_store(settings.redis_url), metrics=metrics,
     )
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await _maybe_call(engine, "start")
-        # Load compression models (embedder, reranker) before the first request, where supported.
-        await _maybe_call(pipeline, "warmup")
-        if hasattr(engine, "check_health"):
-            await engine.check_health()
-        watcher = asyncio.create_task(_watch_files(gateway), name="ctxgate-reload")
-        try:
-            yield
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-            await gateway.store.close()
-            if owns_engine:
-                for method in ("shutdown", "stop", "close"):
-                    if await _maybe_call(engine, method):
-                        break
-
-    app = FastAPI(title="ctxgate", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="ctxgate", version="0.1.0", lifespan=_lifespan)
     app.state.gateway = gateway
+    app.state.owns_engine = owns_engine
     install_error_handlers(app)
-    _add_routes(app, gateway)
-    document_request_bodies(app)
+    _add_routes(app)
+    document_request_bodies(app, REQUEST_BODIES, ERROR_ANSWERS)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     app.state.admission = AdmissionController(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
     app.add_middleware(AdmissionControl, controller=app.state.admission)
@@ -205,14 +165,21 @@ def create_app(
     return app
 
 
-async def _maybe_call(target: Any, method: str) -> bool:
-    function = getattr(target, method, None)
-    if function is None:
-        return False
-    result = function()
-    if asyncio.iscoroutine(result):
-        await result
-    return True
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    gateway: Gateway = app.state.gateway
+    gateway.engine.start()
+    await gateway.engine.check_health()
+    watcher = asyncio.create_task(_watch_files(gateway), name="ctxgate-reload")
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        await gateway.store.close()
+        if app.state.owns_engine:
+            await gateway.engine.stop()
 
 
 async def _watch_files(gateway: Gateway) -> None:
@@ -226,157 +193,135 @@ async def _watch_files(gateway: Gateway) -> None:
             if await asyncio.to_thread(gateway.policies.refresh):
                 gateway.metrics.policies_loaded.set(len(gateway.policies.names()))
             await asyncio.to_thread(gateway.keys.refresh)
-            if getattr(gateway.engine, "needs_health_check", False) and ticks % 3 == 0:
+            if gateway.engine.needs_health_check and ticks % 3 == 0:
                 await gateway.engine.check_health()
         except Exception:  # the watcher must survive anything a file can do to it
             logger.exception("policy/keys reload failed")
 
 
-# -- request parsing -----------------------------------------------------------------------------
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    if "json" not in request.headers.get("content-type", "application/json"):
-        raise APIError(415, "Content-Type must be application/json", code="unsupported_media_type")
-    raw = await request.body()
-    if not raw:
-        raise APIError(400, "request body is empty; send a JSON object", code="invalid_json")
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"malformed JSON: {exc}", code="invalid_json") from None
-    except RecursionError:
-        raise APIError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
-    try:  # JSON escapes can smuggle lone surrogates, which no tokenizer can encode
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, "malformed JSON: a string holds an unpaired UTF-16 surrogate", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors(include_url=False))
-        raise APIError(400, message, param=param, code="invalid_value") from None
-
-
-def _reject_constant(name: str) -> Any:
-    # NaN and Infinity are not JSON; Python would accept them and they poison arithmetic downstream.
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _usage_wanted(body: ChatCompletionRequest | CompletionRequest) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
 # -- routes --------------------------------------------------------------------------------------
-def _add_routes(app: FastAPI, gateway: Gateway) -> None:
-    metrics = gateway.metrics
+def _add_routes(app: FastAPI) -> None:
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/ctxgate/policies", policies, methods=["GET"])
+    app.add_api_route("/v1/ctxgate/compress", compress, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
 
-    def tenant_of(request: Request):
-        return gateway.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
 
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        engine_ready = bool(gateway.engine.is_ready()) and not app.state.admission.draining
-        store_ready = await gateway.store.ping()
-        metrics.quota_store_up.set(1 if store_ready else 0)
-        body = {"status": "ready" if engine_ready and store_ready else "not ready",
-                "engine": engine_ready, "store": store_ready, "store_kind": gateway.store.name}
-        return JSONResponse(body, status_code=200 if engine_ready and store_ready else 503)
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        payload = generate_latest(metrics.registry)
-        engine_metrics = getattr(gateway.engine, "metrics", None)
-        engine_registry = getattr(engine_metrics, "registry", None)
-        if engine_registry is not None:
-            payload += generate_latest(engine_registry)
-        return Response(payload, media_type=CONTENT_TYPE_LATEST)
+def _tenant(request: Request) -> Tenant:
+    return _gateway(request).authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        tenant_of(request)
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "ctxgate",
-             "max_model_len": gateway.engine.max_model_len}
-            for name in gateway.model_names
-        ]}
 
-    @app.get("/v1/ctxgate/policies")
-    async def policies(request: Request) -> dict[str, Any]:
-        tenant_of(request)
-        errors = gateway.policies.errors()
-        return {
-            "default": gateway.settings.default_policy,
-            "policies": [
-                {"name": item.policy.name, "file": item.path, "loaded_at": item.loaded_at,
-                 "effective": gateway._fit_to_model(item.policy).model_dump(mode="json")}
-                for item in gateway.policies.loaded()
-            ],
-            "errors": [{"file": err.path, "message": err.message, "at": err.at} for err in errors],
-            "last_reload_error": (
-                {"file": errors[-1].path, "message": errors[-1].message, "at": errors[-1].at} if errors else None
-            ),
-        }
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
 
-    @app.post("/v1/ctxgate/compress")
-    async def compress(request: Request) -> dict[str, Any]:
-        tenant = tenant_of(request)
-        body = await _parse(request, ChatCompletionRequest)
-        gateway.check_model(body.model)
-        policy = gateway.resolve_policy(tenant, body.ctxgate)
-        _, result = await gateway.compress(body, tenant, policy)
-        gateway.encode_checked(result, policy)
-        # Compression is metered like a request that generates nothing: one request, its prompt tokens.
-        reservation = await gateway.reserve(tenant, policy, result.prompt_tokens, 0)
-        del reservation
-        return {
-            "messages": result.messages,
-            "policy": policy.name,
-            "report": {
-                "original_prompt_tokens": result.original_prompt_tokens,
-                "prompt_tokens": result.prompt_tokens,
-                "saved_tokens": result.saved_tokens,
-                "compression_ms": result.compression_ms,
-                "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
-                            "details": s.details} for s in result.stages],
-            },
-        }
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        tenant = tenant_of(request)
-        body = await _parse(request, ChatCompletionRequest)
-        prepared = await gateway.prepare_chat(body, tenant)
-        generation = GenerationRequest(
-            request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-            sampling=prepared.sampling, priority=prepared.priority, cache_salt=tenant.name,
-            messages=prepared.result.messages, prompt_text=prepared.prompt_text,
-        )
-        if body.stream:
-            return await _stream(gateway, prepared, generation, body.model, chat=True, include_usage=_usage_wanted(body))
-        return await _complete(gateway, request, prepared, generation, body.model, chat=True)
+async def ready(request: Request) -> JSONResponse:
+    gateway = _gateway(request)
+    engine_ready = gateway.engine.is_ready() and not request.app.state.admission.draining
+    store_ready = await gateway.store.ping()
+    gateway.metrics.quota_store_up.set(1 if store_ready else 0)
+    body = {"status": "ready" if engine_ready and store_ready else "not ready",
+            "engine": engine_ready, "store": store_ready, "store_kind": gateway.store.name}
+    return JSONResponse(body, status_code=200 if engine_ready and store_ready else 503)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        tenant = tenant_of(request)
-        body = await _parse(request, CompletionRequest)
-        prepared = await gateway.prepare_completion(body, tenant)
-        generation = GenerationRequest(
-            request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-            sampling=prepared.sampling, priority=prepared.priority, cache_salt=tenant.name,
-            prompt_text=prepared.prompt_text,
-        )
-        if body.stream:
-            return await _stream(gateway, prepared, generation, body.model, chat=False, include_usage=_usage_wanted(body))
-        return await _complete(gateway, request, prepared, generation, body.model, chat=False)
+
+async def prometheus_metrics(request: Request) -> Response:
+    gateway = _gateway(request)
+    payload = generate_latest(gateway.metrics.registry)
+    engine_registry = gateway.engine.metrics_registry
+    if engine_registry is not None:
+        payload += generate_latest(engine_registry)
+    return Response(payload, media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request) -> dict[str, Any]:
+    _tenant(request)
+    gateway = _gateway(request)
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "ctxgate",
+         "max_model_len": gateway.engine.max_model_len}
+        for name in gateway.model_names
+    ]}
+
+
+async def policies(request: Request) -> dict[str, Any]:
+    _tenant(request)
+    gateway = _gateway(request)
+    errors = [{"file": err.path, "message": err.message, "at": err.at} for err in gateway.policies.errors()]
+    return {
+        "default": gateway.settings.default_policy,
+        "policies": [
+            {"name": item.policy.name, "file": item.path, "loaded_at": item.loaded_at,
+             "effective": gateway.fit_to_model(item.policy).model_dump(mode="json")}
+            for item in gateway.policies.loaded()
+        ],
+        "errors": errors,
+        "last_reload_error": errors[-1] if errors else None,
+    }
+
+
+async def compress(request: Request) -> dict[str, Any]:
+    tenant = _tenant(request)
+    gateway = _gateway(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    gateway.check_model(body.model)
+    policy = gateway.resolve_policy(tenant, body.ctxgate)
+    _, result = await gateway.compress(body, tenant, policy)
+    gateway.encode_checked(result, policy)
+    # Compression is metered like a request that generates nothing: one request, its prompt tokens.
+    await gateway.reserve(tenant, policy, result.prompt_tokens, 0)
+    return {
+        "messages": result.messages,
+        "policy": policy.name,
+        "report": {
+            "original_prompt_tokens": result.original_prompt_tokens,
+            "prompt_tokens": result.prompt_tokens,
+            "saved_tokens": result.saved_tokens,
+            "compression_ms": result.compression_ms,
+            "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
+                        "details": s.details} for s in result.stages],
+        },
+    }
+
+
+async def chat_completions(request: Request) -> Response:
+    tenant = _tenant(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    prepared = await _gateway(request).prepare_chat(body, tenant)
+    return await _answer(request, body, prepared, messages=prepared.result.messages)
+
+
+async def completions(request: Request) -> Response:
+    tenant = _tenant(request)
+    body = await parse_body(request, CompletionRequest)
+    prepared = await _gateway(request).prepare_completion(body, tenant)
+    return await _answer(request, body, prepared, messages=None)
+
+
+async def _answer(
+    request: Request, body: GatewayRequest, prepared: Prepared, messages: list[dict[str, Any]] | None
+) -> Response:
+    """Run the prepared request on the engine and answer whole or streamed, as the client asked."""
+    gateway = _gateway(request)
+    generation = GenerationRequest(
+        request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+        sampling=prepared.sampling, priority=prepared.priority, cache_salt=prepared.tenant.name,
+        messages=messages, prompt_text=prepared.prompt_text,
+    )
+    writer = ResponseWriter(prepared.request_id, body.model, prepared.created,
+                            chat=isinstance(body, ChatCompletionRequest))
+    run = _Run(gateway, prepared, generation)
+    if body.stream:
+        return await _stream(run, writer, request.url.path, body.usage_wanted())
+    return await _complete(request, run, writer)
 
 
 # -- generation ----------------------------------------------------------------------------------
@@ -446,6 +391,11 @@ class _Run:
             if not self.finished:
                 await self._stop_engine()
 
+    async def drain(self) -> None:
+        """Run the request to the end, keeping only what `outcome` records."""
+        async for _ in self.deltas():
+            pass
+
     def observe_latency(self, endpoint: str) -> None:
         metrics = self.gateway.metrics
         started = self.prepared.received_at
@@ -481,104 +431,53 @@ async def _bounded(iterator: AsyncIterator[Any], timeout_s: float | None, starte
             await iterator.aclose()  # closing the wrapper closes the engine stream (frees its blocks)
 
 
-def _choice(chat: bool, text: str, finish_reason: str | None, streaming: bool) -> dict[str, Any]:
-    if chat and streaming:
-        delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-    if chat:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                "logprobs": None}
-    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-
-
-async def _complete(
-    gateway: Gateway, request: Request, prepared: Prepared, generation: GenerationRequest, model: str, chat: bool
-) -> JSONResponse:
-    run = _Run(gateway, prepared, generation)
-
-    async def consume() -> None:
-        async for _ in run.deltas():
-            pass
-
-    consumer = asyncio.create_task(consume())
-    disconnect = asyncio.create_task(_wait_for_disconnect(request))
+async def _complete(request: Request, run: _Run, writer: ResponseWriter) -> JSONResponse:
+    gateway, prepared = run.gateway, run.prepared
     try:
-        await asyncio.wait({consumer, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        if not consumer.done():  # the client left: cancel generation (its finally aborts upstream)
-            consumer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await consumer
+        await unless_disconnected(request, run.drain())
+    except ClientDisconnected:  # generation was cancelled (which aborted it upstream): bill what ran
+        await gateway.settle(prepared, run.outcome, count_metrics=False)
+        raise
+    except Exception as exc:
+        if run.first_token_at is None:
+            await gateway.release(prepared)  # the backend did no work: give the quota back
+        else:
             await gateway.settle(prepared, run.outcome, count_metrics=False)
-            return JSONResponse({"error": {"message": "client disconnected", "type": "aborted",
-                                           "param": None, "code": None}}, status_code=499)
-        try:
-            consumer.result()
-        except Exception as exc:
-            if run.first_token_at is None:
-                await gateway.release(prepared)  # the backend did no work: give the quota back
-            else:
-                await gateway.settle(prepared, run.outcome, count_metrics=False)
-            raise gateway.engine_error(exc) from None
-    finally:
-        disconnect.cancel()
+        raise gateway.engine_error(exc) from None
     usage = await gateway.settle(prepared, run.outcome)
     run.observe_latency(request.url.path)
-    endpoint_object = "chat.completion" if chat else "text_completion"
-    return JSONResponse({
-        "id": prepared.request_id, "object": endpoint_object, "created": prepared.created, "model": model,
-        "choices": [_choice(chat, run.outcome.text, run.outcome.finish_reason, streaming=False)],
-        "usage": usage,
-    })
+    return JSONResponse(writer.whole(run.outcome.text, run.outcome.finish_reason, usage))
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _stream(
-    gateway: Gateway, prepared: Prepared, generation: GenerationRequest, model: str, chat: bool,
-    include_usage: bool,
-) -> StreamingResponse:
-    run = _Run(gateway, prepared, generation)
+async def _stream(run: _Run, writer: ResponseWriter, endpoint: str, include_usage: bool) -> StreamingResponse:
     try:
         await run.start()
     except Exception as exc:
-        await gateway.release(prepared)  # refused before any work: give the quota back
-        raise gateway.engine_error(exc) from None
-    chunk_object = "chat.completion.chunk" if chat else "text_completion"
-    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+        await run.gateway.release(run.prepared)  # refused before any work: give the quota back
+        raise run.gateway.engine_error(exc) from None
+    return event_stream_response(_events(run, writer, endpoint, include_usage))
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return _sse({"id": prepared.request_id, "object": chunk_object, "created": prepared.created,
-                     "model": model, "choices": choices, **extra})
 
-    async def events() -> AsyncIterator[str]:
-        settled = False
+async def _events(run: _Run, writer: ResponseWriter, endpoint: str, include_usage: bool) -> AsyncIterator[str]:
+    gateway, prepared = run.gateway, run.prepared
+    settled = False
+    try:
+        for event in writer.opening():
+            yield event
         try:
-            if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                              "logprobs": None}])
-            try:
-                async for text in run.deltas():
-                    yield chunk([_choice(chat, text, None, streaming=True)])
-            except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-                error = gateway.engine_error(exc)
-                yield _sse(error.body())
-                yield "data: [DONE]\n\n"
-                return
-            usage = await gateway.settle(prepared, run.outcome)
-            settled = True
-            run.observe_latency(endpoint)
-            yield chunk([_choice(chat, "", run.outcome.finish_reason, streaming=True)])
-            if include_usage:
-                yield chunk([], usage=usage)
-            yield "data: [DONE]\n\n"
-        finally:
-            if not settled:
-                await asyncio.shield(gateway.settle(prepared, run.outcome, count_metrics=False))
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            async for text in run.deltas():
+                yield writer.text(text)
+        except Exception as exc:  # headers are sent: report in-band, as OpenAI does
+            yield sse_event(gateway.engine_error(exc).body())
+            yield DONE
+            return
+        usage = await gateway.settle(prepared, run.outcome)
+        settled = True
+        run.observe_latency(endpoint)
+        yield writer.finish(run.outcome.finish_reason)
+        if include_usage:
+            yield writer.usage(usage)
+        yield DONE
+    finally:
+        if not settled:
+            await asyncio.shield(gateway.settle(prepared, run.outcome, count_metrics=False))

@@ -1,42 +1,16 @@
-"""Request bodies of the OpenAI-compatible endpoints, plus ctxgate's extras."""
+"""The gateway's request bodies: the shared OpenAI ones (`backend.openai_api.schemas`) plus ctxgate's extras."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-
-class _Lenient(BaseModel):
-    # Clients (the OpenAI SDK, LangChain, ...) send fields ctxgate does not use; accept and ignore.
-    model_config = ConfigDict(extra="allow")
+from backend.openai_api import schemas as openai
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class ContentPart(_Lenient):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"content part of type '{part.type}' is not supported (text only)")
-            texts.append(part.text)
-        return "".join(texts)
 
 
 class CtxgateDocument(_Strict):
@@ -61,52 +35,19 @@ class CtxgateExtras(_Strict):
     )
 
 
-class StreamOptions(_Lenient):
-    include_usage: bool = False
-
-
-class _SamplingFields(_Lenient):
+class _GatewayFields(BaseModel):
+    # The gateway picks the policy budget by model, so the model is required (as in OpenAI's API).
     model: str = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    n: int = Field(1, ge=1, le=1, description="ctxgate generates one choice per request")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    user: str | None = None
     ctxgate: CtxgateExtras | None = None
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > 16:
-            raise ValueError("at most 16 stop sequences")
-        return value
 
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+class ChatCompletionRequest(_GatewayFields, openai.ChatCompletionRequest):
+    pass
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+class CompletionRequest(_GatewayFields, openai.CompletionRequest):
+    # Text only: the budget and the sanitiser work on text, never on client-chosen token ids.
+    prompt: str | list[str]
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] = Field(...)
-
-    @field_validator("prompt")
-    @classmethod
-    def _single_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError("exactly one prompt per request")
-        return value
-
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+GatewayRequest = ChatCompletionRequest | CompletionRequest

@@ -11,7 +11,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.api import EngineClient, EngineError, Priority, SamplingParams
+from backend.api import EngineClient, EngineError, Priority, RequestMetrics, SamplingParams
+from backend.openai_api.errors import APIError
+from backend.openai_api.responses import Usage
 from compression.types import (
     BudgetExceededError,
     CompressionInput,
@@ -19,13 +21,12 @@ from compression.types import (
     Document,
     RetrievalSpec,
 )
-from gateway.errors import APIError
 from gateway.keys import KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
 from gateway.sanitize import Neutraliser
-from gateway.schemas import ChatCompletionRequest, CtxgateExtras, _SamplingFields
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, CtxgateExtras, GatewayRequest
 from gateway.settings import GatewaySettings
 from policies.loader import PolicyRegistry, apply_overrides
 from policies.schema import Policy
@@ -58,7 +59,7 @@ class Outcome:
     finish_reason: str = "stop"
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    metrics: Any = None
+    metrics: RequestMetrics | None = None
 
 
 class Gateway:
@@ -124,9 +125,9 @@ class Gateway:
                 policy = apply_overrides(policy, extras.overrides)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="ctxgate.overrides", code="override_not_allowed") from None
-        return self._fit_to_model(policy)
+        return self.fit_to_model(policy)
 
-    def _fit_to_model(self, policy: Policy) -> Policy:
+    def fit_to_model(self, policy: Policy) -> Policy:
         """Cap the input budget at what the model can hold with at least one output token."""
         limit = self.engine.max_model_len - 1
         if policy.max_input_tokens <= limit:
@@ -137,12 +138,9 @@ class Gateway:
     async def compress(
         self, body: ChatCompletionRequest, tenant: Tenant, policy: Policy
     ) -> tuple[list[dict[str, Any]], CompressionResult]:
-        try:
-            # Client text may not forge control tokens or context markers (gateway/sanitize.py).
-            messages = [{"role": m.role, "content": self.neutraliser.text(m.text())} | ({"name": m.name} if m.name else {})
-                        for m in body.messages]
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages", code="unsupported_content") from None
+        # Client text may not forge control tokens or context markers (gateway/sanitize.py).
+        messages = [{"role": m.role, "content": self.neutraliser.text(m.text())} | ({"name": m.name} if m.name else {})
+                    for m in body.messages]
         extras = body.ctxgate or CtxgateExtras()
         documents = [
             Document(text=self.neutraliser.document(d.text), id=None if d.id is None else str(d.id),
@@ -175,8 +173,8 @@ class Gateway:
         result.prompt_tokens = len(token_ids)
         return token_ids, prompt_text
 
-    def sampling_for(self, body: _SamplingFields, policy: Policy, prompt_tokens: int) -> SamplingParams:
-        requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    def sampling_for(self, body: GatewayRequest, policy: Policy, prompt_tokens: int) -> SamplingParams:
+        requested = body.requested_max_tokens()
         room = self.engine.max_model_len - prompt_tokens
         max_tokens = min(requested or policy.reserve_output_tokens, policy.reserve_output_tokens, room)
         if max_tokens < 1:
@@ -262,12 +260,12 @@ class Gateway:
         prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens)
         return prepared
 
-    async def prepare_completion(self, body, tenant: Tenant) -> Prepared:
+    async def prepare_completion(self, body: CompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(body.model)
         if body.ctxgate and (body.ctxgate.documents or body.ctxgate.retrieval):
             raise APIError(400, "documents and retrieval need /v1/chat/completions", param="ctxgate")
         policy = self.resolve_policy(tenant, body.ctxgate)
-        prompt_text = body.prompt_text()
+        prompt_text = body.prompt_text() or ""
         token_ids = self.tokenizer.encode(prompt_text)
         if not token_ids:
             raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
@@ -289,7 +287,7 @@ class Gateway:
         return prepared
 
     # -- after the model -----------------------------------------------------------------------
-    async def settle(self, prepared: Prepared, outcome: Outcome, count_metrics: bool = True) -> dict[str, Any]:
+    async def settle(self, prepared: Prepared, outcome: Outcome, count_metrics: bool = True) -> Usage:
         """Reconcile the quota, record metrics, and return `usage` (with `usage.ctxgate`)."""
         policy, tenant, result = prepared.policy, prepared.tenant, prepared.result
         prompt_tokens = outcome.prompt_tokens or result.prompt_tokens
@@ -304,31 +302,28 @@ class Gateway:
                 self.metrics.saved_tokens.labels(stage, policy.name).inc(max(0, saved))
             if cost["total"] > 0:
                 self.metrics.spend.labels(tenant.name, cost["currency"]).inc(cost["total"])
-        metrics = outcome.metrics
+        metrics = outcome.metrics or RequestMetrics()
         estimator = getattr(self.pipeline, "cost_estimator", None)
-        if estimator is not None and metrics is not None and getattr(metrics, "prefill_ms", 0) > 0:
+        if estimator is not None and metrics.prefill_ms > 0:
             # Measured prefill cost lets the pipeline skip compression that would not pay for itself.
             estimator.observe_prefill(prompt_tokens, metrics.prefill_ms)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": outcome.completion_tokens,
-            "total_tokens": prompt_tokens + outcome.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": getattr(metrics, "cached_prompt_tokens", 0) or 0},
-            "ctxgate": {
+        return Usage.of(
+            prompt_tokens, outcome.completion_tokens, metrics.cached_prompt_tokens,
+            ctxgate={
                 "tenant": tenant.name,
                 "policy": policy.name,
                 "original_prompt_tokens": result.original_prompt_tokens,
                 "prompt_tokens": result.prompt_tokens,
                 "saved_tokens": result.saved_tokens,
                 "compression_ms": result.compression_ms,
-                "queue_ms": round(getattr(metrics, "queue_ms", 0.0), 3),
-                "prefill_ms": round(getattr(metrics, "prefill_ms", 0.0), 3),
-                "ttft_ms": round(getattr(metrics, "ttft_ms", 0.0), 3),
-                "cached_prompt_tokens": getattr(metrics, "cached_prompt_tokens", 0) or 0,
+                "queue_ms": round(metrics.queue_ms, 3),
+                "prefill_ms": round(metrics.prefill_ms, 3),
+                "ttft_ms": round(metrics.ttft_ms, 3),
+                "cached_prompt_tokens": metrics.cached_prompt_tokens,
                 "cost": cost["total"],
                 "cost_detail": cost,
             },
-        }
+        )
 
     def engine_error(self, exc: Exception) -> APIError:
         if isinstance(exc, EngineError):

@@ -42,6 +42,17 @@ def _unique(text: str) -> str:
     return f"[{uuid.uuid4().hex[:8]}] {text}"
 
 
+async def test_engine_implements_the_client_interface(engine):
+    from backend.api import EngineClient
+
+    assert isinstance(engine, EngineClient)
+    assert engine.tokenizer is not None
+    assert engine.metrics_registry is engine.metrics.registry
+    # In-process readiness is always current, so the gateway never needs to poll it.
+    assert not engine.needs_health_check
+    assert await engine.check_health() == engine.is_ready()
+
+
 def test_models_health_and_metrics(base_url, client, engine):
     models = client.models.list()
     assert [m.id for m in models.data] == [engine.model_name]

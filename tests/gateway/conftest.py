@@ -130,13 +130,27 @@ class RecordingEngine:
         self.inner = inner
         self.model_name = inner.model_name
         self.max_model_len = inner.max_model_len
-        self.tokenizer = getattr(inner, "tokenizer", None)
+        self.tokenizer = inner.tokenizer
+        self.metrics_registry = inner.metrics_registry
         self.finished: list[str] = []
         self.cut_short: list[str] = []
         self.aborted: list[str] = []
 
+    @property
+    def needs_health_check(self) -> bool:
+        return self.inner.needs_health_check
+
+    def start(self) -> None:
+        self.inner.start()
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
     def is_ready(self) -> bool:
         return self.inner.is_ready()
+
+    async def check_health(self) -> bool:
+        return await self.inner.check_health()
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

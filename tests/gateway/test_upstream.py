@@ -10,7 +10,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from backend.api import GenerationRequest, SamplingParams
+from backend.api import EngineClient, GenerationRequest, SamplingParams
 from backend.upstream import UpstreamClient, UpstreamConfig, UpstreamUnavailable
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
@@ -88,6 +88,10 @@ async def test_all_upstreams_down_is_a_clear_502():
     ports = [free_port(), free_port()]
     client = UpstreamClient(UpstreamConfig(urls=[f"http://127.0.0.1:{p}" for p in ports], model="m",
                                            connect_timeout_s=0.2, retries=1))
+    # The declared interface, nothing probed: a remote engine has no local tokenizer or metrics.
+    assert isinstance(client, EngineClient)
+    assert client.tokenizer is None and client.metrics_registry is None
+    assert client.needs_health_check and not client.is_ready()
     request = GenerationRequest("r1", [1, 2, 3], SamplingParams(max_tokens=2), messages=[{"role": "user",
                                                                                            "content": "x"}])
     with pytest.raises(UpstreamUnavailable) as info:
@@ -96,7 +100,8 @@ async def test_all_upstreams_down_is_a_clear_502():
     assert info.value.status_code == 502
     assert client.connection_errors == 4  # two URLs, one retry each
     assert not await client.check_health()
-    await client.close()
+    assert client.needs_health_check  # still nothing learned: the gateway keeps probing
+    await client.stop()
 
 
 def test_gateway_reports_upstream_errors_as_json(tmp_path):

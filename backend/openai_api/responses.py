@@ -1,0 +1,129 @@
+"""Response bodies and stream chunks of the two generation endpoints, and the `usage` payload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from backend.openai_api.sse import sse_event
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    # The gateway adds its own accounting block (`usage.ctxgate`) next to the OpenAI fields.
+    model_config = ConfigDict(extra="allow")
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, **extra: Any) -> Usage:
+        """Usage with the total filled in; `extra` adds server-specific blocks (the gateway's `ctxgate`)."""
+        return cls(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens), **extra,
+        )
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role", "content"} first, then {"content"}, then {} with the finish reason
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class _Envelope(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class ChatCompletion(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextCompletion(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class StreamChunk(_Envelope):
+    """One streamed event; `usage` only on the last one, and only when the client asked for it."""
+
+    choices: list[ChatChunkChoice] | list[CompletionChoice]
+    usage: Usage | None = None
+
+    def sse(self) -> str:
+        return sse_event(self.model_dump(exclude={"usage"} if self.usage is None else None))
+
+
+@dataclass(frozen=True)
+class ResponseWriter:
+    """Writes one request's answer (whole or streamed) for chat or plain completions."""
+
+    response_id: str
+    model: str
+    created: int
+    chat: bool
+
+    def whole(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
+        """The body of a non-streamed answer."""
+        common = {"id": self.response_id, "model": self.model, "created": self.created, "usage": usage}
+        if self.chat:
+            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+            return ChatCompletion(choices=[choice], **common).model_dump()
+        return TextCompletion(choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+                              **common).model_dump()
+
+    def opening(self) -> list[str]:
+        """Events before the first text: chat streams announce the assistant role."""
+        return [self._chunk([ChatChunkChoice(delta={"role": "assistant", "content": ""})])] if self.chat else []
+
+    def text(self, text: str) -> str:
+        if self.chat:
+            return self._chunk([ChatChunkChoice(delta={"content": text})])
+        return self._chunk([CompletionChoice(text=text)])
+
+    def finish(self, finish_reason: str | None) -> str:
+        if self.chat:
+            return self._chunk([ChatChunkChoice(delta={}, finish_reason=finish_reason)])
+        return self._chunk([CompletionChoice(text="", finish_reason=finish_reason)])
+
+    def usage(self, usage: Usage) -> str:
+        return self._chunk([], usage=usage)
+
+    def _chunk(self, choices: list[ChatChunkChoice] | list[CompletionChoice], usage: Usage | None = None) -> str:
+        chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        return StreamChunk(id=self.response_id, object=chunk_object, created=self.created, model=self.model,
+                           choices=choices, usage=usage).sse()
