@@ -101,6 +101,9 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    # The compute path serving (device, dtype, CPU kernels, matmul dispatch; see
+    # backend.cpu_features); None when the engine does not say (a non-ctxgate upstream).
+    path_info: dict[str, object] | None
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -232,6 +232,7 @@ async def models(request: Request) -> dict:
         "id": server.model_name, "object": "model", "created": int(time.time()), "owned_by": "ctxgate",
         "root": str(server.engine.config.model or server.model_name),
         "max_model_len": server.engine.max_model_len,
+        "engine_path": server.engine.path_info,
     }]}
 
 

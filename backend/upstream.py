@@ -68,6 +68,8 @@ class UpstreamClient:
         self._name_given = bool(served_model_name or config.model)
         self.model_name = served_model_name or config.model or "upstream"
         self.max_model_len = config.max_model_len
+        # The compute path a ctxgate engine upstream reports on /v1/models (None for other servers).
+        self.path_info: dict[str, object] | None = None
         self._upstream_model = config.model
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(
@@ -114,6 +116,8 @@ class UpstreamClient:
                 self.model_name = self._upstream_model
             if models and models[0].get("max_model_len"):
                 self.max_model_len = int(models[0]["max_model_len"])
+            if models and isinstance(models[0].get("engine_path"), dict):
+                self.path_info = models[0]["engine_path"]
         self._healthy = healthy
         return healthy
 

@@ -247,7 +247,7 @@ async def models(request: Request) -> dict[str, Any]:
     gateway = _gateway(request)
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "ctxgate",
-         "max_model_len": gateway.engine.max_model_len}
+         "max_model_len": gateway.engine.max_model_len, "engine_path": gateway.engine.path_info}
         for name in gateway.model_names
     ]}
 

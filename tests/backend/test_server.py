@@ -56,6 +56,12 @@ async def test_engine_implements_the_client_interface(engine):
 def test_models_health_and_metrics(base_url, client, engine):
     models = client.models.list()
     assert [m.id for m in models.data] == [engine.model_name]
+    # The compute path that serves is on /v1/models and in the engine_path_info metric.
+    from backend.cpu_features import cpu_path
+
+    engine_path = models.data[0].model_extra["engine_path"]
+    assert engine_path["device"] == "cpu" and engine_path["cpu_flags"] == list(cpu_path().flags)
+    assert f'cpu_kernel_isa="{engine_path["cpu_kernel_isa"]}"' in httpx.get(base_url + "/metrics").text
     health = httpx.get(base_url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     metrics = httpx.get(base_url + "/metrics").text

@@ -130,6 +130,7 @@ class RecordingEngine:
         self.inner = inner
         self.model_name = inner.model_name
         self.max_model_len = inner.max_model_len
+        self.path_info = inner.path_info
         self.tokenizer = inner.tokenizer
         self.metrics_registry = inner.metrics_registry
         self.finished: list[str] = []

@@ -144,6 +144,7 @@ def test_usage_matches_metrics(client, server, tokenizer):
 def test_completions_models_and_compress(client, server, tokenizer):
     models = client.models.list()
     assert [m.id for m in models.data][0] == "ctxgate-test"
+    assert models.data[0].model_extra["engine_path"]["device"] == "cpu"  # which compute path serves
     completion = client.completions.create(model="ctxgate-test", prompt="The capital of France is",
                                            max_tokens=3, temperature=0)
     assert completion.usage.prompt_tokens == tokenizer.count("The capital of France is")
