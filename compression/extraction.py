@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compression.assembly import render_context
 from compression.knapsack import knapsack
+from compression.rendering import passage_header_cost, render_context
 from compression.rerank import minmax
 from compression.state import Passage
 from compression.text import content_words
@@ -167,11 +167,6 @@ def boost_bridge_passages(units: list[SentenceUnit], passages: list[Passage]) ->
             unit.score = max(unit.score, top_score - BRIDGE_GAP * (1 + unit.sentence_index))
 
 
-def header_cost(count: Callable[[str], int], number: int, passage: Passage, keep_titles: bool) -> int:
-    header = f"[{number}] {passage.title}" if keep_titles and passage.title else f"[{number}]"
-    return count(header) + 2  # the header's newline and the blank line between passages
-
-
 def select_sentences(
     units: list[SentenceUnit],
     passages: list[Passage],
@@ -190,7 +185,7 @@ def select_sentences(
     costs = count_many([unit.text for unit in units])
     for unit, value, cost in zip(units, values, costs, strict=True):
         unit.value, unit.cost = float(value), cost + 1  # +1: the joining space
-    headers = [header_cost(count, min(i + 1, 99), p, keep_titles) for i, p in enumerate(passages)]
+    headers = [passage_header_cost(count, min(i + 1, 99), p, keep_titles) for i, p in enumerate(passages)]
 
     reserve = 0
     chosen: list[int] = []

@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compression.assembly import build_messages, order_passages, render_context
 from compression.cache import BytesCache, LRUBytesCache
 from compression.counting import CachedCounter, TokenCounter
 from compression.extraction import drop_lowest_sentence
 from compression.history import HistorySummarizer
 from compression.index import IndexStore
+from compression.rendering import order_passages, render_context, render_messages
 from compression.stages import (
     STAGE_ORDER,
     STAGE_REGISTRY,
@@ -141,7 +141,7 @@ class CompressionPipeline:
             reports["retrieval"] = timed(await RetrievalStage().run(state, ctx), stage_started)
 
         original_history = list(state.history)
-        original_messages = build_messages(
+        original_messages = render_messages(
             state,
             render_context(order_passages(state.passages, "original")),
             original_history,
@@ -149,7 +149,7 @@ class CompressionPipeline:
             policy.assembly,
         )
         original_tokens = self.counter.count_chat(original_messages)
-        pinned_messages = build_messages(state, "", [], None, policy.assembly)
+        pinned_messages = render_messages(state, "", [], None, policy.assembly)
         state.pinned_tokens = self.counter.count_chat(pinned_messages)
         if state.pinned_tokens > budget:
             raise BudgetExceededError(
@@ -159,7 +159,7 @@ class CompressionPipeline:
                 budget_tokens=budget,
             )
         if state.passages:
-            with_header = build_messages(state, "x", [], None, policy.assembly)
+            with_header = render_messages(state, "x", [], None, policy.assembly)
             state.pinned_tokens = self.counter.count_chat(with_header) - 1
 
         skip_reason = self._skip_reason(state, ctx, original_tokens)
@@ -242,7 +242,7 @@ class CompressionPipeline:
             trimmed += 1
         while True:
             passages = [p for p in state.passages if not p.is_empty()]
-            messages = build_messages(
+            messages = render_messages(
                 state, render_context(passages, keep_titles), state.history, state.summary, policy.assembly
             )
             tokens = self.counter.count_chat(messages)

@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from compression.assembly import SUMMARY_HEADER, order_passages, render_context
 from compression.counting import CachedCounter
 from compression.dedup import duplicate_indices
 from compression.extraction import (
@@ -24,6 +23,7 @@ from compression.extraction import (
 )
 from compression.knapsack import knapsack
 from compression.prefilter import mark_embedding_candidates
+from compression.rendering import SUMMARY_HEADER, order_passages, render_context, summary_text
 from compression.rerank import (
     BM25Reranker,
     CrossEncoderReranker,
@@ -62,7 +62,7 @@ def turn_cost(counter: CachedCounter, message: dict[str, Any]) -> int:
 def history_tokens(counter: CachedCounter, state: PipelineState) -> int:
     total = sum(turn_cost(counter, m) for m in state.history)
     if state.summary:
-        total += counter.count(f"{SUMMARY_HEADER}\n{state.summary}") + MESSAGE_FRAMING_TOKENS
+        total += counter.count(summary_text(state.summary)) + MESSAGE_FRAMING_TOKENS
     return total
 
 
@@ -319,7 +319,7 @@ def documents_budget(state: PipelineState, ctx: StageContext) -> int:
 
 def select_passages(passages: list[Passage], budget: int, counter: CachedCounter, keep_titles: bool) -> None:
     """Whole-passage knapsack (extraction unit 'passage' or extraction disabled)."""
-    from compression.assembly import render_passage
+    from compression.rendering import render_passage
 
     costs = [counter.count(render_passage(i + 1, p, keep_titles)) + 2 for i, p in enumerate(passages)]
     values = values_from_scores(np.array([p.score for p in passages], dtype=np.float64))

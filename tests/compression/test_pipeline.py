@@ -1,7 +1,7 @@
 import pytest
 
-from compression.assembly import order_passages
 from compression.pipeline import PrefillCostEstimator
+from compression.rendering import order_passages
 from compression.state import Passage
 from compression.types import BudgetExceededError, CompressionInput, Document
 from policies.schema import Policy
