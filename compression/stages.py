@@ -159,14 +159,12 @@ class RetrievalStage(Stage):
         report = StageReport(self.name)
         if state.retrieval is None:
             return report
-        from compression.embeddings import prime
-
         index = ctx.services.index_store.get(state.retrieval.index)
         hits = index.search(ctx.question_vector(state), state.retrieval.top_n)
         first_position = len(state.passages)
         for rank, (chunk_id, score) in enumerate(hits):
             sentences, vectors = index.sentences_with_vectors(chunk_id)
-            prime(ctx.services.embedder, sentences, vectors)
+            ctx.services.embedder.prime(sentences, vectors)
             passage = Passage(
                 document=index.document(chunk_id, score), position=first_position + rank, score=score
             )

@@ -72,7 +72,6 @@ class PipelineState:
     budget_tokens: int = 0
     pinned_tokens: int = 0
     history_budget: int = 0
-    documents_budget: int = 0
 
     @property
     def question_text(self) -> str:
