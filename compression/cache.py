@@ -1,18 +1,13 @@
 """Byte caches shared by the compressor (embeddings, history summaries).
 
-One small protocol with two implementations: an in-process LRU (default) and Redis (several gateway
-replicas share summaries and embeddings). Cache failures never fail a request: a Redis error is a
-miss.
+One small protocol (so a shared store can be plugged in) and its in-process LRU implementation.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from typing import Protocol, runtime_checkable
-
-logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -57,32 +52,3 @@ class LRUBytesCache:
 
     def __len__(self) -> int:
         return len(self._items)
-
-
-class RedisBytesCache:
-    """Redis-backed cache; every error is logged and treated as a miss."""
-
-    def __init__(self, url: str, default_ttl_s: float | None = 7 * 24 * 3600, prefix: str = "ctxgate:"):
-        import redis
-
-        self._client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        self.default_ttl_s = default_ttl_s
-        self.prefix = prefix
-
-    def get(self, key: str) -> bytes | None:
-        try:
-            return self._client.get(self.prefix + key)
-        except Exception as exc:  # a cache outage must not fail a request
-            logger.warning("redis cache get failed: %s", exc)
-            return None
-
-    def set(self, key: str, value: bytes, ttl_s: float | None = None) -> None:
-        ttl = ttl_s if ttl_s is not None else self.default_ttl_s
-        try:
-            self._client.set(self.prefix + key, value, ex=int(ttl) if ttl else None)
-        except Exception as exc:
-            logger.warning("redis cache set failed: %s", exc)
-
-
-def make_cache(redis_url: str | None = None) -> BytesCache:
-    return RedisBytesCache(redis_url) if redis_url else LRUBytesCache()

@@ -104,13 +104,20 @@ class Embedder:
                 if self._cache is not None:
                     self._cache.set(self._key_prefix + key, vector.tobytes())
             self.encoded_texts += len(missing)
+        self._remember(keys, [vectors[key] for key in keys])
+        return np.stack([vectors[key] for key in keys]).astype(np.float32, copy=False)
+
+    def prime(self, texts: list[str], vectors: np.ndarray) -> None:
+        """Seed the in-process cache with vectors computed earlier (e.g. stored in a retrieval index)."""
+        self._remember([content_hash(text) for text in texts], list(vectors))
+
+    def _remember(self, keys: list[str], vectors: list[np.ndarray]) -> None:
         with self._lock:
-            for key in keys:
-                self._local[key] = vectors[key]
+            for key, vector in zip(keys, vectors, strict=True):
+                self._local[key] = np.asarray(vector, dtype=np.float32)
                 self._local.move_to_end(key)
             while len(self._local) > self._max_local:
                 self._local.popitem(last=False)
-        return np.stack([vectors[key] for key in keys]).astype(np.float32, copy=False)
 
     def _encode(self, texts: list[str], batch_size: int, show_progress_bar: bool) -> np.ndarray:
         return np.asarray(
@@ -140,12 +147,3 @@ def shared_embedder(cache: BytesCache | None = None) -> Embedder:
         if key not in _shared:
             _shared[key] = Embedder(cache=cache)
         return _shared[key]
-
-
-def prime(embedder: Embedder, texts: list[str], vectors: np.ndarray) -> None:
-    """Seed the in-process cache with vectors computed earlier (e.g. stored in a retrieval index)."""
-    with embedder._lock:
-        for text, vector in zip(texts, vectors, strict=True):
-            embedder._local[content_hash(text)] = np.asarray(vector, dtype=np.float32)
-        while len(embedder._local) > embedder._max_local:
-            embedder._local.popitem(last=False)

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compression.assembly import render_context
+from compression.counting import CachedCounter
 from compression.knapsack import knapsack
+from compression.rendering import passage_header_cost, render_context
 from compression.rerank import minmax
 from compression.state import Passage
 from compression.text import content_words
+from policies.schema import ExtractionPolicy
 
 # Relevance fusion weights (tuned on nq-multidoc-dev, see the README's eval section).
 EMBEDDING_WEIGHT = 0.45
@@ -75,8 +77,9 @@ def score_sentences(
     question_vector: np.ndarray,
     passages: list[Passage],
     embed: Callable[[list[str]], np.ndarray],
-    expand_query: bool = False,
+    policy: ExtractionPolicy,
 ) -> list[SentenceUnit]:
+    expand_query = policy.expand_query
     units: list[SentenceUnit] = []
     for passage_index, passage in enumerate(passages):
         for sentence_index, sentence in enumerate(passage.sentences or []):
@@ -167,19 +170,8 @@ def boost_bridge_passages(units: list[SentenceUnit], passages: list[Passage]) ->
             unit.score = max(unit.score, top_score - BRIDGE_GAP * (1 + unit.sentence_index))
 
 
-def header_cost(count: Callable[[str], int], number: int, passage: Passage, keep_titles: bool) -> int:
-    header = f"[{number}] {passage.title}" if keep_titles and passage.title else f"[{number}]"
-    return count(header) + 2  # the header's newline and the blank line between passages
-
-
 def select_sentences(
-    units: list[SentenceUnit],
-    passages: list[Passage],
-    budget: int,
-    count: Callable[[str], int],
-    count_many: Callable[[list[str]], list[int]],
-    neighbours: int,
-    keep_titles: bool,
+    units: list[SentenceUnit], passages: list[Passage], budget: int, counter: CachedCounter, policy: ExtractionPolicy
 ) -> None:
     """Set `kept_sentences` on every passage so the rendered block fits `budget` tokens."""
     for passage in passages:
@@ -187,10 +179,10 @@ def select_sentences(
     if budget <= 0 or not units:
         return
     values = values_from_scores(np.array([unit.score for unit in units]))
-    costs = count_many([unit.text for unit in units])
+    costs = counter.count_many([unit.text for unit in units])
     for unit, value, cost in zip(units, values, costs, strict=True):
         unit.value, unit.cost = float(value), cost + 1  # +1: the joining space
-    headers = [header_cost(count, min(i + 1, 99), p, keep_titles) for i, p in enumerate(passages)]
+    headers = [passage_header_cost(counter.count, min(i + 1, 99), p, policy.keep_titles) for i, p in enumerate(passages)]
 
     reserve = 0
     chosen: list[int] = []
@@ -209,9 +201,9 @@ def select_sentences(
     # Fill what the knapsack left: neighbours of chosen sentences first (coherence), then by value.
     position_of = {(u.passage_index, u.sentence_index): i for i, u in enumerate(units)}
     candidates: list[int] = []
-    if neighbours:
+    if policy.neighbours:
         for i in sorted(chosen, key=lambda i: -units[i].value):
-            for offset in range(1, neighbours + 1):
+            for offset in range(1, policy.neighbours + 1):
                 for sentence_index in (units[i].sentence_index - offset, units[i].sentence_index + offset):
                     neighbour = position_of.get((units[i].passage_index, sentence_index))
                     if neighbour is not None:
@@ -231,15 +223,15 @@ def select_sentences(
 
     for i in chosen_set:
         passages[units[i].passage_index].kept_sentences.append(units[i].sentence_index)
-    trim_block_to_budget(passages, budget, count, keep_titles)
+    trim_block_to_budget(passages, budget, counter, policy)
 
 
 def trim_block_to_budget(
-    passages: list[Passage], budget: int, count: Callable[[str], int], keep_titles: bool
+    passages: list[Passage], budget: int, counter: CachedCounter, policy: ExtractionPolicy
 ) -> None:
     """Exact check on the rendered block; drop the least valuable sentence until it fits."""
     while True:
-        if count(render_context(passages, keep_titles)) <= budget:
+        if counter.count(render_context(passages, policy.keep_titles)) <= budget:
             return
         if drop_lowest_sentence(passages) is None:
             return

@@ -1,18 +1,23 @@
-"""The pipeline's stages: small classes in a registry, each configured by its policy section.
+"""The pipeline's stages, in the one ordered list `STAGES` that `CompressionPipeline` runs.
 
-Every stage mutates the `PipelineState` and returns a `StageReport` with the tokens it removed
-(estimated from cached per-unit counts; the assembly stage reconciles with the exact total).
+    retrieval -> cost-check -> history -> dedup -> rerank -> extraction -> assembly -> fit
+
+Each stage is a small class configured by its policy section: `enabled(state, policy)` says whether
+it runs for this request, `run(state, ctx)` reads and writes the typed `PipelineState` and returns a
+`StageReport` with the tokens it removed. Stage estimates come from cached per-unit counts; the fit
+stage checks the exact count of the final prompt. When the cost check decides compressing does not
+pay (or the policy disables it), the compressing stages stand aside and the fit sends the original.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from compression.assembly import SUMMARY_HEADER, order_passages, render_context
 from compression.counting import CachedCounter
 from compression.dedup import duplicate_indices
 from compression.extraction import (
@@ -24,6 +29,14 @@ from compression.extraction import (
 )
 from compression.knapsack import knapsack
 from compression.prefilter import mark_embedding_candidates
+from compression.rendering import (
+    SUMMARY_HEADER,
+    order_passages,
+    render_context,
+    render_messages,
+    render_passage,
+    summary_text,
+)
 from compression.rerank import (
     BM25Reranker,
     CrossEncoderReranker,
@@ -33,21 +46,22 @@ from compression.rerank import (
     passage_text_for_scoring,
     passage_vectors,
 )
-from compression.state import Passage, PipelineState, message_text
-from compression.types import StageReport
-from policies.schema import Policy
+from compression.services import Services
+from compression.state import Passage, PipelineState, RenderedPrompt, message_text
+from compression.types import BudgetExceededError, StageReport
+from policies.schema import ExtractionPolicy, Policy
 
 MESSAGE_FRAMING_TOKENS = 5  # role + start/end markers around one chat message (estimate)
+MIN_SUMMARY_TOKENS = 8  # below this a summary says nothing: the older turns are dropped instead
 
 
 @dataclass
 class StageContext:
-    """Services a stage may use; heavy ones are created on first use by the pipeline."""
+    """What a stage may use besides the state: the request's policy and the shared services."""
 
     policy: Policy
     counter: CachedCounter
-    services: Any  # compression.pipeline.Services
-    notes: dict[str, Any] = field(default_factory=dict)
+    services: Services
 
     def question_vector(self, state: PipelineState) -> np.ndarray:
         if state.question_vector is None:
@@ -62,13 +76,18 @@ def turn_cost(counter: CachedCounter, message: dict[str, Any]) -> int:
 def history_tokens(counter: CachedCounter, state: PipelineState) -> int:
     total = sum(turn_cost(counter, m) for m in state.history)
     if state.summary:
-        total += counter.count(f"{SUMMARY_HEADER}\n{state.summary}") + MESSAGE_FRAMING_TOKENS
+        total += counter.count(summary_text(state.summary)) + MESSAGE_FRAMING_TOKENS
     return total
 
 
 def passages_tokens(counter: CachedCounter, passages: list[Passage]) -> int:
     bodies = [passage.body() for passage in passages]
     return sum(counter.count_many([body for body in bodies if body.strip()]))
+
+
+def documents_budget(state: PipelineState, ctx: StageContext) -> int:
+    remaining = state.budget_tokens - state.pinned_tokens - history_tokens(ctx.counter, state)
+    return max(0, min(ctx.policy.documents.max_tokens, remaining))
 
 
 def ensure_sentences(ctx: StageContext, passages: list[Passage]) -> None:
@@ -79,108 +98,186 @@ def ensure_sentences(ctx: StageContext, passages: list[Passage]) -> None:
 
 def ensure_candidates(ctx: StageContext, state: PipelineState) -> None:
     """Run the lexical pre-filter once per request, before anything is embedded."""
-    if ctx.notes.get("prefiltered") or state.retrieval is not None:
+    if state.prefiltered or state.retrieval is not None:
         return  # retrieved passages bring their vectors from the index: embedding them is free
-    ctx.notes["prefiltered"] = True
+    state.prefiltered = True
     ensure_sentences(ctx, state.passages)
-    ctx.notes["not_embedded"] = mark_embedding_candidates(
-        state.question_text, state.passages, documents_budget(state, ctx)
-    )
+    mark_embedding_candidates(state.question_text, state.passages, documents_budget(state, ctx))
 
 
-class Stage:
+class Stage(ABC):
     name: ClassVar[str]
 
-    def enabled(self, policy: Policy) -> bool:
-        return True
+    def enabled(self, state: PipelineState, policy: Policy) -> bool:
+        """Compressing stages run unless the cost check decided to send the original."""
+        return state.compressing
 
-    async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
-        raise NotImplementedError
-
-
-class HistoryStage(Stage):
-    name = "history"
-
-    def enabled(self, policy: Policy) -> bool:
-        return policy.history.enabled
-
-    async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
-        policy = ctx.policy.history
-        counter = ctx.counter
-        before = history_tokens(counter, state)
-        budget = state.history_budget
-        report = StageReport(self.name, details={"turns": len(state.history), "budget": budget})
-        if before <= budget:
-            return report
-        costs = [turn_cost(counter, m) for m in state.history]
-        if policy.strategy == "truncate":
-            keep_from = len(costs)
-            spent = 0
-            while keep_from > 0 and spent + costs[keep_from - 1] <= budget:
-                keep_from -= 1
-                spent += costs[keep_from]
-            report.details["dropped_turns"] = keep_from
-            state.history = state.history[keep_from:]
-        else:
-            verbatim_start = max(0, len(state.history) - policy.keep_last_turns)
-            while verbatim_start < len(costs) and sum(costs[verbatim_start:]) > budget:
-                verbatim_start += 1  # even the kept turns must fit the promise
-            older = state.history[:verbatim_start]
-            summary_overhead = counter.count(SUMMARY_HEADER) + MESSAGE_FRAMING_TOKENS + 1
-            summary_budget = min(
-                policy.summary_max_tokens, budget - sum(costs[verbatim_start:]) - summary_overhead
-            )
-            summary = None
-            if older and summary_budget >= 8:
-                outcome = await ctx.services.summarizer.summarize(
-                    state.tenant,
-                    older,
-                    state.question_text,
-                    summary_budget,
-                    policy.summary_timeout_s,
-                    use_engine=policy.strategy == "summarize",
-                )
-                summary = outcome.text or None
-                report.details.update(
-                    summary_source=outcome.source,
-                    engine_calls=outcome.engine_calls,
-                    summarized_turns=len(older),
-                )
-            state.history = state.history[verbatim_start:]
-            state.summary = summary
-        report.saved_tokens = before - history_tokens(counter, state)
-        return report
+    @abstractmethod
+    async def run(self, state: PipelineState, ctx: StageContext) -> StageReport: ...
 
 
 class RetrievalStage(Stage):
+    """Passages from a stored index join the request's documents (before anything is measured)."""
+
     name = "retrieval"
 
-    async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
-        report = StageReport(self.name)
-        if state.retrieval is None:
-            return report
-        from compression.embeddings import prime
+    def enabled(self, state: PipelineState, policy: Policy) -> bool:
+        return state.retrieval is not None
 
+    async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
+        assert state.retrieval is not None
         index = ctx.services.index_store.get(state.retrieval.index)
         hits = index.search(ctx.question_vector(state), state.retrieval.top_n)
         first_position = len(state.passages)
         for rank, (chunk_id, score) in enumerate(hits):
             sentences, vectors = index.sentences_with_vectors(chunk_id)
-            prime(ctx.services.embedder, sentences, vectors)
+            ctx.services.embedder.prime(sentences, vectors)
             passage = Passage(
                 document=index.document(chunk_id, score), position=first_position + rank, score=score
             )
             passage.sentences = list(sentences)
             state.passages.append(passage)
-        report.details = {"index": state.retrieval.index, "retrieved": len(hits)}
+        return StageReport(self.name, details={"index": state.retrieval.index, "retrieved": len(hits)})
+
+
+class CostCheckStage(Stage):
+    """Measures the original prompt and the parts never cut, refuses (413) when those alone are over
+    budget, and decides whether compressing pays for itself."""
+
+    name = "cost-check"
+
+    def enabled(self, state: PipelineState, policy: Policy) -> bool:
+        return True
+
+    async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
+        state.original = render_original(state, ctx)
+        state.pinned_tokens = pinned_tokens(state, ctx)
+        state.skip_reason = self.skip_reason(state, ctx)
+        if state.skip_reason is not None:
+            return StageReport(self.name, details={"skipped": state.skip_reason})
+        policy = ctx.policy
+        state.history_budget = max(0, min(policy.history.max_tokens, state.budget_tokens - state.pinned_tokens))
+        return StageReport(self.name)
+
+    def skip_reason(self, state: PipelineState, ctx: StageContext) -> str | None:
+        policy = ctx.policy
+        assert state.original is not None
+        if not policy.compression_enabled:
+            return "compression disabled by policy"
+        if policy.min_saving_ms <= 0 or state.original.tokens > policy.max_input_tokens:
+            return None
+        net_ms = ctx.services.cost_estimator.net_saving_ms(forced_saving(state, ctx))
+        if net_ms < policy.min_saving_ms:
+            return f"estimated saving {net_ms:.1f} ms < min_saving_ms {policy.min_saving_ms}"
+        return None
+
+
+def render_original(state: PipelineState, ctx: StageContext) -> RenderedPrompt:
+    """Every document inline (request order, titles kept) and the full history."""
+    context_text = render_context(order_passages(state.passages, "original"))
+    messages = render_messages(state, context_text, list(state.history), None, ctx.policy.assembly)
+    return RenderedPrompt(messages, ctx.counter.count_chat(messages))
+
+
+def pinned_tokens(state: PipelineState, ctx: StageContext) -> int:
+    """Tokens of what is never cut; `BudgetExceededError` when that alone is over the budget."""
+    assembly = ctx.policy.assembly
+    pinned = ctx.counter.count_chat(render_messages(state, "", [], None, assembly))
+    if pinned > state.budget_tokens:
+        raise BudgetExceededError(
+            f"the system prompt and question alone take {pinned} tokens, "
+            f"over the budget of {state.budget_tokens} (max_input_tokens)",
+            required_tokens=pinned,
+            budget_tokens=state.budget_tokens,
+        )
+    if state.passages:
+        # With passages the context block's own framing is pinned too: measured around a 1-token block.
+        pinned = ctx.counter.count_chat(render_messages(state, "x", [], None, assembly)) - 1
+    return pinned
+
+
+def forced_saving(state: PipelineState, ctx: StageContext) -> int:
+    """Upper bound of what the budgets force out; if even that does not pay, do nothing."""
+    policy = ctx.policy
+    history_now = history_tokens(ctx.counter, state)
+    documents_now = passages_tokens(ctx.counter, state.passages)
+    history_kept = min(history_now, policy.history.max_tokens)
+    documents_kept = min(documents_now, policy.documents.max_tokens)
+    saving = max(0, history_now - history_kept) + max(0, documents_now - documents_kept)
+    if policy.rerank.enabled and policy.rerank.top_k and len(state.passages) > policy.rerank.top_k:
+        per_passage = documents_now // len(state.passages)
+        saving = max(saving, per_passage * (len(state.passages) - policy.rerank.top_k))
+    return saving
+
+
+class HistoryStage(Stage):
+    """Older turns over the history budget are summarized (or dropped); the last ones stay verbatim."""
+
+    name = "history"
+
+    def enabled(self, state: PipelineState, policy: Policy) -> bool:
+        return state.compressing and policy.history.enabled
+
+    async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
+        before = history_tokens(ctx.counter, state)
+        budget = state.history_budget
+        report = StageReport(self.name, details={"turns": len(state.history), "budget": budget})
+        if before <= budget:
+            return report
+        costs = [turn_cost(ctx.counter, m) for m in state.history]
+        if ctx.policy.history.strategy == "truncate":
+            keep_from = oldest_kept_turn(costs, budget)
+            report.details["dropped_turns"] = keep_from
+            state.history = state.history[keep_from:]
+        else:
+            await self.summarize_older_turns(state, ctx, costs, report)
+        report.saved_tokens = before - history_tokens(ctx.counter, state)
         return report
+
+    async def summarize_older_turns(
+        self, state: PipelineState, ctx: StageContext, costs: list[int], report: StageReport
+    ) -> None:
+        policy = ctx.policy.history
+        budget = state.history_budget
+        verbatim_start = max(0, len(state.history) - policy.keep_last_turns)
+        while verbatim_start < len(costs) and sum(costs[verbatim_start:]) > budget:
+            verbatim_start += 1  # even the kept turns must fit the promise
+        older = state.history[:verbatim_start]
+        summary_overhead = ctx.counter.count(SUMMARY_HEADER) + MESSAGE_FRAMING_TOKENS + 1
+        summary_budget = min(policy.summary_max_tokens, budget - sum(costs[verbatim_start:]) - summary_overhead)
+        summary = None
+        if older and summary_budget >= MIN_SUMMARY_TOKENS:
+            outcome = await ctx.services.summarizer.summarize(
+                state.tenant,
+                older,
+                state.question_text,
+                summary_budget,
+                policy.summary_timeout_s,
+                use_engine=policy.strategy == "summarize",
+            )
+            summary = outcome.text or None
+            report.details.update(
+                summary_source=outcome.source, engine_calls=outcome.engine_calls, summarized_turns=len(older)
+            )
+        state.history = state.history[verbatim_start:]
+        state.summary = summary
+
+
+def oldest_kept_turn(costs: list[int], budget: int) -> int:
+    """Index of the oldest turn kept when the newest turns that fit `budget` are kept."""
+    keep_from = len(costs)
+    spent = 0
+    while keep_from > 0 and spent + costs[keep_from - 1] <= budget:
+        keep_from -= 1
+        spent += costs[keep_from]
+    return keep_from
 
 
 class DedupStage(Stage):
     name = "dedup"
 
-    def enabled(self, policy: Policy) -> bool:
-        return policy.dedup.enabled
+    def enabled(self, state: PipelineState, policy: Policy) -> bool:
+        return state.compressing and policy.dedup.enabled
 
     async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
         policy = ctx.policy.dedup
@@ -235,8 +332,8 @@ def priority_of(passage: Passage) -> float:
 class RerankStage(Stage):
     name = "rerank"
 
-    def enabled(self, policy: Policy) -> bool:
-        return policy.rerank.enabled
+    def enabled(self, state: PipelineState, policy: Policy) -> bool:
+        return state.compressing and policy.rerank.enabled
 
     def reranker(self, ctx: StageContext) -> Reranker:
         policy = ctx.policy.rerank
@@ -274,6 +371,8 @@ class RerankStage(Stage):
 
 
 class ExtractionStage(Stage):
+    """The passages block is cut to its budget: best sentences by a knapsack (or whole passages)."""
+
     name = "extraction"
 
     async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
@@ -282,57 +381,37 @@ class ExtractionStage(Stage):
             return report
         policy = ctx.policy.extraction
         budget = documents_budget(state, ctx)
-        keep_titles = policy.keep_titles
         report.details["budget"] = budget
         before = passages_tokens(ctx.counter, state.passages)
-        if ctx.counter.count(render_context(state.passages, keep_titles)) <= budget:
+        if ctx.counter.count(render_context(state.passages, policy.keep_titles)) <= budget:
             return report
         if policy.enabled and policy.unit == "sentence":
             ensure_candidates(ctx, state)
-            units = score_sentences(
-                state.question_text,
-                ctx.question_vector(state),
-                state.passages,
-                ctx.services.embedder.embed,
-                policy.expand_query,
-            )
-            select_sentences(
-                units,
-                state.passages,
-                budget,
-                ctx.counter.count,
-                ctx.counter.count_many,
-                policy.neighbours,
-                keep_titles,
-            )
+            question_vector = ctx.question_vector(state)
+            embed = ctx.services.embedder.embed
+            units = score_sentences(state.question_text, question_vector, state.passages, embed, policy)
+            select_sentences(units, state.passages, budget, ctx.counter, policy)
         else:
-            select_passages(state.passages, budget, ctx.counter, keep_titles)
+            select_passages(state.passages, budget, ctx.counter, policy)
         state.passages = [p for p in state.passages if not p.is_empty()]
         report.saved_tokens = before - passages_tokens(ctx.counter, state.passages)
         return report
 
 
-def documents_budget(state: PipelineState, ctx: StageContext) -> int:
-    remaining = state.budget_tokens - state.pinned_tokens - history_tokens(ctx.counter, state)
-    return max(0, min(ctx.policy.documents.max_tokens, remaining))
-
-
-def select_passages(passages: list[Passage], budget: int, counter: CachedCounter, keep_titles: bool) -> None:
+def select_passages(passages: list[Passage], budget: int, counter: CachedCounter, policy: ExtractionPolicy) -> None:
     """Whole-passage knapsack (extraction unit 'passage' or extraction disabled)."""
-    from compression.assembly import render_passage
-
-    costs = [counter.count(render_passage(i + 1, p, keep_titles)) + 2 for i, p in enumerate(passages)]
+    costs = [counter.count(render_passage(i + 1, p, policy.keep_titles)) + 2 for i, p in enumerate(passages)]
     values = values_from_scores(np.array([p.score for p in passages], dtype=np.float64))
     chosen = set(knapsack(list(values), costs, budget))
     for index, passage in enumerate(passages):
         if index not in chosen:
             passage.sentences = [passage.text]
             passage.kept_sentences = []
-    trim_block_to_budget(passages, budget, counter.count, keep_titles)
+    trim_block_to_budget(passages, budget, counter, policy)
 
 
 class AssemblyStage(Stage):
-    """Orders the kept passages and builds the messages; the exact fit is checked by the pipeline."""
+    """Orders the kept passages against "lost in the middle"; the fit stage renders them."""
 
     name = "assembly"
 
@@ -341,16 +420,118 @@ class AssemblyStage(Stage):
         return StageReport(self.name, details={"order": ctx.policy.assembly.order})
 
 
-STAGE_REGISTRY: dict[str, type[Stage]] = {
-    stage.name: stage
-    for stage in (HistoryStage, RetrievalStage, DedupStage, RerankStage, ExtractionStage, AssemblyStage)
-}
-STAGE_ORDER = ("history", "retrieval", "dedup", "rerank", "extraction", "assembly")
+class FitStage(Stage):
+    """Renders the prompt and counts it exactly; drops the least valuable units until it fits.
+
+    When the cost check skipped compression, the original prompt is sent if it fits the budget and
+    refused (`BudgetExceededError`) otherwise.
+    """
+
+    name = "fit"
+
+    def enabled(self, state: PipelineState, policy: Policy) -> bool:
+        return True
+
+    async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
+        if not state.compressing:
+            send_original(state)
+            return StageReport(self.name)
+        state.trimmed_units = cap_passages_block(state, ctx)
+        while True:
+            state.sent = render_sent(state, ctx)
+            if state.sent.tokens <= state.budget_tokens:
+                return StageReport(self.name, details={"trimmed_units": state.trimmed_units})
+            # Drop units worth at least the excess (estimated), then count exactly again.
+            excess = state.sent.tokens - state.budget_tokens
+            while excess > 0:
+                removed = drop_least_valuable_unit(state, ctx.counter)
+                if removed is None:
+                    raise BudgetExceededError(
+                        f"prompt of {state.sent.tokens} tokens cannot fit the budget of {state.budget_tokens}",
+                        required_tokens=state.sent.tokens,
+                        budget_tokens=state.budget_tokens,
+                    )
+                state.trimmed_units += 1
+                excess -= max(1, removed)
 
 
-def timed(report: StageReport, started: float) -> StageReport:
+def send_original(state: PipelineState) -> None:
+    assert state.original is not None
+    if state.original.tokens > state.budget_tokens:
+        raise BudgetExceededError(
+            f"the prompt takes {state.original.tokens} tokens, over the budget of {state.budget_tokens}, "
+            "and this policy disables compression",
+            required_tokens=state.original.tokens,
+            budget_tokens=state.budget_tokens,
+        )
+    state.passages = order_passages(state.passages, "original")
+    state.sent = state.original
+
+
+def cap_passages_block(state: PipelineState, ctx: StageContext) -> int:
+    """The passages block keeps its own cap exactly (numbering and order can shift a token)."""
+    keep_titles = ctx.policy.extraction.keep_titles
+    dropped = 0
+    while (
+        state.passages
+        and ctx.counter.count(render_context(state.passages, keep_titles)) > ctx.policy.documents.max_tokens
+    ):
+        if drop_lowest_sentence(state.passages) is None:
+            break
+        dropped += 1
+    return dropped
+
+
+def render_sent(state: PipelineState, ctx: StageContext) -> RenderedPrompt:
+    passages = [p for p in state.passages if not p.is_empty()]
+    context_text = render_context(passages, ctx.policy.extraction.keep_titles)
+    messages = render_messages(state, context_text, state.history, state.summary, ctx.policy.assembly)
+    return RenderedPrompt(messages, ctx.counter.count_chat(messages))
+
+
+def drop_least_valuable_unit(state: PipelineState, counter: CachedCounter) -> int | None:
+    """Remove one unit and return its estimated tokens (None: nothing left to cut). History over its
+    budget loses its oldest turn, otherwise the lowest-scored passage sentence goes, then the
+    summary, then the oldest turns."""
+    over_history = history_tokens(counter, state) > state.history_budget
+    if over_history and state.history:
+        return turn_cost(counter, state.history.pop(0))
+    if over_history and state.summary:
+        return drop_summary(state, counter)
+    dropped = drop_lowest_sentence(state.passages)
+    if dropped is not None:
+        return counter.count(dropped) + 1
+    if state.summary:
+        return drop_summary(state, counter)
+    if state.history:
+        return turn_cost(counter, state.history.pop(0))
+    return None
+
+
+def drop_summary(state: PipelineState, counter: CachedCounter) -> int:
+    assert state.summary is not None
+    cost = counter.count(state.summary)
+    state.summary = None
+    return cost
+
+
+# The pipeline, in order. Retrieval comes first because the original prompt (and the cost check)
+# must include the retrieved passages; history runs before the documents stages because the
+# documents get what the system prompt, question and kept history leave.
+STAGES: tuple[Stage, ...] = (
+    RetrievalStage(),
+    CostCheckStage(),
+    HistoryStage(),
+    DedupStage(),
+    RerankStage(),
+    ExtractionStage(),
+    AssemblyStage(),
+    FitStage(),
+)
+
+
+async def run_timed(stage: Stage, state: PipelineState, ctx: StageContext) -> StageReport:
+    started = time.perf_counter()
+    report = await stage.run(state, ctx)
     report.ms = (time.perf_counter() - started) * 1000
     return report
-
-
-__all__ = ["STAGE_ORDER", "STAGE_REGISTRY", "Stage", "StageContext", "drop_lowest_sentence", "timed"]

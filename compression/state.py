@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from compression.types import CompressionInput, Document
+from compression.types import CompressionInput, Document, RetrievalSpec
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -58,28 +58,46 @@ class Passage:
 
 
 @dataclass
+class RenderedPrompt:
+    messages: list[dict[str, Any]]
+    tokens: int  # exact, chat-templated
+
+
+@dataclass
 class PipelineState:
+    """The request as the stages see it; each stage reads and writes the fields named here."""
+
     system_messages: list[dict[str, Any]]
     history: list[dict[str, Any]]
     question: dict[str, Any]
     trailing: list[dict[str, Any]]
     passages: list[Passage]
     tenant: str
+    budget_tokens: int = 0  # policy.max_input_tokens
+    retrieval: RetrievalSpec | None = None
     summary: str | None = None
     question_vector: np.ndarray | None = None
-    retrieval: Any = None
-    # Filled by the pipeline before the stages run.
-    budget_tokens: int = 0
-    pinned_tokens: int = 0
+    # Set by the cost check, before anything is cut.
+    original: RenderedPrompt | None = None  # every document inline, full history
+    pinned_tokens: int = 0  # system prompt, question and the context block's own framing
     history_budget: int = 0
-    documents_budget: int = 0
+    skip_reason: str | None = None  # compression would not pay: the original is sent as it is
+    # The lexical pre-filter has chosen which sentences get embedded (it runs once, before the first).
+    prefiltered: bool = False
+    # Set by the fit stage: exactly what is sent.
+    sent: RenderedPrompt | None = None
+    trimmed_units: int = 0  # units the fit dropped after the stages' estimates
+
+    @property
+    def compressing(self) -> bool:
+        return self.skip_reason is None
 
     @property
     def question_text(self) -> str:
         return message_text(self.question)
 
 
-def split_messages(request: CompressionInput) -> PipelineState:
+def split_messages(request: CompressionInput, budget_tokens: int) -> PipelineState:
     """System messages and the last user message are pinned; messages after it are kept too."""
     messages = list(request.messages)
     question_index = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
@@ -96,5 +114,6 @@ def split_messages(request: CompressionInput) -> PipelineState:
         trailing=trailing,
         passages=passages,
         tenant=request.tenant,
+        budget_tokens=budget_tokens,
         retrieval=request.retrieval,
     )

@@ -10,7 +10,6 @@ import unicodedata
 from collections import OrderedDict
 
 _WORD_RE = re.compile(r"\w+", re.UNICODE)
-_SPACE_RE = re.compile(r"\s+")
 
 # Function words carry no evidence; lexical overlap ignores them.
 STOPWORDS = frozenset(
@@ -46,10 +45,6 @@ def words(text: str) -> list[str]:
 
 def content_words(text: str) -> set[str]:
     return {word for word in words(text) if word not in STOPWORDS}
-
-
-def collapse_spaces(text: str) -> str:
-    return _SPACE_RE.sub(" ", text).strip()
 
 
 class SentenceSplitter:

@@ -4,7 +4,8 @@ Any object with `async run(CompressionInput, Policy) -> CompressionResult` will 
 package's `CompressionPipeline` is one). `BudgetOnlyPipeline` has no compression stages: it places
 the documents, then drops whole documents from the end, then the oldest history turns, until the
 chat-templated prompt fits `max_input_tokens` exactly. The system prompt and the question are never
-cut; if they alone do not fit it raises BudgetExceededError (HTTP 413).
+cut; if they alone do not fit it raises BudgetExceededError (HTTP 413). The documents are laid out by
+`compression.rendering`, the one renderer.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
+from compression.rendering import context_message, question_with_context, render_context
+from compression.state import Passage, message_text
 from compression.types import BudgetExceededError, CompressionInput, CompressionResult, Document, StageReport
 from policies.schema import Policy
 
@@ -27,11 +30,8 @@ class ChatTokenizer(Protocol):
 
 
 def format_documents(documents: list[Document]) -> str:
-    blocks = []
-    for number, document in enumerate(documents, start=1):
-        header = f"[{number}] {document.title}" if document.title else f"[{number}]"
-        blocks.append(f"{header}\n{document.text.strip()}")
-    return "\n\n".join(blocks)
+    """The passages block, rendered by the compression package's renderer (the one layout)."""
+    return render_context([Passage(document=document, position=i) for i, document in enumerate(documents)])
 
 
 def split_messages(messages: list[dict[str, Any]]) -> tuple[list[dict], list[dict], dict | None]:
@@ -54,12 +54,11 @@ def assemble_messages(
     context = format_documents(documents)
     system, history, question = split_messages(messages)
     if placement == "system" or question is None:
-        context_message = {"role": "system", "content": "Answer using these passages.\n\n" + context}
-        result = [dict(m) for m in system] + [context_message]
+        result = [dict(m) for m in system] + [context_message(context)]
         result += [dict(m) for m in messages if m.get("role") not in ("system", "developer")]
         return result
     asked = dict(question)
-    asked["content"] = f"Context:\n{context}\n\nQuestion: {question.get('content') or ''}"
+    asked["content"] = question_with_context(context, message_text(question))
     return [dict(m) if m is not question else asked for m in messages]
 
 

@@ -4,8 +4,9 @@ The prompt is rendered as text and then tokenized, so a document (or message) co
 control-token string such as `<|im_end|>` would become a real control token and let retrieved text
 close its turn and open a `system` turn. Every special-token string of the model's tokenizer is
 broken with a zero-width space, which the tokenizer then reads as ordinary text. Documents also
-cannot fake the context block's own markers ("Documents:", "Question:", "[n]" passage headers) at
-the start of a line: such lines are quoted so the real question stays the only one.
+cannot fake the context block's own markers (the renderer's `LINE_MARKERS`: "Documents:",
+"Question:", "[n]" passage headers, ...) at the start of a line: such lines are quoted so the real
+question stays the only one.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from compression.rendering import LINE_MARKERS
+
 ZERO_WIDTH_SPACE = "\u200b"
-_STRUCTURE_LINE = re.compile(
-    r"^(\s*)(documents:|question:|summary of the earlier conversation:|\[\d+\])", re.IGNORECASE | re.MULTILINE
-)
+# Built from the renderer's own list, so a marker added there is neutralised here too.
+_STRUCTURE_LINE = re.compile(rf"^(\s*)({'|'.join(LINE_MARKERS)})", re.IGNORECASE | re.MULTILINE)
 
 
 class Neutraliser:

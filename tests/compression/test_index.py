@@ -69,8 +69,10 @@ async def test_retrieval_round_trip(tmp_path, embedder, make_pipeline):
     result = await pipeline.run(request, policy)
     assert "Neil Armstrong stepped out first." in result.context_text
     assert result.kept_documents[0].id == "moon#0"
-    assert [s.name for s in result.stages] == ["history", "retrieval", "dedup", "rerank", "extraction", "assembly"]
-    retrieval = result.stages[1]
+    assert [s.name for s in result.stages] == [
+        "retrieval", "cost-check", "history", "dedup", "rerank", "extraction", "assembly", "fit"
+    ]
+    retrieval = result.stages[0]
     assert retrieval.details["retrieved"] == 2
 
     with pytest.raises(UnknownIndexError):

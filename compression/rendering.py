@@ -1,0 +1,103 @@
+"""The prompt renderer: the only place that knows how the sent prompt is laid out.
+
+Everything that turns passages, a history summary and the question into messages lives here, and
+so does the list of markers the layout starts a line with (`LINE_MARKERS`): the gateway's
+sanitizer imports that list, so client text can never forge a marker the renderer emits.
+
+The original prompt (all documents, full history) is rendered with the same functions as the sent
+one, so the "original" and "sent" token counts are comparable.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from compression.state import Passage, PipelineState, message_text
+from policies.schema import AssemblyPolicy
+
+CONTEXT_HEADER = "Documents:"
+QUESTION_HEADER = "Question:"
+SUMMARY_HEADER = "Summary of the earlier conversation:"
+PASSAGE_SEPARATOR = "\n\n"
+
+# Every marker a rendered line can start with, as a regular expression. A passage header is
+# "[n]" or "[n] Title"; its number is the marker.
+LINE_MARKERS: tuple[str, ...] = (
+    re.escape(CONTEXT_HEADER),
+    re.escape(QUESTION_HEADER),
+    re.escape(SUMMARY_HEADER),
+    r"\[\d+\]",
+)
+
+
+def passage_header(number: int, title: str | None) -> str:
+    return f"[{number}] {title}" if title else f"[{number}]"
+
+
+def passage_header_cost(count: Callable[[str], int], number: int, passage: Passage, keep_title: bool) -> int:
+    """Tokens a passage adds to the block besides its sentences."""
+    header = passage_header(number, passage.title if keep_title else None)
+    return count(header) + 2  # the header's newline and the blank line between passages
+
+
+def render_passage(number: int, passage: Passage, keep_title: bool = True) -> str:
+    return f"{passage_header(number, passage.title if keep_title else None)}\n{passage.body()}"
+
+
+def render_context(passages: list[Passage], keep_titles: bool = True) -> str:
+    """The passages block: non-empty passages numbered from 1, in the given order."""
+    visible = [passage for passage in passages if not passage.is_empty()]
+    return PASSAGE_SEPARATOR.join(render_passage(i + 1, p, keep_titles) for i, p in enumerate(visible))
+
+
+def context_message(context_text: str) -> dict[str, Any]:
+    """The passages block as its own system message (placement "system")."""
+    return {"role": "system", "content": f"{CONTEXT_HEADER}\n{context_text}"}
+
+
+def question_with_context(context_text: str, question_text: str) -> str:
+    """The passages block before the question in the same user turn (placement "user")."""
+    return f"{CONTEXT_HEADER}\n{context_text}\n\n{QUESTION_HEADER} {question_text}"
+
+
+def summary_text(summary: str) -> str:
+    return f"{SUMMARY_HEADER}\n{summary}"
+
+
+def order_passages(passages: list[Passage], order: str) -> list[Passage]:
+    """Counter "lost in the middle": best first, or best at both ends of the block."""
+    if order == "original":
+        return sorted(passages, key=lambda p: p.position)
+    ranked = sorted(passages, key=lambda p: (-p.score, p.position))
+    if order == "best-first":
+        return ranked
+    front: list[Passage] = []
+    back: list[Passage] = []
+    for rank, passage in enumerate(ranked):
+        (front if rank % 2 == 0 else back).append(passage)
+    return front + back[::-1]
+
+
+def render_messages(
+    state: PipelineState,
+    context_text: str,
+    history: list[dict[str, Any]],
+    summary: str | None,
+    assembly: AssemblyPolicy,
+) -> list[dict[str, Any]]:
+    """The messages sent to the model: system prompt, context, summary, history, question, trailing."""
+    messages: list[dict[str, Any]] = [dict(m) for m in state.system_messages]
+    if context_text and assembly.placement == "system":
+        messages.append(context_message(context_text))
+    if summary:
+        messages.append({"role": "system", "content": summary_text(summary)})
+    messages.extend(dict(m) for m in history)
+    question = dict(state.question)
+    if context_text and assembly.placement == "user":
+        # The question text itself is untouched: the context goes before it in the same turn.
+        question["content"] = question_with_context(context_text, message_text(state.question))
+    messages.append(question)
+    messages.extend(dict(m) for m in state.trailing)
+    return messages

@@ -1,0 +1,86 @@
+"""What the stages share across requests: token counting, caches, models, and the cost estimate.
+
+Heavy helpers (the embedding model, the LLM reranker) are created on first use.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from compression.cache import BytesCache
+from compression.counting import CachedCounter
+from compression.history import HistorySummarizer
+from compression.index import IndexStore
+
+
+class PrefillCostEstimator:
+    """Milliseconds of prefill per prompt token, fed from the engine's own request metrics.
+
+    An exponentially weighted average, so it follows load changes; also tracks how long
+    compression itself takes, since a cut that costs more than it saves does not pay.
+    """
+
+    def __init__(self, ms_per_token: float = 0.5, smoothing: float = 0.1):
+        self.ms_per_token = ms_per_token
+        self.compression_ms = 0.0
+        self.smoothing = smoothing
+        self._lock = threading.Lock()
+
+    def observe_prefill(self, prompt_tokens: int, prefill_ms: float) -> None:
+        if prompt_tokens <= 0 or prefill_ms <= 0:
+            return
+        with self._lock:
+            sample = prefill_ms / prompt_tokens
+            self.ms_per_token += self.smoothing * (sample - self.ms_per_token)
+
+    def observe_compression(self, compression_ms: float) -> None:
+        with self._lock:
+            self.compression_ms += self.smoothing * (compression_ms - self.compression_ms)
+
+    def net_saving_ms(self, saved_tokens: int) -> float:
+        return saved_tokens * self.ms_per_token - self.compression_ms
+
+
+class Services:
+    """Shared, lazily created helpers (the embedding model loads on first use)."""
+
+    def __init__(
+        self,
+        counter: CachedCounter,
+        tokenizer: Any,
+        engine: Any,
+        cache: BytesCache,
+        index_dir: Any,
+        cost_estimator: PrefillCostEstimator,
+    ):
+        from compression.text import default_splitter
+
+        self.counter = counter
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.cache = cache
+        self.cost_estimator = cost_estimator
+        self.splitter = default_splitter()
+        self.index_store = IndexStore(index_dir)
+        self.summarizer = HistorySummarizer(counter.count, self.splitter.split, cache, engine, tokenizer)
+        self._embedder = None
+        self._llm_reranker = None
+        self._lock = threading.Lock()
+
+    @property
+    def embedder(self) -> Any:
+        if self._embedder is None:
+            with self._lock:
+                if self._embedder is None:
+                    from compression.embeddings import shared_embedder
+
+                    self._embedder = shared_embedder(self.cache)
+        return self._embedder
+
+    def llm_reranker(self) -> Any:
+        if self._llm_reranker is None:
+            from compression.llm_score import LLMReranker
+
+            self._llm_reranker = LLMReranker.from_tokenizer(self.tokenizer)
+        return self._llm_reranker
