@@ -27,10 +27,9 @@ from backend.openai_api.sse import DONE, event_stream_response, sse_event
 from gateway.admission import AdmissionControl, AdmissionController
 from gateway.keys import KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import BudgetOnlyPipeline, Pipeline
 from gateway.quota import create_store
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
-from gateway.service import Gateway, Outcome, Prepared
+from gateway.service import Gateway, Outcome, Pipeline, Prepared
 from gateway.settings import GatewaySettings
 from policies.loader import PolicyRegistry, ReloadError, packaged_policy_dir
 
@@ -79,12 +78,9 @@ def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
 
 
 def default_pipeline(tokenizer: Any, engine: EngineClient, index_dir: Any = None) -> Pipeline:
-    """The compression package's pipeline; the budget-only pipeline where it is not installed."""
-    try:
-        from compression.pipeline import CompressionPipeline
-    except ModuleNotFoundError as exc:
-        logger.warning("compression pipeline unavailable (%s); enforcing the budget without compression", exc)
-        return BudgetOnlyPipeline(tokenizer)
+    """The compression pipeline over this engine."""
+    from compression.pipeline import CompressionPipeline
+
     # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
     return CompressionPipeline(tokenizer, engine=engine, index_dir=index_dir)
 
@@ -274,7 +270,7 @@ async def compress(request: Request) -> dict[str, Any]:
     body = await parse_body(request, ChatCompletionRequest)
     gateway.check_model(body.model)
     policy = gateway.resolve_policy(tenant, body.ctxgate)
-    _, result = await gateway.compress(body, tenant, policy)
+    result = await gateway.compress(body, tenant, policy)
     gateway.encode_checked(result, policy)
     # Compression is metered like a request that generates nothing: one request, its prompt tokens.
     await gateway.reserve(tenant, policy, result.prompt_tokens, 0)

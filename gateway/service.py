@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from backend.api import EngineClient, EngineError, Priority, RequestMetrics, SamplingParams
 from backend.openai_api.errors import APIError
@@ -23,7 +23,6 @@ from compression.types import (
 )
 from gateway.keys import KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import Pipeline
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
 from gateway.sanitize import Neutraliser
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, CtxgateExtras, GatewayRequest
@@ -60,6 +59,12 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+
+class Pipeline(Protocol):
+    """What the gateway needs of a compressor (compression.pipeline.CompressionPipeline is the one)."""
+
+    async def run(self, inp: CompressionInput, policy: Policy) -> CompressionResult: ...
 
 
 class Gateway:
@@ -135,9 +140,7 @@ class Gateway:
         return policy.model_copy(update={"max_input_tokens": limit})
 
     # -- budget --------------------------------------------------------------------------------
-    async def compress(
-        self, body: ChatCompletionRequest, tenant: Tenant, policy: Policy
-    ) -> tuple[list[dict[str, Any]], CompressionResult]:
+    async def compress(self, body: ChatCompletionRequest, tenant: Tenant, policy: Policy) -> CompressionResult:
         # Client text may not forge control tokens or context markers (gateway/sanitize.py).
         messages = [{"role": m.role, "content": self.neutraliser.text(m.text())} | ({"name": m.name} if m.name else {})
                     for m in body.messages]
@@ -158,7 +161,7 @@ class Gateway:
             raise APIError(400, str(exc), code="invalid_request") from None
         for stage in result.stages:
             self.metrics.compression_seconds.labels(stage.name).observe(stage.ms / 1000)
-        return messages, result
+        return result
 
     def encode_checked(self, result: CompressionResult, policy: Policy) -> tuple[list[int], str]:
         """Token ids actually sent; re-counted here so the budget holds whatever pipeline ran."""
@@ -249,7 +252,7 @@ class Gateway:
     async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(body.model)
         policy = self.resolve_policy(tenant, body.ctxgate)
-        _, result = await self.compress(body, tenant, policy)
+        result = await self.compress(body, tenant, policy)
         token_ids, prompt_text = self.encode_checked(result, policy)
         sampling = self.sampling_for(body, policy, len(token_ids))
         priority = Priority.BACKGROUND if body.ctxgate and body.ctxgate.priority == "background" else Priority.USER
