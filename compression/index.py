@@ -81,42 +81,64 @@ def build_index(
     embedder: Any = None,
     show_progress: bool = True,
 ) -> Path:
-    import faiss
-    from tqdm import tqdm
-
+    """Chunk a JSONL corpus, embed its sentences and chunks, and write a FAISS index folder."""
     from compression.embeddings import shared_embedder
-    from compression.rerank import combine_vectors
+
+    target = index_path(index_dir, name)  # validates the name before any work
+    embedder = embedder or shared_embedder()
+    chunks = read_chunks(input_path, chunk_words)
+    embedded = embed_chunks(chunks, embedder, f"embedding {name}", show_progress)
+    write_index(target, chunks, embedded)
+    meta = {
+        "name": name,
+        "model": str(embedder.model_path.name),
+        "dimension": int(embedded.chunk_vectors.shape[1]),
+        "chunks": len(chunks),
+        "sentences": int(embedded.sentence_offsets[-1]),
+        "chunk_words": chunk_words,
+    }
+    (target / "meta.json").write_text(json.dumps(meta, indent=2))
+    return target
+
+
+def read_chunks(input_path: str | Path, chunk_words: int) -> list[dict[str, Any]]:
+    """Each document cut into chunks of whole sentences of about `chunk_words` words."""
     from compression.text import default_splitter
 
-    target = index_path(index_dir, name)
-    embedder = embedder or shared_embedder()
     splitter = default_splitter()
     chunks: list[dict[str, Any]] = []
     for row_number, row in enumerate(read_documents(input_path)):
         doc_id = str(row.get("id", row_number))
         title = row.get("title") if isinstance(row.get("title"), str) else None
         for chunk_number, sentences in enumerate(chunk_sentences(splitter.split(row["text"]), chunk_words)):
-            chunks.append(
-                {
-                    "id": f"{doc_id}#{chunk_number}",
-                    "doc_id": doc_id,
-                    "title": title,
-                    "text": " ".join(sentences),
-                    "sentences": sentences,
-                }
-            )
+            chunks.append({
+                "id": f"{doc_id}#{chunk_number}", "doc_id": doc_id, "title": title,
+                "text": " ".join(sentences), "sentences": sentences,
+            })
     if not chunks:
         raise ValueError(f"{input_path}: no documents")
+    return chunks
 
-    batch = 64
+
+@dataclass
+class EmbeddedChunks:
+    chunk_vectors: np.ndarray  # [chunks, dim] float32, what FAISS searches
+    sentence_vectors: np.ndarray  # [sentences, dim] float32, all chunks' sentences in order
+    sentence_offsets: np.ndarray  # [chunks + 1] int64: chunk i's sentences are offsets[i]:offsets[i+1]
+
+
+def embed_chunks(chunks: list[dict[str, Any]], embedder: Any, description: str, show_progress: bool,
+                 batch: int = 64) -> EmbeddedChunks:
+    from tqdm import tqdm
+
+    from compression.rerank import combine_vectors
+
     chunk_vectors: list[np.ndarray] = []
     sentence_vectors: list[np.ndarray] = []
     offsets = [0]
-    with tqdm(
-        total=len(chunks), desc=f"embedding {name}", unit="chunk", disable=not show_progress
-    ) as progress:
-        for start in range(0, len(chunks), batch):
-            part = chunks[start : start + batch]
+    with tqdm(total=len(chunks), desc=description, unit="chunk", disable=not show_progress) as progress:
+        for first in range(0, len(chunks), batch):
+            part = chunks[first : first + batch]
             sentences = [sentence for chunk in part for sentence in chunk["sentences"]]
             titles = sorted({chunk["title"] for chunk in part if chunk["title"]})
             vectors = embedder.embed(sentences + titles)
@@ -127,33 +149,29 @@ def build_index(
                 end = start + len(chunk["sentences"])
                 # The same passage vector the rerankers compute (sentences + title), so search
                 # scores and rerank scores agree.
-                chunk_vectors.append(
-                    combine_vectors(vectors[start:end], title_vectors.get(chunk["title"]))[None, :]
-                )
+                chunk_vectors.append(combine_vectors(vectors[start:end], title_vectors.get(chunk["title"]))[None, :])
                 start = end
                 offsets.append(offsets[-1] + len(chunk["sentences"]))
             progress.update(len(part))
-    vectors = np.concatenate(chunk_vectors).astype(np.float32)
-    index = faiss.IndexFlatIP(vectors.shape[1])
-    index.add(vectors)
+    return EmbeddedChunks(
+        np.concatenate(chunk_vectors).astype(np.float32),
+        np.concatenate(sentence_vectors).astype(np.float32),
+        np.asarray(offsets, dtype=np.int64),
+    )
 
+
+def write_index(target: Path, chunks: list[dict[str, Any]], embedded: EmbeddedChunks) -> None:
+    import faiss
+
+    index = faiss.IndexFlatIP(embedded.chunk_vectors.shape[1])
+    index.add(embedded.chunk_vectors)
     target.mkdir(parents=True, exist_ok=True)
     faiss.write_index(index, str(target / "index.faiss"))
     with open(target / "chunks.jsonl", "w", encoding="utf-8") as handle:
         for chunk in chunks:
             handle.write(json.dumps(chunk, ensure_ascii=False) + "\n")
-    np.save(target / "sentence_embeddings.npy", np.concatenate(sentence_vectors).astype(np.float32))
-    np.save(target / "chunk_sentence_offsets.npy", np.asarray(offsets, dtype=np.int64))
-    meta = {
-        "name": name,
-        "model": str(embedder.model_path.name),
-        "dimension": int(vectors.shape[1]),
-        "chunks": len(chunks),
-        "sentences": int(offsets[-1]),
-        "chunk_words": chunk_words,
-    }
-    (target / "meta.json").write_text(json.dumps(meta, indent=2))
-    return target
+    np.save(target / "sentence_embeddings.npy", embedded.sentence_vectors)
+    np.save(target / "chunk_sentence_offsets.npy", embedded.sentence_offsets)
 
 
 @dataclass
