@@ -187,6 +187,10 @@ class BlockManager:
         references: Counter[int] = Counter()
         for seq in holders:
             table = seq.block_table
+            require_invariant(
+                all(0 <= block_id < self.num_blocks for block_id in table),
+                f"{seq.request_id} holds block ids outside [0, {self.num_blocks}): {table}",
+            )
             require_invariant(len(set(table)) == len(table), f"{seq.request_id} holds a block twice: {table}")
             references.update(table)
             self._check_table_hashes(seq)

@@ -170,6 +170,7 @@ def test_check_invariants_reports_broken_bookkeeping():
         "cached_blocks": lambda m, s: m.cached_blocks.clear(),
         "at index": lambda m, s: s.block_table.reverse(),
         "holds a block twice": lambda m, s: s.block_table.__setitem__(1, s.block_table[0]),
+        "outside": lambda m, s: s.block_table.append(m.num_blocks),
     }
     for expected, corrupt in corruptions.items():
         manager = BlockManager(num_blocks=8, block_size=BLOCK)
