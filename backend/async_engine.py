@@ -10,7 +10,6 @@ running the thread blocks on the command queue, so an idle engine costs no CPU.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -23,6 +22,7 @@ from backend.api import EngineError, GenerationDelta, GenerationRequest, Request
 from backend.metrics import EngineMetrics
 
 if TYPE_CHECKING:
+    import torch
     from prometheus_client import CollectorRegistry
 
     from backend.config import EngineConfig
@@ -206,6 +206,16 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine statistics as of the last step or command batch (never blocks on a step)."""
         return self._stats
+
+    @property
+    def num_threads(self) -> int:
+        """The torch CPU threads the engine thread computes with."""
+        return self.engine.num_threads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype the model's weights were loaded in (after resolving "auto")."""
+        return self.engine.dtype
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, request: GenerationRequest) -> RequestStream:
@@ -402,9 +412,5 @@ class AsyncEngine:
 def _deliver_all(items: list[tuple[RequestStream, GenerationDelta]]) -> None:
     for stream, delta in items:
         stream._deliver(delta)
-
-
-def stats_as_dict(stats: EngineStats) -> dict[str, Any]:
-    return dataclasses.asdict(stats)
 
 

@@ -5,11 +5,27 @@ chained with the hash of the block before (so a hash names the whole prefix) and
 request's cache_salt (so tenants never share blocks). A freed block keeps its hash and stays
 findable until the allocator reuses it; free blocks are reused least-recently-freed first, and a
 sequence's blocks are freed tail first so that shared prefixes survive longest.
+
+Invariants (`BlockManager.check_invariants` checks them; every public method keeps them):
+
+1. Free queue <=> unreferenced: block b is in `free_queue` exactly when `ref_counts[b] == 0`, and
+   no ref count is negative. So free + referenced = `num_blocks`, and the queue (an OrderedDict)
+   cannot hold a block twice.
+2. Hash index is a bijection: `block_hash[b] == h` (h not None) exactly when `cached_blocks[h] == b`.
+   A cached block may be free (findable until evicted) or referenced.
+3. Without prefix caching nothing is hashed: `cached_blocks` is empty, every `block_hash` is None.
+4. Given the block tables of all sequences that hold blocks: `ref_counts[b]` equals the number of
+   tables holding b, and no table holds a block twice (so a free block is in no table).
+5. A hashed block in a table sits where its hash says: at index i of seq's table, a block's hash is
+   None (private) or `seq.block_hashes[i]`, so a prefix hit can never return another prefix's KV.
+6. A table covers its computed tokens (`num_computed_tokens <= len(block_table) * block_size`) and
+   `num_published_blocks <= len(block_table)`.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 
 from backend.sequence import Sequence
 
@@ -92,9 +108,8 @@ class BlockManager:
         block_id, _ = self.free_queue.popitem(last=False)
         old_hash = self.block_hash[block_id]
         if old_hash is not None:
-            # Evict: the least recently freed cached block loses its identity.
-            if self.cached_blocks.get(old_hash) == block_id:
-                del self.cached_blocks[old_hash]
+            # Evict: the least recently freed cached block loses its identity (invariant 2).
+            del self.cached_blocks[old_hash]
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id
@@ -126,7 +141,91 @@ class BlockManager:
             self.cached_blocks[block_hash] = block_id
         seq.num_published_blocks = max(seq.num_published_blocks, num_full)
 
-    def reset_prefix_cache(self) -> None:
-        for block_hash, block_id in list(self.cached_blocks.items()):
-            self.block_hash[block_id] = None
-            del self.cached_blocks[block_hash]
+    # ---- invariants --------------------------------------------------------------------------
+    def check_invariants(self, holders: Iterable[Sequence] | None = None) -> None:
+        """Raise InvariantError naming the first broken invariant (see the module docstring).
+
+        `holders` must be every sequence whose block table is not empty (an empty list: nobody
+        holds a block); with None only the pool's own bookkeeping (invariants 1-3) is checked.
+        Costs O(blocks + table entries): meant for tests and debugging, not for every engine step.
+        """
+        self._check_free_queue()
+        self._check_hash_index()
+        if holders is not None:
+            self._check_tables(list(holders))
+
+    def _check_free_queue(self) -> None:
+        for block_id, count in enumerate(self.ref_counts):
+            require_invariant(count >= 0, f"block {block_id} has ref count {count} < 0")
+            in_queue = block_id in self.free_queue
+            require_invariant(
+                in_queue == (count == 0),
+                f"block {block_id} has ref count {count} but is {'' if in_queue else 'not '}in the free queue",
+            )
+        require_invariant(
+            all(0 <= block_id < self.num_blocks for block_id in self.free_queue),
+            f"the free queue holds block ids outside [0, {self.num_blocks})",
+        )
+
+    def _check_hash_index(self) -> None:
+        if not self.enable_prefix_caching:
+            require_invariant(not self.cached_blocks, "prefix caching is off but cached_blocks is not empty")
+        for block_hash, block_id in self.cached_blocks.items():
+            require_invariant(
+                self.block_hash[block_id] == block_hash,
+                f"cached_blocks[{block_hash}] = {block_id} but block_hash[{block_id}] = {self.block_hash[block_id]}",
+            )
+        for block_id, block_hash in enumerate(self.block_hash):
+            if block_hash is not None:
+                require_invariant(
+                    self.cached_blocks.get(block_hash) == block_id,
+                    f"block_hash[{block_id}] = {block_hash} but cached_blocks maps it to "
+                    f"{self.cached_blocks.get(block_hash)}",
+                )
+
+    def _check_tables(self, holders: list[Sequence]) -> None:
+        references: Counter[int] = Counter()
+        for seq in holders:
+            table = seq.block_table
+            require_invariant(
+                all(0 <= block_id < self.num_blocks for block_id in table),
+                f"{seq.request_id} holds block ids outside [0, {self.num_blocks}): {table}",
+            )
+            require_invariant(len(set(table)) == len(table), f"{seq.request_id} holds a block twice: {table}")
+            references.update(table)
+            self._check_table_hashes(seq)
+            require_invariant(
+                seq.num_computed_tokens <= len(table) * self.block_size,
+                f"{seq.request_id} has {seq.num_computed_tokens} computed tokens but {len(table)} blocks",
+            )
+            require_invariant(
+                seq.num_published_blocks <= len(table),
+                f"{seq.request_id} published {seq.num_published_blocks} blocks of a {len(table)}-block table",
+            )
+        for block_id, count in enumerate(self.ref_counts):
+            require_invariant(
+                count == references[block_id],
+                f"block {block_id} has ref count {count} but {references[block_id]} tables hold it",
+            )
+
+    def _check_table_hashes(self, seq: Sequence) -> None:
+        for index, block_id in enumerate(seq.block_table):
+            block_hash = self.block_hash[block_id]
+            if block_hash is None:
+                continue
+            require_invariant(
+                index < len(seq.block_hashes) and seq.block_hashes[index] == block_hash,
+                f"{seq.request_id} holds block {block_id} (hash {block_hash}) at index {index}, "
+                "where its own prefix hashes to something else",
+            )
+
+
+class InvariantError(AssertionError):
+    """The engine's bookkeeping contradicts itself: a bug in the allocator or in its caller."""
+
+
+def require_invariant(condition: bool, message: str) -> None:
+    """Raise InvariantError(message) unless `condition` holds."""
+    # Not `assert`: the check must still run under `python -O`.
+    if not condition:
+        raise InvariantError(message)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from backend.api import Priority
-from backend.block_manager import BlockManager
+from backend.block_manager import BlockManager, require_invariant
 from backend.sequence import Sequence, SequenceStatus
 
 
@@ -78,6 +78,28 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError if the queues, or the queues and the block pool, disagree.
+
+        Running sequences are the only block holders: a waiting one (new or preempted) holds none.
+        """
+        for seq in self.waiting:
+            require_invariant(seq.status is SequenceStatus.WAITING, f"waiting {seq.request_id} is {seq.status}")
+            require_invariant(not seq.block_table, f"waiting {seq.request_id} holds blocks {seq.block_table}")
+        for seq in self.running:
+            require_invariant(seq.status is SequenceStatus.RUNNING, f"running {seq.request_id} is {seq.status}")
+        waiting_ids = {id(seq) for seq in self.waiting}
+        require_invariant(
+            not any(id(seq) in waiting_ids for seq in self.running), "a sequence is both waiting and running"
+        )
+        keys = [seq.sort_key for seq in self.waiting]
+        require_invariant(keys == sorted(keys), "the waiting queue is out of priority/FCFS order")
+        require_invariant(
+            len(self.running) <= self.max_num_seqs,
+            f"{len(self.running)} sequences run, more than max_num_seqs={self.max_num_seqs}",
+        )
+        self.block_manager.check_invariants(holders=self.running)
 
     def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
         if num_prefill_tokens >= 32 and seconds > 0:

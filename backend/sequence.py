@@ -75,7 +75,3 @@ class Sequence:
     def sort_key(self) -> tuple[int, int]:
         """Scheduling order: priority class first, then arrival (FCFS)."""
         return (int(self.priority), self.arrival_order)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED

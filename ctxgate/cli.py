@@ -12,11 +12,16 @@ import logging
 import sys
 
 COMMAND_MODULES = ("backend.cli", "gateway.cli", "compression.cli", "eval.cli")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctxgate", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    # Checked here so a typo is a usage error, not a traceback from logging.basicConfig.
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+        help=f"logging level: {', '.join(LOG_LEVELS)} (default INFO)",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         try:
@@ -33,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # bm25s pins its own logger to DEBUG when imported (lazily, on the first request), which would
     # log every per-request index build; a filter outlives that setLevel call.

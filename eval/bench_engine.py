@@ -582,25 +582,6 @@ def format_workload(
     return "\n".join(lines)
 
 
-def engine_torch_dtype(async_engine):
-    """The torch dtype the engine's weights actually use, so the baseline runs the same one."""
-    import torch
-
-    candidates = [async_engine.engine, getattr(async_engine.engine, "model_runner", None)]
-    for holder in candidates:
-        dtype = getattr(holder, "dtype", None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    model = getattr(getattr(async_engine.engine, "model_runner", None), "model", None)
-    if model is not None:
-        try:
-            return next(model.parameters()).dtype
-        except (StopIteration, AttributeError, TypeError):
-            pass
-    configured = str(async_engine.config.dtype)
-    return getattr(torch, configured) if configured != "auto" else torch.bfloat16
-
-
 def write_report(report_data: dict[str, Any], out_dir: str | Path) -> Path:
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,6 @@ from eval.bench_engine import (
     EngineRunner,
     HFGenerateRunner,
     OpenAIServerRunner,
-    engine_torch_dtype,
     run_benchmark,
     write_report,
 )
@@ -84,12 +83,12 @@ def bench_engine_command(args: argparse.Namespace) -> int:
         async_engine = AsyncEngine(config)
         tokenizer = async_engine.tokenizer
         target = EngineRunner(async_engine)
-        baseline_dtype = engine_torch_dtype(async_engine)
+        baseline_dtype = async_engine.dtype
         settings["engine_config"] = {k: str(v) for k, v in vars(config).items()}
         settings["engine_path"] = async_engine.path_info
     peers = [OpenAIServerRunner(url, None, tokenizer, name=name) for name, url in peer_specs]
     settings["peers"] = {peer.name: peer.base_url for peer in peers}
-    baseline_threads = None if args.url else async_engine.engine.num_threads
+    baseline_threads = None if args.url else async_engine.num_threads
     baseline = HFGenerateRunner(model_dir, baseline_dtype, tokenizer, baseline_threads) if options.baseline else None
     settings["baseline_dtype"] = str(baseline_dtype) if baseline is not None else None
     print(f"bench engine: {settings['mode']}, model {model_dir}, torch threads {settings['threads']}, "

@@ -119,11 +119,6 @@ class KeyStore:
                 raise FileNotFoundError(f"keys file not found: {self.path}")
             self.refresh(raise_errors=True)
 
-    @property
-    def open_mode(self) -> bool:
-        """Without a keys file every request is the anonymous tenant (local use)."""
-        return self.path is None
-
     def refresh(self, raise_errors: bool = False) -> bool:
         if self.path is None:
             return False

@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from backend.api import EngineError, GenerationRequest, SamplingParams
-from tests.backend.engine_server import wait_until_pool_free
+from tests.backend.engine_server import metric_value, wait_until_pool_free
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +58,30 @@ async def test_explicit_abort_ends_the_stream_and_frees_blocks(engine):
 
 
 async def test_consumer_leaving_aborts(engine):
+    await asyncio.to_thread(wait_until_pool_free, engine)
+    before = _finished_counts(engine)
     request = _request(engine, "Another long tale:", max_tokens=200)
     stream = engine.generate(request)
     await stream.__anext__()
     await stream.aclose()  # what a disconnecting HTTP client does to the server's generator
+    # A free pool alone would also follow a request that ran all 200 tokens: the counters tell
+    # that the engine aborted it, and the token count that it stopped early.
     await asyncio.to_thread(wait_until_pool_free, engine)
+    after = _finished_counts(engine)
+    assert after["abort"] == before["abort"] + 1
+    assert after["length"] == before["length"] and after["stop"] == before["stop"]
+    assert after["generated_tokens"] - before["generated_tokens"] < 200
+
+
+def _finished_counts(engine) -> dict[str, float]:
+    """Requests finished per reason, and tokens generated, from the engine's Prometheus metrics."""
+    exposition = engine.metrics.render().decode()
+    counts = {
+        reason: metric_value(exposition, "ctxgate:request_success_total", finished_reason=reason)
+        for reason in ("stop", "length", "abort")
+    }
+    counts["generated_tokens"] = metric_value(exposition, "ctxgate:generation_tokens_total")
+    return counts
 
 
 async def test_engine_error_surfaces_before_any_delta(engine):

@@ -1,6 +1,15 @@
-"""Unit tests of the continuous-batching scheduler (no model: steps are simulated)."""
+"""Unit tests of the continuous-batching scheduler (no model: steps are simulated).
+
+Every test schedules through `schedule()` and `finish_step()` below, which check the scheduler's
+and the block pool's invariants after each call; a random-operation property test ends the file."""
 
 from __future__ import annotations
+
+import itertools
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from backend.api import Priority, SamplingParams
 from backend.block_manager import BlockManager
@@ -21,6 +30,12 @@ def make_seq(num_tokens: int, order: int, priority: Priority = Priority.USER) ->
     )
 
 
+def schedule(scheduler: Scheduler) -> SchedulerOutput:
+    output = scheduler.schedule()
+    scheduler.check_invariants()
+    return output
+
+
 def finish_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
     """What the engine does after the model ran: mark tokens computed, sample one token if due."""
     for item in output.scheduled:
@@ -28,6 +43,12 @@ def finish_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
         scheduler.block_manager.cache_full_blocks(item.seq)
         if item.seq.num_computed_tokens == item.seq.num_tokens:
             item.seq.token_ids.append(7)
+    scheduler.check_invariants()
+
+
+def remove(scheduler: Scheduler, seq: Sequence) -> None:
+    scheduler.remove(seq)
+    scheduler.check_invariants()
 
 
 def make_scheduler(num_blocks=64, budget=32, max_seqs=8, ttft_ms=1e9) -> Scheduler:
@@ -40,7 +61,7 @@ def test_token_budget_is_respected_and_long_prompts_are_chunked():
     scheduler.add(seq)
     chunks = []
     while seq.num_computed_tokens < 25:
-        output = scheduler.schedule()
+        output = schedule(scheduler)
         assert output.num_tokens <= 10
         chunks.append(output.scheduled[0].num_new_tokens)
         finish_step(scheduler, output)
@@ -51,17 +72,17 @@ def test_decodes_are_scheduled_before_prefills():
     scheduler = make_scheduler(budget=12)
     first, second = make_seq(8, 0), make_seq(8, 1)
     scheduler.add(first)
-    finish_step(scheduler, scheduler.schedule())  # first is now decoding
+    finish_step(scheduler, schedule(scheduler))  # first is now decoding
     scheduler.add(second)
-    output = scheduler.schedule()
+    output = schedule(scheduler)
     assert [(s.seq, s.num_new_tokens) for s in output.scheduled] == [(first, 1), (second, 8)]
     # A tight budget still serves the decode, and the prefill gets what is left.
     scheduler = make_scheduler(budget=4)
     a, b = make_seq(3, 0), make_seq(20, 1)
     scheduler.add(a)
-    finish_step(scheduler, scheduler.schedule())
+    finish_step(scheduler, schedule(scheduler))
     scheduler.add(b)
-    output = scheduler.schedule()
+    output = schedule(scheduler)
     assert [(s.seq, s.num_new_tokens) for s in output.scheduled] == [(a, 1), (b, 3)]
 
 
@@ -74,7 +95,7 @@ def test_priority_classes_then_fcfs():
         scheduler.add(seq)
     order = []  # sequences in the order their prefill starts
     for _ in range(4):
-        output = scheduler.schedule()
+        output = schedule(scheduler)
         order.extend(item.seq for item in output.scheduled if item.seq.num_computed_tokens == 0)
         finish_step(scheduler, output)
     assert order == [user_early, user_late, background]
@@ -84,7 +105,7 @@ def test_sequence_cap():
     scheduler = make_scheduler(budget=100, max_seqs=2)
     for order in range(3):
         scheduler.add(make_seq(4, order))
-    output = scheduler.schedule()
+    output = schedule(scheduler)
     assert len(output.scheduled) == 2 and len(scheduler.waiting) == 1
 
 
@@ -93,17 +114,17 @@ def test_preempts_the_newest_lowest_priority_sequence_when_blocks_run_out():
     old, new = make_seq(8, 0), make_seq(7, 1)  # 2 blocks each: the pool is full after prefill
     scheduler.add(old)
     scheduler.add(new)
-    finish_step(scheduler, scheduler.schedule())
+    finish_step(scheduler, schedule(scheduler))
     assert scheduler.block_manager.num_free_blocks == 0
     # old now has 9 tokens and needs a third block: new (the newest) is preempted by recompute.
-    output = scheduler.schedule()
+    output = schedule(scheduler)
     assert output.preempted == [new]
     assert [item.seq for item in output.scheduled] == [old]
     assert new.num_computed_tokens == 0 and new.block_table == [] and new.num_preemptions == 1
     assert scheduler.waiting == [new] and scheduler.num_preemptions == 1
     # Once old finishes, new is recomputed from scratch (prompt + its generated token).
-    scheduler.remove(old)
-    output = scheduler.schedule()
+    remove(scheduler, old)
+    output = schedule(scheduler)
     assert [(item.seq, item.num_new_tokens) for item in output.scheduled] == [(new, 8)]
 
 
@@ -113,8 +134,8 @@ def test_background_preempted_first_even_if_older():
     user = make_seq(8, 1, Priority.USER)
     scheduler.add(background)
     scheduler.add(user)
-    finish_step(scheduler, scheduler.schedule())
-    output = scheduler.schedule()
+    finish_step(scheduler, schedule(scheduler))
+    output = schedule(scheduler)
     assert output.preempted == [background]
     assert [item.seq for item in output.scheduled] == [user]
 
@@ -123,8 +144,8 @@ def test_a_lone_sequence_preempts_itself_rather_than_failing():
     scheduler = make_scheduler(num_blocks=2, budget=64)
     seq = make_seq(8, 0)
     scheduler.add(seq)
-    finish_step(scheduler, scheduler.schedule())
-    output = scheduler.schedule()  # needs a third block that does not exist
+    finish_step(scheduler, schedule(scheduler))
+    output = schedule(scheduler)  # needs a third block that does not exist
     assert output.preempted == [seq] and output.scheduled == []
 
 
@@ -132,10 +153,10 @@ def test_ttft_pressure_makes_background_work_yield():
     scheduler = make_scheduler(budget=8, ttft_ms=0.0)  # every waiting user request is "at risk"
     background = make_seq(4, 0, Priority.BACKGROUND)
     scheduler.add(background)
-    finish_step(scheduler, scheduler.schedule())
+    finish_step(scheduler, schedule(scheduler))
     user = make_seq(8, 1)
     scheduler.add(user)
-    output = scheduler.schedule()
+    output = schedule(scheduler)
     assert [item.seq for item in output.scheduled] == [user]
 
 
@@ -143,9 +164,67 @@ def test_ttft_pressure_preempts_background_to_admit_a_user_request_at_the_cap():
     scheduler = make_scheduler(budget=16, max_seqs=1, ttft_ms=0.0)
     background = make_seq(4, 0, Priority.BACKGROUND)
     scheduler.add(background)
-    finish_step(scheduler, scheduler.schedule())
+    finish_step(scheduler, schedule(scheduler))
     user = make_seq(4, 1)
     scheduler.add(user)
-    output = scheduler.schedule()
+    output = schedule(scheduler)
     assert output.preempted == [background]
     assert [item.seq for item in output.scheduled] == [user]
+
+
+# Prompts are prefixes of these, so admissions hit the prefix cache and share blocks.
+SHARED_PROMPTS = [[1] * 14, [2, 3] * 7]
+MAX_OUTPUT_TOKENS = 6
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random arrivals (both priorities), steps and aborts against a pool small enough that
+    sequences get preempted and cached blocks evicted; the invariants must hold after each."""
+
+    @initialize(ttft_pressure=st.booleans())
+    def build_scheduler(self, ttft_pressure: bool) -> None:
+        # 6 blocks of 4 tokens: one sequence (at most 14 + 6 tokens) always fits on its own.
+        manager = BlockManager(num_blocks=6, block_size=BLOCK, enable_prefix_caching=True)
+        self.scheduler = Scheduler(manager, max_num_batched_tokens=12, max_num_seqs=3,
+                                   ttft_target_ms=0.0 if ttft_pressure else 1e9)
+        self.arrivals = itertools.count()
+
+    @rule(base=st.sampled_from(SHARED_PROMPTS), length=st.integers(1, 14),
+          priority=st.sampled_from(list(Priority)))
+    def arrive(self, base: list[int], length: int, priority: Priority) -> None:
+        order = next(self.arrivals)
+        seq = Sequence(request_id=f"r{order}", prompt_token_ids=base[:length],
+                       sampling=SamplingParams(max_tokens=MAX_OUTPUT_TOKENS), max_tokens=MAX_OUTPUT_TOKENS,
+                       arrival_order=order, priority=priority)
+        self.scheduler.add(seq)
+
+    @rule(token=st.integers(1, 3))
+    def step(self, token: int) -> None:
+        output = self.scheduler.schedule()
+        scheduled = [item.seq for item in output.scheduled]
+        assert output.num_tokens <= self.scheduler.max_num_batched_tokens
+        assert all(item.num_new_tokens >= 1 for item in output.scheduled)
+        assert len(set(map(id, scheduled))) == len(scheduled) <= self.scheduler.max_num_seqs
+        assert not {id(seq) for seq in output.preempted} & set(map(id, scheduled))
+        self.scheduler.check_invariants()
+        for item in output.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.scheduler.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(token)
+                if seq.num_output_tokens >= seq.max_tokens:
+                    self.scheduler.remove(seq)
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        self.scheduler.remove(data.draw(st.sampled_from(self.scheduler.waiting + self.scheduler.running)))
+
+    @invariant()
+    def consistent(self) -> None:
+        self.scheduler.check_invariants()
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)

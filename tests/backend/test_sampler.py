@@ -1,0 +1,96 @@
+"""Unit tests of next-token sampling: the greedy rules, top-k / top-p masking, seeded generators."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from backend.api import SamplingParams
+from backend.sampler import GREEDY_TEMPERATURE, apply_top_k_top_p, sample
+from backend.sequence import Sequence
+
+# Four tokens with probabilities 0.5, 0.3, 0.15, 0.05 (as logits), deliberately not in sorted order.
+PROBS = {2: 0.5, 0: 0.3, 3: 0.15, 1: 0.05}
+LOGITS = torch.tensor([math.log(PROBS[token]) for token in range(4)])
+TOP_TOKEN = 2
+
+
+def make_seq(seed: int | None = None, **sampling: float) -> Sequence:
+    """A sequence as the engine builds it: a seeded request gets its own generator."""
+    seq = Sequence(
+        request_id="r", prompt_token_ids=[1], sampling=SamplingParams(**sampling), max_tokens=4,
+        arrival_order=0,
+    )
+    if seed is not None:
+        seq.generator = torch.Generator().manual_seed(seed)
+    return seq
+
+
+def draws(seq: Sequence, logits: torch.Tensor, count: int) -> list[int]:
+    return [sample(logits.unsqueeze(0), [seq])[0] for _ in range(count)]
+
+
+def test_no_sequences_sample_nothing():
+    assert sample(torch.empty(0, 4), []) == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, GREEDY_TEMPERATURE / 10, 1e-45])
+def test_temperature_zero_or_tiny_is_argmax_per_row(temperature):
+    rows = torch.tensor([[0.1, 3.0, -1.0], [5.0, 4.9, 0.0], [-2.0, -3.0, -1.5]])
+    sequences = [make_seq(temperature=temperature) for _ in rows]
+    # A tiny temperature would overflow logits / temperature into NaN if it were not greedy.
+    assert sample(rows, sequences) == [1, 0, 2]
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    assert set(draws(make_seq(seed=0, temperature=5.0, top_k=1), LOGITS, 50)) == {TOP_TOKEN}
+
+
+@pytest.mark.parametrize("top_p", [1e-12, 1e-50])  # 1e-50 is 0 in float32
+def test_a_tiny_top_p_keeps_only_the_top_token(top_p):
+    # top_p is never allowed to mask everything: the most likely token always survives.
+    masked = apply_top_k_top_p(LOGITS, top_k=0, top_p=top_p)
+    assert torch.isfinite(masked).tolist() == [token == TOP_TOKEN for token in range(4)]
+    assert set(draws(make_seq(seed=0, temperature=1.0, top_p=top_p), LOGITS, 50)) == {TOP_TOKEN}
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"),
+    [(0.4, {2}), (0.75, {2, 0}), (0.85, {2, 0, 3}), (1.0, {0, 1, 2, 3})],
+)
+def test_top_p_keeps_the_smallest_prefix_reaching_it(top_p, kept):
+    # Sorted probabilities 0.5, 0.3, 0.15, 0.05: a token stays while the ones above it sum to < top_p.
+    masked = apply_top_k_top_p(LOGITS, top_k=0, top_p=top_p)
+    assert {token for token in range(4) if torch.isfinite(masked[token])} == kept
+    assert torch.equal(masked[list(kept)], LOGITS[list(kept)])  # survivors keep their logits
+
+
+@pytest.mark.parametrize(("top_k", "kept"), [(2, {2, 0}), (3, {2, 0, 3}), (0, {0, 1, 2, 3}), (9, {0, 1, 2, 3})])
+def test_top_k_keeps_the_k_largest(top_k, kept):
+    masked = apply_top_k_top_p(LOGITS, top_k=top_k, top_p=1.0)
+    assert {token for token in range(4) if torch.isfinite(masked[token])} == kept
+
+
+def test_top_k_and_top_p_combine_and_sampling_stays_inside_the_mask():
+    seq = make_seq(seed=3, temperature=1.0, top_k=3, top_p=0.75)
+    assert set(draws(seq, LOGITS, 200)) == {2, 0}
+
+
+def test_the_same_seed_gives_the_same_tokens_and_another_seed_others():
+    flat = torch.zeros(1000)  # uniform: two seeds agreeing on 20 draws would be a broken generator
+
+    def run(seed: int) -> list[int]:
+        return draws(make_seq(seed=seed, temperature=1.0), flat, 20)
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_rows_sample_independently_with_their_own_parameters():
+    rows = torch.stack([LOGITS, LOGITS])
+    sequences = [make_seq(temperature=0.0), make_seq(seed=1, temperature=1.0, top_k=2)]
+    for _ in range(30):
+        greedy, sampled = sample(rows, sequences)
+        assert greedy == TOP_TOKEN and sampled in {2, 0}
