@@ -1,4 +1,4 @@
-"""`ctxgate serve`, `ctxgate policy check|schema` and `ctxgate keys add` (import-light)."""
+"""`ctxgate serve`, `ctxgate config check|schema`, `ctxgate policy check|schema`, `ctxgate keys ...` (import-light)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ import argparse
 import os
 import sys
 
+from gateway.config_file import defer_defaults
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible budget gateway")
+    serve.add_argument("--config", default=None, metavar="FILE",
+                       help="YAML config file (see `ctxgate config schema`); flags given here override it")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
@@ -39,7 +43,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="in-process engine: refuse new requests with 503 beyond this many waiting (default 256)")
     _add_engine_arguments(serve)  # --model and the in-process engine's knobs, as in `engine serve`
-    serve.set_defaults(func=_serve)
+    # Defaults are applied after parsing, below the config file: only flags really given override it.
+    serve.set_defaults(func=_serve, flag_defaults=defer_defaults(serve))
+
+    config = subparsers.add_parser("config", help="validate a `serve --config` file and print its schema")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    config_check = config_sub.add_parser("check", help="validate config files (environment references included)")
+    config_check.add_argument("files", nargs="+", metavar="FILE", help="config files to validate")
+    config_check.set_defaults(func=_config_check)
+    config_schema = config_sub.add_parser("schema", help="print the config file's JSON Schema")
+    config_schema.set_defaults(func=_config_schema)
 
     policy = subparsers.add_parser("policy", help="validate policies and print their schema")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
@@ -68,8 +81,25 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
+def resolve_serve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Layer command line > config file > defaults into `args` (in place) and return it."""
+    import logging
+
+    from gateway.config_file import layer, load_config
+
+    path = getattr(args, "config", None)
+    file_values = load_config(path).flag_values() if path else {}
+    layer(args, args.flag_defaults, file_values)
+    if not getattr(args, "log_level_given", False) and "log_level" in file_values:
+        args.log_level = file_values["log_level"]
+        logging.getLogger().setLevel(args.log_level)
+    return args
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
+
+    resolve_serve_args(args)
 
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
@@ -102,6 +132,36 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if engine is not None:
             engine.shutdown()
+    return 0
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    from gateway.config_file import ConfigError, load_config
+    from gateway.keys import read_keys_file
+
+    failed = 0
+    for path in args.files:
+        try:
+            config = load_config(path)
+            if config.keys_file is not None and os.path.exists(config.keys_file):
+                read_keys_file(config.keys_file)  # a broken keys file would stop `serve` too
+            for name, value in (("keys_file", config.keys_file), ("policy_dir", config.policy_dir)):
+                if value is not None and not os.path.exists(value):
+                    raise ConfigError(f"{path}: field '{name}': {value} does not exist")
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{path}: ok")
+    return 1 if failed else 0
+
+
+def _config_schema(_args: argparse.Namespace) -> int:
+    import json
+
+    from gateway.config_file import config_schema
+
+    print(json.dumps(config_schema(), indent=2))
     return 0
 
 
