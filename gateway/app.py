@@ -330,7 +330,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def compress(request: Request) -> dict[str, Any]:
         tenant = tenant_of(request)
         body = await _parse(request, ChatCompletionRequest)
-        gateway.check_model(body.model)
+        gateway.check_model(body.model, tenant)
         policy = gateway.resolve_policy(tenant, body.ctxgate)
         _, result = await gateway.compress(body, tenant, policy)
         gateway.encode_checked(result, policy)
