@@ -24,6 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-waiting-requests", type=int, default=None,
         help="refuse new requests with 503 when this many are already waiting",
     )
+    serve.add_argument("--vllm-metric-names", action="store_true",
+                       help="also export the engine's metrics under vLLM's names (vllm:num_requests_waiting, ...)")
     add_engine_arguments(serve)
     serve.set_defaults(func=_engine_serve)
 
@@ -92,5 +94,9 @@ def _engine_serve(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive")
     engine = AsyncEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
+    if args.vllm_metric_names:
+        from backend.metrics import export_vllm_names
+
+        export_vllm_names(engine.metrics)
     serve(engine, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

@@ -21,13 +21,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from backend.api import EngineClient, GenerationRequest
-from gateway.admission import AdmissionControl, AdmissionController
+from gateway.admission import AdmissionCollector, AdmissionControl, AdmissionController
 from gateway.errors import APIError, BodyTooLarge, install_error_handlers, validation_message
 from gateway.keys import KeyStore
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import document_request_bodies
 from gateway.pipeline import BudgetOnlyPipeline, Pipeline
 from gateway.quota import create_store
+from gateway.request_id import RequestId
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Gateway, Outcome, Prepared
 from gateway.settings import GatewaySettings
@@ -202,6 +203,8 @@ def create_app(
     app.state.admission = AdmissionController(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
     app.add_middleware(AdmissionControl, controller=app.state.admission)
     app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(RequestId, access_log=settings.access_log)  # outermost: every answer carries the id
+    metrics.registry.register(AdmissionCollector(app.state.admission))
     return app
 
 

@@ -42,6 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="on SIGTERM, seconds to let in-flight requests finish (new ones get 503)")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="in-process engine: refuse new requests with 503 beyond this many waiting (default 256)")
+    serve.add_argument("--access-log", action="store_true",
+                       help="log one line per request (method, path, status, duration, request id, tenant)")
+    serve.add_argument("--vllm-metric-names", action="store_true",
+                       help="also export the in-process engine's metrics under vLLM's names (vllm:...)")
     _add_engine_arguments(serve)  # --model and the in-process engine's knobs, as in `engine serve`
     # Defaults are applied after parsing, below the config file: only flags really given override it.
     serve.set_defaults(func=_serve, flag_defaults=defer_defaults(serve))
@@ -153,8 +157,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, reload_interval_s=args.reload_interval,
         max_in_flight=args.max_in_flight or None, max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
         request_timeout_s=args.request_timeout or None, engine_max_waiting_requests=args.max_waiting_requests,
-        drain_timeout_s=args.drain_timeout,
+        drain_timeout_s=args.drain_timeout, access_log=args.access_log,
     )
+    _log_request_ids()
     from gateway.shutdown import DrainingServer
 
     engine = None
@@ -163,6 +168,10 @@ def _serve(args: argparse.Namespace) -> int:
         from backend.cli import engine_config_from_args
 
         engine = AsyncEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
+        if args.vllm_metric_names:
+            from backend.metrics import export_vllm_names
+
+            export_vllm_names(engine.metrics)
     app = create_app(settings, engine=engine)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=5)
@@ -173,6 +182,17 @@ def _serve(args: argparse.Namespace) -> int:
         if engine is not None:
             engine.shutdown()
     return 0
+
+
+def _log_request_ids() -> None:
+    """Every log line written while serving a request names its x-request-id."""
+    import logging
+
+    from gateway.request_id import RequestIdFilter
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"))
 
 
 def _config_check(args: argparse.Namespace) -> int:

@@ -83,6 +83,12 @@ class RedisSection(_Section):
 
 class LoggingSection(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None = None
+    access_log: bool | None = Field(None, description="one line per request: method, path, status, duration, "
+                                    "request id, tenant (never keys or prompts); default false")
+
+
+class MetricsSection(_Section):
+    vllm_names: bool | None = Field(None, description="also export the engine's metrics under vLLM's vllm: names")
 
 
 class CtxgateConfig(_Section):
@@ -95,6 +101,7 @@ class CtxgateConfig(_Section):
     keys_file: str | None = Field(None, description="keys file (YAML); without it the gateway is open")
     policy_dir: str | None = Field(None, description="directory of policy YAML files, watched for edits")
     logging: LoggingSection = LoggingSection()
+    metrics: MetricsSection = MetricsSection()
 
     def flag_values(self) -> dict[str, Any]:
         """The values this file sets, keyed by the serve parser's argparse `dest` names."""
@@ -118,6 +125,10 @@ class CtxgateConfig(_Section):
             values["policy_dir"] = self.policy_dir
         if self.logging.level is not None:
             values["log_level"] = self.logging.level
+        if self.logging.access_log is not None:
+            values["access_log"] = self.logging.access_log
+        if self.metrics.vllm_names is not None:
+            values["vllm_metric_names"] = self.metrics.vllm_names
         return values
 
 

@@ -24,6 +24,7 @@ from gateway.keys import KeyRejected, KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
+from gateway.request_id import note_tenant
 from gateway.sanitize import Neutraliser
 from gateway.schemas import ChatCompletionRequest, CtxgateExtras, _SamplingFields
 from gateway.settings import GatewaySettings
@@ -101,6 +102,8 @@ class Gateway:
         except KeyRejected as exc:
             raise APIError(401, f"{exc}; ask for a new key", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"}) from None
+        if tenant is not None:
+            note_tenant(tenant.name)  # for the access log
         if tenant is None:
             message = "missing API key (Authorization: Bearer <key>)" if not key else "invalid API key"
             raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
