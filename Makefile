@@ -38,7 +38,7 @@ bench: model
 	$(VENV)/bin/ctxgate bench engine --out bench-out
 
 eval: model
-	$(VENV)/bin/ctxgate eval run --dataset ../shared/data/eval/nq-multidoc-dev.jsonl \
+	$(VENV)/bin/ctxgate eval run --input ../shared/data/eval/nq-multidoc-dev.jsonl \
 		--policy passthrough --policy rag-default --concurrency 4 --out eval-out
 
 # Long load test (default 180 s of load at 2x measured capacity); prints the figures. SOAK_ARGS to tune.

@@ -33,9 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that build an `EngineConfig`; shared by `engine serve` and `bench engine`."""
     parser.add_argument("--model", default=None, help="Hugging Face model dir (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="weight and activation dtype; auto: bfloat16 where the CPU/GPU computes it natively, "
+                        "else float32")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                        help="KV cache storage; int8 halves its memory (per-token scales) for a small accuracy cost")
     parser.add_argument(
         "--weight-quant", choices=["none", "int4"], default="none",
         help="int4: 4-bit group-32 weights for decode-sized matmuls (bfloat16 on CPU; prefill keeps bf16)",

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ctxgate.cli_actions import DeprecatedOption
 from gateway.config_file import defer_defaults
 
 
@@ -24,13 +25,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--keys", default=None, help="keys file (YAML); without it the gateway is open")
     serve.add_argument("--upstream", action="append", default=[], metavar="URL",
                        help="OpenAI-compatible upstream instead of the in-process engine (repeat to fail over)")
-    serve.add_argument("--upstream-model", default=None, help="model name to send upstream (default: discovered)")
-    serve.add_argument("--upstream-connect-timeout", type=float, default=2.0)
-    serve.add_argument("--upstream-read-timeout", type=float, default=120.0)
-    serve.add_argument("--upstream-retries", type=int, default=1)
+    serve.add_argument("--upstream-model", default=None, action=DeprecatedOption, replacement="--served-model-name",
+                       help="deprecated: use --served-model-name (the upstream's own name is discovered from its "
+                       "/v1/models; upstreams.model in the config file overrides that)")
+    serve.add_argument("--upstream-connect-timeout", type=float, default=2.0,
+                       help="seconds to connect to an upstream before trying the next (default 2)")
+    serve.add_argument("--upstream-read-timeout", type=float, default=120.0,
+                       help="seconds an upstream may stay silent mid-response before the request fails (default 120)")
+    serve.add_argument("--upstream-retries", type=int, default=1,
+                       help="extra connection attempts per upstream URL before failing over (default 1)")
     serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                        help="shared quota store (default: $REDIS_URL; in-process when unset)")
-    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                       help="larger request bodies are refused with 413 before being read (default 8 MiB)")
     serve.add_argument("--reload-interval", type=float, default=1.0, help="seconds between policy file checks")
     serve.add_argument("--max-in-flight", type=int, default=64,
                        help="generation requests running at once; 0 for no limit (default 64)")
@@ -61,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     policy = subparsers.add_parser("policy", help="validate policies and print their schema")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
     check = policy_sub.add_parser("check", help="validate policy YAML files")
-    check.add_argument("files", nargs="+", metavar="FILE")
+    check.add_argument("files", nargs="+", metavar="FILE", help="policy YAML files to validate")
     check.set_defaults(func=_policy_check)
     schema = policy_sub.add_parser("schema", help="print the policy JSON Schema")
     schema.set_defaults(func=_policy_schema)
