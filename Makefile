@@ -1,4 +1,5 @@
-# Each target installs what it needs into .venv first (a fresh machine needs only python3).
+# Each target installs what it needs into .venv first. The machine needs python3.11 (with venv), g++
+# (engine kernels) and, for `make test`, redis-server: apt-get install -y python3.11-venv g++ redis-server
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -153,3 +153,10 @@ def test_compose_stack_builds_and_serves():
             assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).status_code == 200
     finally:
         subprocess.run([*compose, "down"], timeout=300)
+
+
+def test_readme_example_config_is_the_shipped_one(monkeypatch):
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Running it for a team", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    assert yaml.safe_load(block) == yaml.safe_load((DEPLOY / "ctxgate.example.yaml").read_text())
