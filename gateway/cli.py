@@ -7,7 +7,7 @@ import os
 import sys
 
 from ctxgate.cli_actions import DeprecatedOption
-from gateway.config_file import defer_defaults
+from gateway.config_file import defer_defaults, exclusive_groups
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="also export the in-process engine's metrics under vLLM's names (vllm:...)")
     _add_engine_arguments(serve)  # --model and the in-process engine's knobs, as in `engine serve`
     # Defaults are applied after parsing, below the config file: only flags really given override it.
-    serve.set_defaults(func=_serve, flag_defaults=defer_defaults(serve))
+    serve.set_defaults(func=_serve, flag_defaults=defer_defaults(serve), flag_exclusive=exclusive_groups(serve))
 
     config = subparsers.add_parser("config", help="validate a `serve --config` file and print its schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -140,7 +140,7 @@ def resolve_serve_args(args: argparse.Namespace) -> argparse.Namespace:
 
     path = getattr(args, "config", None)
     file_values = load_config(path).flag_values() if path else {}
-    layer(args, args.flag_defaults, file_values)
+    layer(args, args.flag_defaults, file_values, args.flag_exclusive)
     if not getattr(args, "log_level_given", False) and "log_level" in file_values:
         args.log_level = file_values["log_level"]
         logging.getLogger().setLevel(args.log_level)

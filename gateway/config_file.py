@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ENV_PREFIX = "os.environ/"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -65,6 +65,12 @@ class EngineSection(_Section):
     attention_backend: str | None = None
     prefix_caching: bool | None = Field(None, description="automatic prefix caching (default true)")
     max_waiting_requests: int | None = Field(None, ge=1, description="refuse with 503 beyond this many waiting")
+
+    @model_validator(mode="after")
+    def _one_kv_size(self) -> EngineSection:
+        if self.num_kv_blocks is not None and self.kv_cache_memory_mb is not None:
+            raise ValueError("set num_kv_blocks or kv_cache_memory_mb, not both")
+        return self
 
 
 class UpstreamsSection(_Section):
@@ -218,8 +224,22 @@ def defer_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
     return defaults
 
 
-def layer(args: argparse.Namespace, defaults: dict[str, Any], file_values: dict[str, Any]) -> list[str]:
-    """Fill `args` in place: command line > file > default. Returns the dests taken from the file."""
+def exclusive_groups(parser: argparse.ArgumentParser) -> list[list[str]]:
+    """The dests of each mutually exclusive group (e.g. --num-kv-blocks / --kv-cache-memory-mb)."""
+    return [[action.dest for action in group._group_actions] for group in parser._mutually_exclusive_groups]
+
+
+def layer(args: argparse.Namespace, defaults: dict[str, Any], file_values: dict[str, Any],
+          exclusive: list[list[str]] = ()) -> list[str]:
+    """Fill `args` in place: command line > file > default. Returns the dests taken from the file.
+
+    A flag given from a mutually exclusive group also overrides the file's value for the others.
+    """
+    file_values = dict(file_values)
+    for group in exclusive:
+        if any(hasattr(args, dest) for dest in group):
+            for dest in group:
+                file_values.pop(dest, None)
     from_file = []
     for dest, default in defaults.items():
         if hasattr(args, dest):

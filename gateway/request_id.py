@@ -20,6 +20,8 @@ HEADER = b"x-request-id"
 # Letters, digits and . _ : - only, bounded: a header value must not be able to forge log lines.
 _VALID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
+_UNSAFE = re.compile(r"[^\x21-\x7e]")
+
 access_logger = logging.getLogger("ctxgate.access")
 
 
@@ -43,6 +45,12 @@ def note_tenant(name: str) -> None:
     context = _current.get()
     if context is not None:
         context.tenant = name
+
+
+def loggable_path(path: str) -> str:
+    """The path with spaces, control and non-ASCII characters percent-encoded: a decoded `%0A` in a
+    URL must not start a forged log line."""
+    return _UNSAFE.sub(lambda match: "".join(f"%{byte:02X}" for byte in match.group().encode()), path)
 
 
 def accepted_or_new(value: bytes | None) -> str:
@@ -94,6 +102,6 @@ class RequestId:
             if self.access_log:
                 access_logger.info(
                     "method=%s path=%s status=%d duration_ms=%.1f request_id=%s tenant=%s",
-                    scope.get("method", "-"), scope.get("path", "-"), status,
+                    scope.get("method", "-"), loggable_path(scope.get("path", "-")), status,
                     (time.perf_counter() - started) * 1000, context.request_id, context.tenant or "-",
                 )

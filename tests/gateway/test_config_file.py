@@ -53,6 +53,7 @@ def test_interpolation_replaces_references_anywhere_and_names_missing_variables(
     ({"engine": {"dtype": "fp8"}}, "field 'engine.dtype': Input should be 'auto', 'float32'"),
     ({"upstreams": {"urls": []}}, "field 'upstreams.urls': List should have at least 1 item"),
     (["server"], "the top level must be a mapping of sections"),
+    ({"engine": {"num_kv_blocks": 8, "kv_cache_memory_mb": 64}}, "field 'engine': Value error, set num_kv_blocks"),
 ])
 def test_validation_names_file_field_and_reason(tmp_path, data, message):
     path = _write(tmp_path / "bad.yaml", data)
@@ -97,6 +98,11 @@ def test_flags_given_override_the_file_which_overrides_defaults(tmp_path, monkey
 
     assert _serve_args(["--config", str(path), "--log-level", "debug"]).log_level == "DEBUG"
     assert _serve_args([]).port == 8000  # no file: defaults
+
+    sized = _write(tmp_path / "sized.yaml", {"engine": {"kv_cache_memory_mb": 256}})
+    flag = _serve_args(["--config", str(sized), "--num-kv-blocks", "64"])
+    assert flag.num_kv_blocks == 64 and flag.kv_cache_memory_mb is None  # the flag replaces the file's choice
+    assert _serve_args(["--config", str(sized)]).kv_cache_memory_mb == 256
 
 
 def test_config_cli_check_and_schema(tmp_path):

@@ -68,7 +68,11 @@ def test_request_id_round_trip_and_access_log(servers, caplog):
                               headers={"authorization": "Bearer cg-wrong-secret", "x-request-id": "r-401"})
     assert unauthorised.status_code == 401 and unauthorised.headers["x-request-id"] == "r-401"
 
+    assert httpx.get(f"{url}/no/such%0Apath=forged status=200").status_code == 404
+
     lines = [record.getMessage() for record in caplog.records if record.name == "ctxgate.access"]
+    assert any("path=/no/such%0Apath=forged%20status=200 status=404" in line for line in lines)
+    assert not any("\n" in line for line in lines)
     completion = next(line for line in lines if "request_id=client-req.42:a" in line)
     assert re.fullmatch(r"method=POST path=/v1/completions status=200 duration_ms=\d+\.\d "
                         r"request_id=client-req.42:a tenant=acme", completion)
