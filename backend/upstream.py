@@ -20,6 +20,7 @@ import httpx
 
 from backend.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
 from backend.openai_api.sse import read_sse_payloads
+from backend.upstream_metrics import UpstreamMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class UpstreamClient:
         self._active: dict[str, httpx.Response] = {}
         self._healthy = False
         self.connection_errors = 0  # attempts that failed before a response (for metrics)
+        self.metrics = UpstreamMetrics(self)  # per-upstream health and latency, on the gateway's /metrics
 
     # -- health --------------------------------------------------------------------------------
     def is_ready(self) -> bool:
@@ -176,11 +178,13 @@ class UpstreamClient:
                 except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                         httpx.PoolTimeout) as exc:
                     self.connection_errors += 1
+                    self.metrics.failure(url, "connect")
                     errors.append(f"{url}: {exc.__class__.__name__}")
                     if attempt < self.config.retries:
                         await asyncio.sleep(0.05 * (attempt + 1))
                     continue
                 if response.status_code in _FAILOVER_STATUSES:
+                    self.metrics.failure(url, "status")
                     await response.aread()
                     await response.aclose()
                     errors.append(f"{url}: HTTP {response.status_code}")
@@ -222,14 +226,17 @@ class UpstreamClient:
                     if choice.get("finish_reason"):
                         finish_reason = choice["finish_reason"]
         except httpx.ReadTimeout as exc:
+            self.metrics.failure(url, "timeout")
             raise EngineError(f"upstream {url} read timeout", status_code=504) from exc
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            self.metrics.failure(url, "stream")
             raise EngineError(f"upstream {url} closed the stream: {exc}", status_code=502) from exc
         finally:
             self._active.pop(request.request_id, None)
             await response.aclose()
         ended = time.perf_counter()
         ttft_ms = ((first_token_at or ended) - started) * 1000
+        self.metrics.observe(url, ttft_ms / 1000, ended - started)
         completion_tokens = int(usage.get("completion_tokens") or completion_text_chunks)
         ctxgate_usage = usage.get("ctxgate") or {}
         details = usage.get("prompt_tokens_details") or {}

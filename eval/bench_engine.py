@@ -251,7 +251,7 @@ class EngineRunner:
                 prompt_tokens=len(prompt_ids),
             )
 
-        return await _closed_loop(prompts, workload.concurrency, one)
+        return await _closed_loop(prompts, workload.concurrency, one, f"{self.name} {workload.name}")
 
 
 class OpenAIServerRunner:
@@ -259,18 +259,20 @@ class OpenAIServerRunner:
 
     name = "server"
 
-    def __init__(self, base_url: str, model_name: str | None = None, tokenizer=None, name: str | None = None):
+    def __init__(self, base_url: str, model_name: str | None = None, tokenizer=None, name: str | None = None,
+                 api_key: str | None = None):
         import httpx
 
         if name is not None:
             self.name = name
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[: -len("/v1")]
         if model_name is None:
             try:
-                models = httpx.get(self.base_url + "/v1/models", timeout=30).json()
+                models = httpx.get(self.base_url + "/v1/models", headers=self.headers, timeout=30).json()
                 model_name = models["data"][0]["id"]
             except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
                 raise ValueError(
@@ -286,7 +288,7 @@ class OpenAIServerRunner:
         import httpx
 
         limits = httpx.Limits(max_connections=workload.concurrency + 2)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits, headers=self.headers) as client:
 
             async def one(messages) -> RequestResult:
                 body = {
@@ -327,20 +329,38 @@ class OpenAIServerRunner:
                     prompt_tokens=prompt_tokens,
                 )
 
-            return await _closed_loop(conversations, workload.concurrency, one)
+            return await _closed_loop(conversations, workload.concurrency, one, f"{self.name} {workload.name}")
 
 
-async def _closed_loop(items: list, concurrency: int, one: Callable) -> list[RequestResult]:
+_PROGRESS = {"enabled": True}
+
+
+def set_progress(enabled: bool) -> None:
+    """Progress bars per run (on stderr, only when it is a terminal); `--no-progress` turns them off."""
+    _PROGRESS["enabled"] = enabled
+
+
+async def _closed_loop(items: list, concurrency: int, one: Callable, label: str = "") -> list[RequestResult]:
     """`concurrency` clients, each sending its next request when the previous one finished."""
+    import sys
+
+    from tqdm import tqdm
+
     pending = list(enumerate(items))
     results: list[RequestResult | None] = [None] * len(items)
+    bar = tqdm(total=len(items), desc=label or "requests", unit="req", leave=False,
+               disable=not (_PROGRESS["enabled"] and sys.stderr.isatty()))
 
     async def client() -> None:
         while pending:
             index, item = pending.pop(0)
             results[index] = await one(item)
+            bar.update(1)
 
-    await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
+    try:
+        await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
+    finally:
+        bar.close()
     return [r for r in results if r is not None]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from eval.bench_engine import (
     WORKLOADS,
@@ -12,6 +13,7 @@ from eval.bench_engine import (
     HFGenerateRunner,
     OpenAIServerRunner,
     run_benchmark,
+    set_progress,
     write_report,
 )
 
@@ -59,6 +61,7 @@ def bench_engine_command(args: argparse.Namespace) -> int:
     from backend.tokenizer import load_tokenizer
 
     options = options_from_args(args)
+    set_progress(not args.no_progress)
     peer_specs = parse_peers(args.peer, OpenAIServerRunner.name if args.url else EngineRunner.name)
     model_dir = str(args.model or prepare_default_model())
     if args.threads:
@@ -71,7 +74,8 @@ def bench_engine_command(args: argparse.Namespace) -> int:
     settings["cpu_path"] = cpu_path().as_dict()
     if args.url:
         tokenizer = load_tokenizer(model_dir)
-        target = OpenAIServerRunner(args.url, args.model_name, tokenizer)
+        target = OpenAIServerRunner(args.url, args.served_model_name, tokenizer,
+                                    api_key=args.api_key or os.environ.get("OPENAI_API_KEY"))
         settings["url"] = args.url
         baseline_dtype = {"auto": torch.bfloat16}.get(args.dtype) or getattr(torch, args.dtype)
     else:

@@ -9,6 +9,8 @@ import logging
 import shlex
 import sys
 
+from ctxgate.cli_actions import StoreWithDeprecatedAliases
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     _register_eval(subparsers)
@@ -32,8 +34,9 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     eval_sub = evaluation.add_subparsers(dest="eval_command", required=True)
 
     run = eval_sub.add_parser("run", help="run a QA dataset through the gateway under each policy")
-    run.add_argument("--dataset", required=True, help="JSONL with question, answers, passages (or a file "
-                     "name in ../shared/data/eval)")
+    run.add_argument("--input", "--dataset", dest="dataset", required=True, action=StoreWithDeprecatedAliases,
+                     deprecated=["--dataset"], help="JSONL with question, answers, passages (or a file "
+                     "name in ../shared/data/eval); --dataset is deprecated")
     run.add_argument("--policy", action="append", required=True, dest="policies",
                      help="policy to evaluate (repeat; the first is the A/B baseline)")
     run.add_argument("--sweep", help="FIELD=V1,V2,...: variants of the last --policy, e.g. "
@@ -50,15 +53,19 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     gate = eval_sub.add_parser("gate", help="fail when quality regressed against a baseline report")
     gate.add_argument("--baseline", required=True, help="OLD/report.json")
     gate.add_argument("--current", required=True, help="NEW/report.json")
-    gate.add_argument("--max-accuracy-drop", type=float, default=0.02)
-    gate.add_argument("--max-retention-drop", type=float, default=0.02)
+    gate.add_argument("--max-accuracy-drop", type=float, default=0.02,
+                      help="fail when a policy's accuracy fell by more than this, absolute 0..1 (default 0.02)")
+    gate.add_argument("--max-retention-drop", type=float, default=0.02,
+                      help="fail when evidence retention fell by more than this, absolute 0..1 (default 0.02)")
     gate.add_argument("--max-f1-drop", type=float, help="also gate token F1")
     gate.set_defaults(func=_eval_gate)
 
 
 def _register_bench_prefill(bench_sub: argparse._SubParsersAction) -> None:
     prefill = bench_sub.add_parser("prefill", help="measured prefill/TTFT saved by a policy, and the cost model")
-    prefill.add_argument("--dataset", required=True)
+    prefill.add_argument("--input", "--dataset", dest="dataset", required=True, action=StoreWithDeprecatedAliases,
+                         deprecated=["--dataset"],
+                         help="QA dataset JSONL, as for `eval run` (--dataset is deprecated)")
     prefill.add_argument("--policy", required=True, help="the compressing policy")
     prefill.add_argument("--full-policy", default="passthrough", help="the full-context arm (default passthrough)")
     prefill.add_argument("--warmup", type=int, default=2, help="unmeasured warm-up requests (default 2)")
@@ -162,7 +169,13 @@ def _register_bench_engine(bench_sub: argparse._SubParsersAction) -> None:
         help="workloads W1-W3 against the engine (or --url server) and the HF generate baseline",
     )
     engine.add_argument("--url", default=None, help="benchmark this OpenAI-compatible server instead")
-    engine.add_argument("--model-name", default=None, help="model id to request in --url mode")
+    engine.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
+                        action=StoreWithDeprecatedAliases, deprecated=["--model-name"],
+                        help="model id to request in --url mode (default: the server's first; --model-name is "
+                        "deprecated)")
+    engine.add_argument("--api-key", default=None,
+                        help="bearer key for --url (a ctxgate gateway with a keys file); default $OPENAI_API_KEY")
+    engine.add_argument("--no-progress", action="store_true", help="no progress bars")
     engine.add_argument(
         "--server-pid", type=int, action="append", default=[],
         help="in --url mode, the server's pid: its CPU time is not counted as a neighbour's",

@@ -14,6 +14,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import ClientDisconnect
 
 from backend.openai_api.errors import APIError
@@ -143,3 +144,26 @@ class AdmissionControl:
             return None  # the client left while its body was read (often while queued): nobody to answer
         finally:
             self.controller.release()
+
+
+class AdmissionCollector:
+    """Exports the controller's live state at scrape time (nothing to keep in sync on the hot path)."""
+
+    def __init__(self, controller: AdmissionController):
+        self.controller = controller
+
+    def describe(self):
+        return list(self.collect())
+
+    def collect(self):
+        stats = self.controller.stats()
+        yield GaugeMetricFamily("ctxgate:admission_in_flight", "generation requests holding a slot", stats.in_flight)
+        yield GaugeMetricFamily("ctxgate:admission_queued", "requests waiting for a slot", stats.queued)
+        limit = self.controller.max_in_flight
+        yield GaugeMetricFamily("ctxgate:admission_max_in_flight", "slots (-1: no limit)",
+                                -1 if limit is None else limit)
+        yield GaugeMetricFamily("ctxgate:admission_max_queued", "queue bound", self.controller.max_queued)
+        yield GaugeMetricFamily("ctxgate:admission_draining", "1 while shutting down", int(stats.draining))
+        yield CounterMetricFamily("ctxgate:admission_admitted", "requests given a slot", stats.admitted)
+        yield CounterMetricFamily("ctxgate:admission_rejected", "requests refused with 503 (full or draining)",
+                                  stats.rejected)

@@ -24,10 +24,11 @@ from backend.openai_api.errors import ClientDisconnected, install_error_handlers
 from backend.openai_api.http import BodySizeLimit, document_request_bodies, parse_body, unless_disconnected
 from backend.openai_api.responses import ResponseWriter
 from backend.openai_api.sse import DONE, event_stream_response, sse_event
-from gateway.admission import AdmissionControl, AdmissionController
+from gateway.admission import AdmissionCollector, AdmissionControl, AdmissionController
 from gateway.keys import KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.quota import create_store
+from gateway.request_id import RequestId
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
 from gateway.service import Gateway, Outcome, Pipeline, Prepared
 from gateway.settings import GatewaySettings
@@ -158,6 +159,8 @@ def create_app(
     app.state.admission = AdmissionController(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
     app.add_middleware(AdmissionControl, controller=app.state.admission)
     app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(RequestId, access_log=settings.access_log)  # outermost: every answer carries the id
+    metrics.registry.register(AdmissionCollector(app.state.admission))
     return app
 
 
@@ -268,7 +271,7 @@ async def compress(request: Request) -> dict[str, Any]:
     tenant = _tenant(request)
     gateway = _gateway(request)
     body = await parse_body(request, ChatCompletionRequest)
-    gateway.check_model(body.model)
+    gateway.check_model(body.model, tenant)
     policy = gateway.resolve_policy(tenant, body.ctxgate)
     result = await gateway.compress(body, tenant, policy)
     gateway.encode_checked(result, policy)

@@ -7,7 +7,16 @@ Only hashes are stored, so a leaked keys file does not leak credentials. File la
         policy: rag-strict             # optional; default policy otherwise
         quota: {tokens_per_minute: 5000} # optional; overrides the policy's quota fields
         keys:
-          - {sha256: 3f2a..., created: "2026-01-01T00:00:00Z"}
+          - sha256: 3f2a...
+            created: "2026-01-01T00:00:00Z"
+            expires_at: "2026-06-30T00:00:00Z"        # optional; afterwards the key gets 401
+            revoked_at: "2026-02-01T10:00:00Z"        # set by `ctxgate keys revoke`
+            limits: {requests_per_minute: 60, max_parallel_requests: 4, budget: 20, budget_period: monthly}
+            models: [smollm2-135m]                    # optional allow-list of served model names
+            labels: {team: search, env: prod}
+
+A key's limits apply on top of its tenant's (both must have room). The key's id is the first 12
+hex digits of its hash; `quota_id` keeps a rotated key on its predecessor's counters.
 """
 
 from __future__ import annotations
@@ -15,10 +24,10 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,18 +40,46 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class KeyEntry(_Strict):
-    sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$")
-    created: str | None = None
-    label: str | None = None
+KEY_ID_LENGTH = 12
 
 
-class QuotaOverride(_Strict):
+class Limits(_Strict):
+    """Limits of a tenant (overriding its policy's quota) or of one key (on top of the tenant's)."""
+
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
     tokens_per_day: int | None = Field(None, ge=1)
     spend_per_day: float | None = Field(None, gt=0)
+    max_parallel_requests: int | None = Field(None, ge=1, description="requests in flight at once")
+    budget: float | None = Field(None, gt=0, description="spend allowed per budget_period (policy cost units)")
+    budget_period: Literal["daily", "weekly", "monthly"] | None = None
+
+
+class QuotaOverride(Limits):
     on_store_error: str | None = Field(None, pattern="^(allow|deny)$")
+
+
+class KeyEntry(_Strict):
+    sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$")
+    created: str | None = None
+    label: str | None = None  # a free-text note (older files); `labels` are searchable key/value pairs
+    labels: dict[str, str] = Field(default_factory=dict)
+    expires_at: datetime | None = None
+    revoked_at: datetime | None = None
+    limits: Limits = Limits()
+    models: list[str] | None = Field(None, min_length=1, description="served model names this key may use")
+    quota_id: str | None = Field(None, pattern=r"^[0-9a-f]{12}$")
+
+    @property
+    def key_id(self) -> str:
+        return self.sha256[:KEY_ID_LENGTH]
+
+    def status(self, now: datetime) -> str:
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and _aware(self.expires_at) <= now:
+            return "expired"
+        return "active"
 
 
 class TenantEntry(_Strict):
@@ -56,10 +93,35 @@ class KeysFile(_Strict):
 
 
 @dataclass(frozen=True)
+class KeyInfo:
+    """What the gateway needs to know about the key a request came with."""
+
+    key_id: str
+    quota_id: str  # the ledger identity of its per-key limits (survives rotation)
+    limits: dict[str, Any] | None = None
+    models: tuple[str, ...] | None = None
+    labels: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
 class Tenant:
     name: str
     policy: str | None = None
     quota_override: dict[str, Any] | None = None
+    key: KeyInfo | None = None
+
+
+class KeyRejected(Exception):
+    """A known key that may not be used (revoked or expired); the message says which and since when."""
+
+
+def _aware(moment: datetime) -> datetime:
+    # Timestamps without a zone in a hand-edited file are taken as UTC.
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def _utc_text(moment: datetime) -> str:
+    return _aware(moment).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 ANONYMOUS = Tenant(ANONYMOUS_TENANT)
@@ -88,7 +150,18 @@ def read_keys_file(path: str | Path) -> KeysFile:
         raise ValueError(f"{path}: field '{loc}': {first['msg']}") from None
 
 
-def add_key(path: str | Path, tenant: str, policy: str | None = None, label: str | None = None) -> str:
+def write_keys_file(path: str | Path, keys_file: KeysFile) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    data = keys_file.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    tmp.replace(path)  # atomic, so a running gateway never reads half a file
+
+
+def add_key(path: str | Path, tenant: str, policy: str | None = None, label: str | None = None, *,
+            labels: dict[str, str] | None = None, expires_at: datetime | None = None,
+            limits: Limits | None = None, models: list[str] | None = None, quota_id: str | None = None) -> str:
     """Create a key for `tenant`, store only its hash in the file, and return the key (shown once)."""
     path = Path(path)
     keys_file = read_keys_file(path)
@@ -96,13 +169,59 @@ def add_key(path: str | Path, tenant: str, policy: str | None = None, label: str
     if policy:
         entry.policy = policy
     api_key = generate_key()
-    created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    entry.keys.append(KeyEntry(sha256=hash_key(api_key), created=created, label=label))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(keys_file.model_dump(exclude_none=True), sort_keys=False), encoding="utf-8")
-    tmp.replace(path)  # atomic, so a running gateway never reads half a file
+    entry.keys.append(KeyEntry(
+        sha256=hash_key(api_key), created=_utc_text(datetime.now(UTC)), label=label, labels=labels or {},
+        expires_at=expires_at, limits=limits or Limits(), models=models, quota_id=quota_id,
+    ))
+    write_keys_file(path, keys_file)
     return api_key
+
+
+def find_key(keys_file: KeysFile, key_or_id: str) -> tuple[str, KeyEntry]:
+    """(tenant, entry) for a key id (a unique prefix of its hash, 8+ hex digits) or the key itself."""
+    prefix = hash_key(key_or_id) if key_or_id.startswith(KEY_PREFIX) else key_or_id.lower()
+    if len(prefix) < 8:
+        raise ValueError(f"'{key_or_id}': give the key id from `ctxgate keys list` (8+ hex digits) or the key")
+    matches = [(name, key) for name, tenant in keys_file.tenants.items() for key in tenant.keys
+               if key.sha256.startswith(prefix)]
+    if not matches:
+        raise ValueError(f"no key '{key_or_id}' in the keys file")
+    if len(matches) > 1:
+        raise ValueError(f"'{key_or_id}' matches {len(matches)} keys; give more digits")
+    return matches[0]
+
+
+def revoke_key(path: str | Path, key_or_id: str, at: datetime | None = None) -> tuple[str, KeyEntry]:
+    """Mark a key revoked from `at` (default now); gateways refuse it after their next reload."""
+    keys_file = read_keys_file(path)
+    tenant, entry = find_key(keys_file, key_or_id)
+    if entry.revoked_at is None:
+        entry.revoked_at = at or datetime.now(UTC).replace(microsecond=0)
+    write_keys_file(path, keys_file)
+    return tenant, entry
+
+
+def rotate_key(path: str | Path, key_or_id: str, grace_s: float = 0.0) -> tuple[str, str, KeyEntry]:
+    """A new key with the old one's tenant, limits, models, labels and counters; the old one is revoked
+    (after `grace_s` seconds: it expires then, so clients can switch over). Returns (tenant, new key, old entry)."""
+    keys_file = read_keys_file(path)
+    tenant, old = find_key(keys_file, key_or_id)
+    if old.status(datetime.now(UTC)) != "active":
+        raise ValueError(f"key {old.key_id} is {old.status(datetime.now(UTC))}; only an active key can be rotated")
+    api_key = generate_key()
+    new = old.model_copy(update={
+        "sha256": hash_key(api_key), "created": _utc_text(datetime.now(UTC)), "revoked_at": None,
+        "quota_id": old.quota_id or old.key_id,
+    })
+    now = datetime.now(UTC).replace(microsecond=0)
+    if grace_s > 0:
+        grace_end = now + timedelta(seconds=grace_s)
+        old.expires_at = min(_aware(old.expires_at), grace_end) if old.expires_at else grace_end
+    else:
+        old.revoked_at = now
+    keys_file.tenants[tenant].keys.append(new)
+    write_keys_file(path, keys_file)
+    return tenant, api_key, old
 
 
 class KeyStore:
@@ -111,6 +230,7 @@ class KeyStore:
     def __init__(self, path: str | Path | None):
         self.path = Path(path) if path else None
         self._by_hash: dict[str, Tenant] = {}
+        self._entries: dict[str, KeyEntry] = {}
         self._signature: str | None = None
         self._lock = threading.Lock()
         self.last_error: str | None = None
@@ -139,13 +259,20 @@ class KeyStore:
                 raise
             return False
         by_hash: dict[str, Tenant] = {}
+        entries: dict[str, KeyEntry] = {}
         for name, entry in keys_file.tenants.items():
             override = entry.quota.model_dump(exclude_none=True) or None
-            tenant = Tenant(name=name, policy=entry.policy, quota_override=override)
             for key in entry.keys:
-                by_hash[key.sha256] = tenant
+                info = KeyInfo(
+                    key_id=key.key_id, quota_id=key.quota_id or key.key_id,
+                    limits=key.limits.model_dump(exclude_none=True) or None,
+                    models=tuple(key.models) if key.models else None, labels=dict(key.labels),
+                )
+                by_hash[key.sha256] = Tenant(name=name, policy=entry.policy, quota_override=override, key=info)
+                entries[key.sha256] = key
         with self._lock:
             self._by_hash = by_hash
+            self._entries = entries
             self._signature = signature
             self.last_error = None
         return True
@@ -156,7 +283,27 @@ class KeyStore:
             return ANONYMOUS
         if not api_key:
             return None
+        try:
+            return self.authenticate(api_key)
+        except KeyRejected:
+            return None
+
+    def authenticate(self, api_key: str | None, now: datetime | None = None) -> Tenant | None:
+        """Like `resolve`, but a revoked or expired key raises KeyRejected saying why."""
+        if self.path is None:
+            return ANONYMOUS
+        if not api_key:
+            return None
         digest = hash_key(api_key)
         # Looking up the digest (not the key) means timing reveals nothing an attacker controls.
         with self._lock:
-            return self._by_hash.get(digest)
+            tenant = self._by_hash.get(digest)
+            entry = self._entries.get(digest)
+        if tenant is None or entry is None:
+            return None
+        status = entry.status(now or datetime.now(UTC))
+        if status == "revoked":
+            raise KeyRejected(f"API key {entry.key_id} was revoked at {_utc_text(entry.revoked_at)}")
+        if status == "expired":
+            raise KeyRejected(f"API key {entry.key_id} expired at {_utc_text(entry.expires_at)}")
+        return tenant

@@ -1,9 +1,13 @@
-"""Per-tenant quotas: reserve before the model call, reconcile with the real count afterwards.
+"""Quotas per tenant and per API key: reserve before the model call, reconcile with the real count after.
 
-Windows are fixed and aligned to the clock (minute, UTC day), so every replica computes the same
-window keys. A reservation is admitted only if it fits under every limit, checked and applied in
-one atomic step (a Lua script in Redis), so replicas sharing a store never exceed a limit by more
-than the amount a reconcile can add after the fact (at most one request's reservation).
+Windows are fixed and aligned to the clock (minute, UTC day, ISO week, calendar month), so every
+replica computes the same window keys. A reservation touches a list of meters (the tenant's and,
+when the key has limits of its own, the key's); it is admitted only if it fits under every limit,
+checked and applied in one atomic step (a Lua script in Redis), so replicas sharing a store never
+exceed a limit by more than the amount a reconcile can add after the fact (one request's reservation).
+
+Parallel-request limits are sets of (request id, deadline): a slot is released when the request is
+settled, and a slot whose replica died expires by itself at its deadline instead of leaking.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from policies.schema import QuotaPolicy
@@ -20,8 +25,14 @@ logger = logging.getLogger(__name__)
 
 MINUTE_S = 60
 DAY_S = 86400
+WEEK_S = 7 * DAY_S
 SPEND_SCALE = 1_000_000  # spend is stored in micro-units of the currency: integer arithmetic only
 NO_LIMIT = -1
+BUDGET_PERIODS = ("daily", "weekly", "monthly")
+# A held parallel slot outlives a request that was never settled (its replica died) by at most this.
+DEFAULT_SLOT_TTL_S = 900
+
+COUNTER, SLOT_CHECK, SLOT_HOLD = 0, 1, 2  # meter kinds, as the Lua scripts know them
 
 
 @dataclass(frozen=True)
@@ -30,23 +41,35 @@ class QuotaLimits:
     tokens_per_minute: int | None = None
     tokens_per_day: int | None = None
     spend_per_day: float | None = None
+    max_parallel_requests: int | None = None
+    budget: float | None = None
+    budget_period: str = "monthly"
     on_store_error: str = "allow"
 
     @classmethod
     def from_policy(cls, quota: QuotaPolicy, override: dict[str, Any] | None = None) -> QuotaLimits:
         values = quota.model_dump()
         values.update(override or {})
-        return cls(**{name: values.get(name) for name in cls.__dataclass_fields__ if name in values})
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any] | None) -> QuotaLimits:
+        values = {name: value for name, value in (values or {}).items() if value is not None}
+        return cls(**{name: values[name] for name in cls.__dataclass_fields__ if name in values})
 
     @property
     def unlimited(self) -> bool:
         return all(
             limit is None
-            for limit in (self.requests_per_minute, self.tokens_per_minute, self.tokens_per_day, self.spend_per_day)
+            for limit in (self.requests_per_minute, self.tokens_per_minute, self.tokens_per_day, self.spend_per_day,
+                          self.max_parallel_requests, self.budget)
         )
 
     def spend_limit_micros(self) -> int | None:
         return None if self.spend_per_day is None else int(round(self.spend_per_day * SPEND_SCALE))
+
+    def budget_micros(self) -> int | None:
+        return None if self.budget is None else int(round(self.budget * SPEND_SCALE))
 
 
 class QuotaExceeded(Exception):
@@ -66,15 +89,52 @@ class Windows:
     day: int
     seconds_to_minute_end: int
     seconds_to_day_end: int
+    week: int = 0
+    month: int = 0
+    seconds_to_week_end: int = 0
+    seconds_to_month_end: int = 0
 
     @classmethod
     def at(cls, now: float) -> Windows:
+        # Epoch day 0 was a Thursday: shifting by 3 days makes weeks start on Monday (ISO).
+        shifted = now + 3 * DAY_S
+        moment = datetime.fromtimestamp(now, UTC)
+        next_month = datetime(moment.year + moment.month // 12, moment.month % 12 + 1, 1, tzinfo=UTC)
         return cls(
             minute=int(now // MINUTE_S),
             day=int(now // DAY_S),
             seconds_to_minute_end=math.ceil(MINUTE_S - now % MINUTE_S),
             seconds_to_day_end=math.ceil(DAY_S - now % DAY_S),
+            week=int(shifted // WEEK_S),
+            month=moment.year * 12 + moment.month - 1,
+            seconds_to_week_end=math.ceil(WEEK_S - shifted % WEEK_S),
+            seconds_to_month_end=math.ceil(next_month.timestamp() - now),
         )
+
+    def budget_window(self, period: str) -> tuple[int, int]:
+        """(window number, seconds to its end) for a budget period."""
+        if period == "daily":
+            return self.day, self.seconds_to_day_end
+        if period == "weekly":
+            return self.week, self.seconds_to_week_end
+        if period == "monthly":
+            return self.month, self.seconds_to_month_end
+        raise ValueError(f"unknown budget period '{period}' (use one of {', '.join(BUDGET_PERIODS)})")
+
+
+@dataclass(frozen=True)
+class Meter:
+    """One limit a reservation is checked against: a counter in a window, or a parallel-slot set."""
+
+    key: str
+    limit: int  # NO_LIMIT: counted (for usage) but never refuses
+    amount: int
+    ttl_s: int
+    reason: str
+    scope: str  # who the limit belongs to, for messages: "tenant 'acme'" or "API key 'ab12cd34ef56'"
+    unit: str  # requests | tokens | spend | slots
+    retry_after_s: int
+    kind: int = COUNTER
 
 
 @dataclass
@@ -82,53 +142,92 @@ class Reservation:
     tenant: str
     tokens: int
     spend_micros: int
-    windows: Windows | None
-    # False when the store was down and the request was let through (on_store_error: allow):
-    # there is nothing to reconcile then.
+    meters: tuple[Meter, ...] = ()
+    # False when nothing was recorded: no limits, or the store was down and the request was let
+    # through (on_store_error: allow). There is nothing to reconcile then.
     recorded: bool = True
     reconciled: bool = field(default=False)
+    slot_id: str | None = None
 
 
-def _keys(tenant: str, windows: Windows) -> list[str]:
-    # The {tenant} hash tag keeps one tenant's keys in one Redis Cluster slot (a Lua requirement).
-    base = f"ctxgate:quota:{{{tenant}}}"
-    return [
-        f"{base}:rpm:{windows.minute}",
-        f"{base}:tpm:{windows.minute}",
-        f"{base}:tpd:{windows.day}",
-        f"{base}:spd:{windows.day}",
+def _tenant_prefix(tenant: str) -> str:
+    # The {tenant} hash tag keeps a tenant's keys (its API keys' too) in one Redis Cluster slot,
+    # which a Lua script touching both needs.
+    return f"ctxgate:quota:{{{tenant}}}"
+
+
+def _meters(prefix: str, scope: str, limits: QuotaLimits, tokens: int, spend_micros: int, windows: Windows,
+            slot: int, always_count: bool) -> list[Meter]:
+    """The meters of one scope. `always_count`: also count unlimited windows (the tenant's usage)."""
+    counted = [
+        ("requests_per_minute", limits.requests_per_minute, 1, f"rpm:{windows.minute}", MINUTE_S * 2,
+         windows.seconds_to_minute_end, "requests"),
+        ("tokens_per_minute", limits.tokens_per_minute, tokens, f"tpm:{windows.minute}", MINUTE_S * 2,
+         windows.seconds_to_minute_end, "tokens"),
+        ("tokens_per_day", limits.tokens_per_day, tokens, f"tpd:{windows.day}", DAY_S * 2,
+         windows.seconds_to_day_end, "tokens"),
+        ("spend_per_day", limits.spend_limit_micros(), spend_micros, f"spd:{windows.day}", DAY_S * 2,
+         windows.seconds_to_day_end, "spend"),
     ]
+    meters = [
+        Meter(f"{prefix}:{suffix}", NO_LIMIT if limit is None else int(limit), amount, ttl, reason, scope, unit,
+              retry)
+        for reason, limit, amount, suffix, ttl, retry, unit in counted
+        if always_count or limit is not None
+    ]
+    if limits.budget is not None:
+        window, remaining = windows.budget_window(limits.budget_period)
+        meters.append(Meter(f"{prefix}:budget:{limits.budget_period}:{window}", limits.budget_micros(), spend_micros,
+                            remaining + DAY_S, "budget", scope, "spend", remaining))
+    if limits.max_parallel_requests is not None:
+        meters.append(Meter(f"{prefix}:parallel", limits.max_parallel_requests, 1, DEFAULT_SLOT_TTL_S,
+                            "max_parallel_requests", scope, "slots", 1, kind=slot))
+    return meters
 
 
-def _retry_after(reason: str, windows: Windows) -> int:
-    return windows.seconds_to_minute_end if reason.endswith("per_minute") else windows.seconds_to_day_end
+def build_meters(tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float,
+                 key_id: str | None = None, key_limits: QuotaLimits | None = None,
+                 hold_slot: bool = False) -> list[Meter]:
+    """Every meter one request touches: the tenant's, then its API key's (when the key has limits)."""
+    windows = Windows.at(now)
+    slot = SLOT_HOLD if hold_slot else SLOT_CHECK
+    prefix = _tenant_prefix(tenant)
+    meters = []
+    if not limits.unlimited:
+        meters = _meters(prefix, f"tenant '{tenant}'", limits, tokens, spend_micros, windows, slot, True)
+    if key_id is not None and key_limits is not None and not key_limits.unlimited:
+        meters += _meters(f"{prefix}:key:{key_id}", f"API key '{key_id}'", key_limits, tokens, spend_micros,
+                          windows, slot, False)
+    return meters
 
 
-def _check_fits_at_all(limits: QuotaLimits, tokens: int, spend_micros: int, windows: Windows) -> None:
+def _check_fits_at_all(meters: list[Meter]) -> None:
     """A request larger than a whole window's allowance can never pass: say so instead of waiting."""
-    for reason, limit, amount in (
-        ("tokens_per_minute", limits.tokens_per_minute, tokens),
-        ("tokens_per_day", limits.tokens_per_day, tokens),
-        ("spend_per_day", limits.spend_limit_micros(), spend_micros),
-    ):
-        if limit is not None and amount > limit:
+    for meter in meters:
+        if meter.unit in ("tokens", "spend") and meter.limit != NO_LIMIT and meter.amount > meter.limit:
+            unit = " micro-units" if meter.unit == "spend" else " tokens"
+            owner = "the tenant's" if meter.scope.startswith("tenant") else "the API key's"
             raise QuotaExceeded(
-                reason,
-                _retry_after(reason, windows),
-                f"this request alone needs more than the tenant's {reason} quota ({amount} > {limit}"
-                f"{' micro-units' if reason == 'spend_per_day' else ' tokens'}); lower max_tokens or the prompt",
+                meter.reason, meter.retry_after_s,
+                f"this request alone needs more than {owner} {meter.reason} quota ({meter.amount} > {meter.limit}"
+                f"{unit}); lower max_tokens or the prompt",
             )
 
 
-def _exceeded(reason: str, tenant: str, windows: Windows) -> QuotaExceeded:
-    return QuotaExceeded(reason, _retry_after(reason, windows), f"tenant '{tenant}' is over its {reason} quota")
+def _exceeded(meter: Meter) -> QuotaExceeded:
+    if meter.unit == "slots":
+        message = f"{meter.scope} already has {meter.limit} requests in flight (max_parallel_requests)"
+    else:
+        message = f"{meter.scope} is over its {meter.reason} quota"
+    return QuotaExceeded(meter.reason, meter.retry_after_s, message)
 
 
 class QuotaStore(Protocol):
     name: str
 
     async def reserve(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None
+        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
     ) -> Reservation: ...
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None: ...
@@ -140,9 +239,22 @@ class QuotaStore(Protocol):
     async def close(self) -> None: ...
 
 
-def _limit_args(limits: QuotaLimits) -> list[int]:
-    values = [limits.requests_per_minute, limits.tokens_per_minute, limits.tokens_per_day, limits.spend_limit_micros()]
-    return [NO_LIMIT if value is None else int(value) for value in values]
+_USAGE_NAMES = ("requests_this_minute", "tokens_this_minute", "tokens_today", "spend_micros_today")
+
+
+def _usage_keys(tenant: str, now: float) -> list[str]:
+    windows = Windows.at(now)
+    prefix = _tenant_prefix(tenant)
+    return [f"{prefix}:rpm:{windows.minute}", f"{prefix}:tpm:{windows.minute}", f"{prefix}:tpd:{windows.day}",
+            f"{prefix}:spd:{windows.day}"]
+
+
+def _prepare(tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None,
+             key_id: str | None, key_limits: QuotaLimits | None, slot_id: str | None) -> tuple[float, list[Meter]]:
+    now = time.time() if now is None else now
+    meters = build_meters(tenant, limits, tokens, spend_micros, now, key_id, key_limits, hold_slot=slot_id is not None)
+    _check_fits_at_all(meters)
+    return now, meters
 
 
 class InProcessQuotaStore:
@@ -153,6 +265,7 @@ class InProcessQuotaStore:
     def __init__(self) -> None:
         self._counters: dict[str, int] = {}
         self._expiry: dict[str, float] = {}
+        self._slots: dict[str, dict[str, float]] = {}  # parallel-slot sets: request id -> deadline
 
     def _get(self, key: str, now: float) -> int:
         if self._expiry.get(key, math.inf) <= now:
@@ -164,42 +277,49 @@ class InProcessQuotaStore:
         self._counters[key] = self._get(key, now) + amount
         self._expiry.setdefault(key, now + ttl)
 
+    def _live_slots(self, key: str, now: float) -> dict[str, float]:
+        slots = self._slots.setdefault(key, {})
+        for slot, deadline in list(slots.items()):
+            if deadline <= now:
+                del slots[slot]
+        return slots
+
     def _evict_expired(self, now: float) -> None:
         for key in [k for k, expiry in self._expiry.items() if expiry <= now]:
             self._counters.pop(key, None)
             self._expiry.pop(key, None)
 
     async def reserve(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None
+        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
     ) -> Reservation:
-        now = time.time() if now is None else now
-        windows = Windows.at(now)
-        _check_fits_at_all(limits, tokens, spend_micros, windows)
+        now, meters = _prepare(tenant, limits, tokens, spend_micros, now, key_id, key_limits, slot_id)
         self._evict_expired(now)
-        keys = _keys(tenant, windows)
-        amounts = [1, tokens, tokens, spend_micros]
-        reasons = ["requests_per_minute", "tokens_per_minute", "tokens_per_day", "spend_per_day"]
         # No await between check and apply: atomic on the event loop.
-        for key, limit, amount, reason in zip(keys, _limit_args(limits), amounts, reasons, strict=True):
-            if limit != NO_LIMIT and self._get(key, now) + amount > limit:
-                raise _exceeded(reason, tenant, windows)
-        for index, (key, amount) in enumerate(zip(keys, amounts, strict=True)):
-            self._add(key, amount, MINUTE_S * 2 if index < 2 else DAY_S * 2, now)
-        return Reservation(tenant, tokens, spend_micros, windows)
+        for meter in meters:
+            if meter.kind == COUNTER:
+                over = meter.limit != NO_LIMIT and self._get(meter.key, now) + meter.amount > meter.limit
+            else:
+                over = len(self._live_slots(meter.key, now)) + 1 > meter.limit
+            if over:
+                raise _exceeded(meter)
+        for meter in meters:
+            if meter.kind == COUNTER:
+                self._add(meter.key, meter.amount, meter.ttl_s, now)
+            elif meter.kind == SLOT_HOLD:
+                self._live_slots(meter.key, now)[str(slot_id)] = now + meter.ttl_s
+        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id)
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
-        deltas = _reconcile_deltas(reservation, actual_tokens, actual_spend_micros)
-        if deltas is None:
-            return
-        for key, delta in deltas:
-            if delta and key in self._counters:  # a window already evicted stays gone
-                self._counters[key] = max(0, self._counters[key] + delta)
+        for meter, delta in _reconcile_deltas(reservation, actual_tokens, actual_spend_micros):
+            if meter.kind == SLOT_HOLD:
+                self._slots.get(meter.key, {}).pop(str(reservation.slot_id), None)
+            elif delta and meter.key in self._counters:  # a window already evicted stays gone
+                self._counters[meter.key] = max(0, self._counters[meter.key] + delta)
 
     async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now
-        keys = _keys(tenant, Windows.at(now))
-        names = ["requests_this_minute", "tokens_this_minute", "tokens_today", "spend_micros_today"]
-        return {name: self._get(key, now) for name, key in zip(names, keys, strict=True)}
+        return {name: self._get(key, now) for name, key in zip(_USAGE_NAMES, _usage_keys(tenant, now), strict=True)}
 
     async def ping(self) -> bool:
         return True
@@ -208,35 +328,48 @@ class InProcessQuotaStore:
         return None
 
 
-# Check every limit first, then apply every increment: all-or-nothing in one atomic script.
+# Check every meter first, then apply every one: all-or-nothing in one atomic script.
+# ARGV: now, slot id, then per key: kind, limit, amount, ttl. Returns {1, 0} or {0, index of the refusing meter}.
 _RESERVE_LUA = """
-local amounts = {1, tonumber(ARGV[5]), tonumber(ARGV[5]), tonumber(ARGV[6])}
-local reasons = {'requests_per_minute', 'tokens_per_minute', 'tokens_per_day', 'spend_per_day'}
-for i = 1, 4 do
-  local limit = tonumber(ARGV[i])
-  if limit >= 0 then
-    local current = tonumber(redis.call('GET', KEYS[i]) or '0')
-    if current + amounts[i] > limit then
-      return {0, reasons[i]}
-    end
+local now = tonumber(ARGV[1])
+for i = 1, #KEYS do
+  local base = 2 + (i - 1) * 4
+  local kind, limit, amount = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  if kind == 0 then
+    if limit >= 0 and tonumber(redis.call('GET', KEYS[i]) or '0') + amount > limit then return {0, i} end
+  else
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+    if redis.call('ZCARD', KEYS[i]) + 1 > limit then return {0, i} end
   end
 end
-for i = 1, 4 do
-  redis.call('INCRBY', KEYS[i], amounts[i])
-  if redis.call('TTL', KEYS[i]) < 0 then
-    if i <= 2 then redis.call('EXPIRE', KEYS[i], ARGV[7]) else redis.call('EXPIRE', KEYS[i], ARGV[8]) end
+for i = 1, #KEYS do
+  local base = 2 + (i - 1) * 4
+  local kind, amount, ttl = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
+  if kind == 0 then
+    redis.call('INCRBY', KEYS[i], amount)
+    if redis.call('TTL', KEYS[i]) < 0 then redis.call('EXPIRE', KEYS[i], ttl) end
+  elseif kind == 2 then
+    redis.call('ZADD', KEYS[i], now + ttl, ARGV[2])
+    redis.call('EXPIRE', KEYS[i], ttl)
   end
 end
-return {1, ''}
+return {1, 0}
 """
 
-# Reconcile only keys that still exist: an expired window must not be resurrected by a late delta.
+# Counters: add the delta only to keys that still exist (an expired window must not be resurrected
+# by a late delta). Slot sets: remove this request's slot. ARGV: slot id, then one delta per key
+# ('slot' for a slot set).
 _RECONCILE_LUA = """
 for i = 1, #KEYS do
-  local delta = tonumber(ARGV[i])
-  if delta ~= 0 and redis.call('EXISTS', KEYS[i]) == 1 then
-    local value = redis.call('INCRBY', KEYS[i], delta)
-    if value < 0 then redis.call('SET', KEYS[i], 0, 'KEEPTTL') end
+  local arg = ARGV[i + 1]
+  if arg == 'slot' then
+    redis.call('ZREM', KEYS[i], ARGV[1])
+  else
+    local delta = tonumber(arg)
+    if delta ~= 0 and redis.call('EXISTS', KEYS[i]) == 1 then
+      local value = redis.call('INCRBY', KEYS[i], delta)
+      if value < 0 then redis.call('SET', KEYS[i], 0, 'KEEPTTL') end
+    end
   end
 end
 return 1
@@ -275,32 +408,32 @@ class RedisQuotaStore:
             raise StoreUnavailable(f"quota store (redis) unavailable: {exc.__class__.__name__}: {exc}") from exc
 
     async def reserve(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None
+        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
     ) -> Reservation:
-        now = time.time() if now is None else now
-        windows = Windows.at(now)
-        _check_fits_at_all(limits, tokens, spend_micros, windows)
-        keys = _keys(tenant, windows)
-        args = [*_limit_args(limits), tokens, spend_micros, MINUTE_S * 2, DAY_S * 2]
-        admitted, reason = await self._call(lambda: self._reserve(keys=keys, args=args))
+        now, meters = _prepare(tenant, limits, tokens, spend_micros, now, key_id, key_limits, slot_id)
+        keys = [meter.key for meter in meters]
+        args: list[Any] = [repr(now), slot_id or ""]
+        for meter in meters:
+            args += [meter.kind, meter.limit, meter.amount, meter.ttl_s]
+        admitted, index = await self._call(lambda: self._reserve(keys=keys, args=args))
         if int(admitted) != 1:
-            raise _exceeded(str(reason), tenant, windows)
-        return Reservation(tenant, tokens, spend_micros, windows)
+            raise _exceeded(meters[int(index) - 1])
+        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id)
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
-        deltas = _reconcile_deltas(reservation, actual_tokens, actual_spend_micros)
-        if deltas is None or not any(delta for _, delta in deltas):
+        deltas = [(meter, delta) for meter, delta in _reconcile_deltas(reservation, actual_tokens, actual_spend_micros)
+                  if delta or meter.kind == SLOT_HOLD]
+        if not deltas:
             return
-        keys = [key for key, _ in deltas]
-        args = [delta for _, delta in deltas]
+        keys = [meter.key for meter, _ in deltas]
+        args = [reservation.slot_id or ""] + ["slot" if meter.kind == SLOT_HOLD else delta for meter, delta in deltas]
         await self._call(lambda: self._reconcile(keys=keys, args=args))
 
     async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now
-        keys = _keys(tenant, Windows.at(now))
-        values = await self._call(lambda: self._client.mget(keys))
-        names = ["requests_this_minute", "tokens_this_minute", "tokens_today", "spend_micros_today"]
-        return {name: int(value or 0) for name, value in zip(names, values, strict=True)}
+        values = await self._call(lambda: self._client.mget(_usage_keys(tenant, now)))
+        return {name: int(value or 0) for name, value in zip(_USAGE_NAMES, values, strict=True)}
 
     async def ping(self) -> bool:
         try:
@@ -314,18 +447,26 @@ class RedisQuotaStore:
 
 def _reconcile_deltas(
     reservation: Reservation, actual_tokens: int, actual_spend_micros: int
-) -> list[tuple[str, int]] | None:
-    """(key, delta) for tokens-per-minute, tokens-per-day and spend; None if nothing to reconcile.
+) -> list[tuple[Meter, int]]:
+    """(meter, delta) for every token, spend and held-slot meter; empty if nothing to reconcile.
 
-    Marks the reservation reconciled, so a second call for the same request is a no-op.
+    Marks the reservation reconciled, so a second call for the same request is a no-op (and a held
+    parallel slot is released exactly once).
     """
-    if not reservation.recorded or reservation.reconciled or reservation.windows is None:
-        return None
+    if not reservation.recorded or reservation.reconciled:
+        return []
     reservation.reconciled = True
-    _, tpm, tpd, spd = _keys(reservation.tenant, reservation.windows)
     token_delta = actual_tokens - reservation.tokens
     spend_delta = actual_spend_micros - reservation.spend_micros
-    return [(tpm, token_delta), (tpd, token_delta), (spd, spend_delta)]
+    deltas = []
+    for meter in reservation.meters:
+        if meter.kind == SLOT_HOLD:
+            deltas.append((meter, 0))
+        elif meter.unit == "tokens":
+            deltas.append((meter, token_delta))
+        elif meter.unit == "spend":
+            deltas.append((meter, spend_delta))
+    return deltas
 
 
 def create_store(redis_url: str | None) -> QuotaStore:

@@ -21,9 +21,10 @@ from compression.types import (
     Document,
     RetrievalSpec,
 )
-from gateway.keys import KeyStore, Tenant
+from gateway.keys import KeyRejected, KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
+from gateway.request_id import note_tenant
 from gateway.sanitize import Neutraliser
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, CtxgateExtras, GatewayRequest
 from gateway.settings import GatewaySettings
@@ -102,17 +103,29 @@ class Gateway:
         if authorization:
             scheme, _, credentials = authorization.partition(" ")
             key = credentials.strip() if scheme.lower() == "bearer" else None
-        tenant = self.keys.resolve(key)
+        try:
+            tenant = self.keys.authenticate(key)
+        except KeyRejected as exc:
+            raise APIError(401, f"{exc}; ask for a new key", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"}) from None
+        if tenant is not None:
+            note_tenant(tenant.name)  # for the access log
         if tenant is None:
             message = "missing API key (Authorization: Bearer <key>)" if not key else "invalid API key"
             raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return tenant
 
-    def check_model(self, model: str) -> None:
+    def check_model(self, model: str, tenant: Tenant | None = None) -> None:
         if model not in self.model_names:
             raise APIError(
                 404, f"model '{model}' is not served here (available: {', '.join(self.model_names)})",
                 param="model", code="model_not_found",
+            )
+        allowed = tenant.key.models if tenant is not None and tenant.key is not None else None
+        if allowed is not None and model not in allowed:
+            raise APIError(
+                403, f"API key {tenant.key.key_id} may not use model '{model}' (allowed: {', '.join(allowed)})",
+                param="model", code="model_not_allowed", error_type="permission_error",
             )
 
     def resolve_policy(self, tenant: Tenant, extras: CtxgateExtras | None) -> Policy:
@@ -207,14 +220,21 @@ class Gateway:
             "currency": policy.cost.currency,
         }
 
-    async def reserve(self, tenant: Tenant, policy: Policy, prompt_tokens: int, max_tokens: int) -> Reservation:
+    async def reserve(self, tenant: Tenant, policy: Policy, prompt_tokens: int, max_tokens: int,
+                      slot_id: str | None = None) -> Reservation:
+        """Reserve against the tenant's limits and its key's. `slot_id`: hold a parallel-request slot
+        until the request is settled (generation); without it a parallel limit is only checked."""
         limits = self.limits_for(tenant, policy)
+        key = tenant.key
+        key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
         tokens = prompt_tokens + max_tokens
         spend_micros = int(round(self.cost(policy, prompt_tokens, max_tokens)["total"] * SPEND_SCALE))
-        if limits.unlimited:
-            return Reservation(tenant.name, tokens, spend_micros, None, recorded=False)
+        if limits.unlimited and key_limits is None:
+            return Reservation(tenant.name, tokens, spend_micros, recorded=False)
         try:
-            reservation = await self.store.reserve(tenant.name, limits, tokens, spend_micros)
+            reservation = await self.store.reserve(
+                tenant.name, limits, tokens, spend_micros, key_id=key.quota_id if key_limits else None,
+                key_limits=key_limits, slot_id=slot_id)
         except QuotaExceeded as exc:
             self.metrics.quota_rejections.labels(tenant.name, exc.reason).inc()
             raise APIError(
@@ -231,7 +251,7 @@ class Gateway:
                     503, "quota store unavailable and the policy denies requests it cannot account for",
                     code="quota_store_unavailable", headers={"Retry-After": "1"},
                 ) from None
-            return Reservation(tenant.name, tokens, spend_micros, None, recorded=False)
+            return Reservation(tenant.name, tokens, spend_micros, recorded=False)
         self.metrics.quota_store_up.set(1)
         return reservation
 
@@ -250,7 +270,7 @@ class Gateway:
 
     # -- the whole preparation -----------------------------------------------------------------
     async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
-        self.check_model(body.model)
+        self.check_model(body.model, tenant)
         policy = self.resolve_policy(tenant, body.ctxgate)
         result = await self.compress(body, tenant, policy)
         token_ids, prompt_text = self.encode_checked(result, policy)
@@ -260,11 +280,12 @@ class Gateway:
             request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
         )
-        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens)
+        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens,
+                                                  slot_id=prepared.request_id)
         return prepared
 
     async def prepare_completion(self, body: CompletionRequest, tenant: Tenant) -> Prepared:
-        self.check_model(body.model)
+        self.check_model(body.model, tenant)
         if body.ctxgate and (body.ctxgate.documents or body.ctxgate.retrieval):
             raise APIError(400, "documents and retrieval need /v1/chat/completions", param="ctxgate")
         policy = self.resolve_policy(tenant, body.ctxgate)
@@ -286,7 +307,8 @@ class Gateway:
             request_id=f"cmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=Priority.USER,
         )
-        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens)
+        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens,
+                                                  slot_id=prepared.request_id)
         return prepared
 
     # -- after the model -----------------------------------------------------------------------

@@ -43,6 +43,8 @@ class GatewaySettings:
     engine_max_waiting_requests: int | None = 256
     # On SIGTERM: refuse new requests with 503 and wait up to this long for in-flight ones.
     drain_timeout_s: float = 30.0
+    # One line per request on the `ctxgate.access` logger (no keys, no prompts); off by default.
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         if self.policy_dir is not None:

@@ -113,3 +113,31 @@ def test_percentile_interpolates():
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile([5], 99) == 5
     assert percentile(list(range(101)), 95) == 95
+
+
+def test_bench_engine_url_mode_with_api_key(tmp_path, model_dir, capsys):
+    """`--api-key` reaches a gateway that has a keys file; without it the gateway's 401 is a clear error."""
+    import yaml
+
+    from backend.async_engine import AsyncEngine
+    from backend.config import EngineConfig
+    from gateway.app import create_app
+    from gateway.keys import hash_key
+    from gateway.settings import GatewaySettings
+    from tests.gateway.conftest import ServerThread
+
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"tenants": {"bench": {"keys": [{"sha256": hash_key("cg-bench-key")}]}}}))
+    engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, max_model_len=128))
+    settings = GatewaySettings(keys_file=keys, default_policy="passthrough", served_model_name="bench-model")
+    args = ["bench", "engine", "--workloads", "W1", *TINY, "--no-baseline", "--model", str(model_dir)]
+    try:
+        with ServerThread(create_app(settings, engine=engine)) as gateway:
+            refused = main([*args, "--url", gateway.url])
+            assert refused == 2 and "no OpenAI-compatible server listed a model" in capsys.readouterr().err
+            code = main([*args, "--url", gateway.url, "--api-key", "cg-bench-key", "--out", str(tmp_path / "b")])
+    finally:
+        engine.shutdown()
+    assert code == 0
+    report = json.loads((tmp_path / "b" / "bench_engine.json").read_text())
+    _check_run_summary(report["workloads"]["W1"]["server"])

@@ -50,7 +50,7 @@ def ctxgate(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def two_policy_run(small_dataset, gateway_url, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
-    result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "passthrough",
+    result = ctxgate("eval", "run", "--input", str(small_dataset), "--policy", "passthrough",
                      "--policy", "eval-tight", "--limit", "5", "--max-tokens", "8", "--concurrency", "2",
                      "--url", gateway_url, "--out", str(out), "--no-progress")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -131,7 +131,7 @@ def test_sweep_produces_one_row_per_value(small_dataset, eval_engine, eval_polic
 
 
 def test_sweep_against_a_running_gateway_uses_request_overrides(small_dataset, gateway_url, tmp_path):
-    result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "eval-tight",
+    result = ctxgate("eval", "run", "--input", str(small_dataset), "--policy", "eval-tight",
                      "--sweep", "max_input_tokens=250,700", "--limit", "2", "--max-tokens", "4",
                      "--url", gateway_url, "--out", str(tmp_path), "--no-progress")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -141,7 +141,7 @@ def test_sweep_against_a_running_gateway_uses_request_overrides(small_dataset, g
 
 
 def test_bench_prefill_fits_a_cost_model(small_dataset, gateway_url, tmp_path):
-    result = ctxgate("bench", "prefill", "--dataset", str(small_dataset), "--policy", "eval-tight",
+    result = ctxgate("bench", "prefill", "--input", str(small_dataset), "--policy", "eval-tight",
                      "--limit", "3", "--warmup", "1", "--url", gateway_url, "--out", str(tmp_path), "--no-progress")
     assert result.returncode == 0, result.stdout + result.stderr
     cost = json.loads((tmp_path / "prefill_cost.json").read_text())
@@ -156,7 +156,7 @@ def test_bench_prefill_fits_a_cost_model(small_dataset, gateway_url, tmp_path):
 
 def test_cli_without_url_starts_and_stops_ctxgate_serve(small_dataset, eval_policy_dir, tmp_path):
     """The default mode: `ctxgate eval run` launches `ctxgate serve` on a free port, then stops it."""
-    result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "passthrough",
+    result = ctxgate("eval", "run", "--input", str(small_dataset), "--policy", "passthrough",
                      "--policy", "eval-tight", "--policy-dir", str(eval_policy_dir), "--limit", "1",
                      "--max-tokens", "4", "--out", str(tmp_path), "--no-progress")
     assert result.returncode == 0, result.stdout + result.stderr + (tmp_path / "gateway.log").read_text()
@@ -166,7 +166,7 @@ def test_cli_without_url_starts_and_stops_ctxgate_serve(small_dataset, eval_poli
 
 
 def test_compress_only_run_measures_retention_without_generating(small_dataset, gateway_url, tmp_path):
-    result = ctxgate("eval", "run", "--dataset", str(small_dataset), "--policy", "passthrough",
+    result = ctxgate("eval", "run", "--input", str(small_dataset), "--policy", "passthrough",
                      "--policy", "eval-tight", "--compress-only", "--url", gateway_url, "--out", str(tmp_path),
                      "--no-progress")
     assert result.returncode == 0, result.stdout + result.stderr

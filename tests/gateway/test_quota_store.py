@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 
 import pytest
 
-from gateway.quota import InProcessQuotaStore, QuotaExceeded, QuotaLimits, RedisQuotaStore, StoreUnavailable
+from gateway.quota import (
+    DEFAULT_SLOT_TTL_S,
+    InProcessQuotaStore,
+    QuotaExceeded,
+    QuotaLimits,
+    RedisQuotaStore,
+    StoreUnavailable,
+)
 
 NOW = 1_699_999_990.0  # 10 s into a minute (and an hour, and a day is far)
 
@@ -91,3 +99,54 @@ async def test_redis_down_raises_store_unavailable_then_recovers(redis_server):
     await store.reserve("t", limits, 10, 0, now=NOW)
     assert await store.ping()
     await store.close()
+
+
+async def test_key_limits_apply_on_top_of_the_tenants(store):
+    tenant = QuotaLimits(tokens_per_minute=1000)
+    key = QuotaLimits(requests_per_minute=2)
+    for _ in range(2):
+        await store.reserve("t", tenant, 10, 0, now=NOW, key_id="aaaaaaaaaaaa", key_limits=key)
+    with pytest.raises(QuotaExceeded, match="API key 'aaaaaaaaaaaa' is over its requests_per_minute") as info:
+        await store.reserve("t", tenant, 10, 0, now=NOW, key_id="aaaaaaaaaaaa", key_limits=key)
+    assert info.value.retry_after_s == 50
+    # Another key of the same tenant has its own counter but shares the tenant's.
+    await store.reserve("t", tenant, 10, 0, now=NOW, key_id="bbbbbbbbbbbb", key_limits=key)
+    assert (await store.usage("t", now=NOW))["tokens_this_minute"] == 30  # the refused one added nothing
+    with pytest.raises(QuotaExceeded, match="tenant 't' is over its tokens_per_minute"):
+        await store.reserve("t", tenant, 980, 0, now=NOW, key_id="bbbbbbbbbbbb", key_limits=key)
+
+
+async def test_parallel_slots_are_held_released_and_expire(store):
+    limits = QuotaLimits(max_parallel_requests=2)
+    first = await store.reserve("p", limits, 1, 0, now=NOW, slot_id="r1")
+    await store.reserve("p", limits, 1, 0, now=NOW, slot_id="r2")
+    with pytest.raises(QuotaExceeded, match="already has 2 requests in flight") as info:
+        await store.reserve("p", limits, 1, 0, now=NOW, slot_id="r3")
+    assert info.value.reason == "max_parallel_requests" and info.value.retry_after_s == 1
+    with pytest.raises(QuotaExceeded):  # a check-only request (compression) is refused too
+        await store.reserve("p", limits, 1, 0, now=NOW)
+    await store.reconcile(first, 1, 0)
+    await store.reconcile(first, 1, 0)  # twice is still one release
+    await store.reserve("p", limits, 1, 0, now=NOW)  # checked, not held
+    await store.reserve("p", limits, 1, 0, now=NOW, slot_id="r3")
+    # A slot whose request was never settled (its replica died) stops counting at its deadline.
+    await store.reserve("p", limits, 1, 0, now=NOW + DEFAULT_SLOT_TTL_S + 1, slot_id="r4")
+
+
+@pytest.mark.parametrize(("period", "start", "end"), [
+    ("daily", "2026-03-04T00:00:00", "2026-03-05T00:00:00"),
+    ("weekly", "2026-03-02T00:00:00", "2026-03-09T00:00:00"),  # ISO weeks start on Monday
+    ("monthly", "2026-02-01T00:00:00", "2026-03-01T00:00:00"),
+])
+async def test_budget_periods(store, period, start, end):
+    begin = datetime.fromisoformat(start).replace(tzinfo=UTC).timestamp()
+    finish = datetime.fromisoformat(end).replace(tzinfo=UTC).timestamp()
+    limits = QuotaLimits(budget=0.01, budget_period=period)  # 10_000 micro-units
+    now = begin + (finish - begin) / 2
+    await store.reserve("b", limits, 1, 6000, now=now)
+    with pytest.raises(QuotaExceeded) as info:
+        await store.reserve("b", limits, 1, 6000, now=finish - 1)
+    assert info.value.reason == "budget" and info.value.retry_after_s == 1
+    await store.reserve("b", limits, 1, 6000, now=finish)  # the next period starts empty
+    with pytest.raises(QuotaExceeded):
+        await store.reserve("b", limits, 1, 6000, now=begin)  # the period's first second counts too

@@ -1,0 +1,36 @@
+"""argparse actions shared by the per-package `cli` modules (import-light)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def warn_deprecated(old: str, new: str) -> None:
+    print(f"ctxgate: warning: {old} is deprecated; use {new}", file=sys.stderr)
+
+
+class StoreWithDeprecatedAliases(argparse.Action):
+    """A plain store; the first option string is the name, the others are old spellings that still
+    work but say so. Usage: add_argument("--input", "--dataset", action=..., deprecated=["--dataset"])."""
+
+    def __init__(self, option_strings, dest, deprecated=(), **kwargs):
+        self.deprecated = tuple(deprecated)
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.deprecated:
+            warn_deprecated(option_string, self.option_strings[0])
+        setattr(namespace, self.dest, values)
+
+
+class DeprecatedOption(argparse.Action):
+    """An option superseded by another flag: still stored, with a notice naming the replacement."""
+
+    def __init__(self, option_strings, dest, replacement: str = "", **kwargs):
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        warn_deprecated(option_string or self.option_strings[0], self.replacement)
+        setattr(namespace, self.dest, values)

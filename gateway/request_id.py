@@ -1,0 +1,107 @@
+"""`x-request-id` correlation and the access log (pure ASGI middleware; streams pass through untouched).
+
+A client's `x-request-id` is kept when it is a sane token (so a request can be followed from the
+client's own logs), otherwise one is generated; either way it is echoed on the response. With the
+access log on, one line per request carries method, path (never the query string), status,
+duration, request id and tenant: never a key, a header value or any part of the body, so the log
+stays safe to ship off the machine.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+HEADER = b"x-request-id"
+# Letters, digits and . _ : - only, bounded: a header value must not be able to forge log lines.
+_VALID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+_UNSAFE = re.compile(r"[^\x21-\x7e]")
+
+access_logger = logging.getLogger("ctxgate.access")
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    tenant: str | None = None
+
+
+_current: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("ctxgate_request", default=None)
+
+
+def current_request() -> RequestContext | None:
+    """The request being served in this task, or None outside a request."""
+    return _current.get()
+
+
+def note_tenant(name: str) -> None:
+    """Record the authenticated tenant for the access log (a mutable holder: visible to the middleware
+    even when the handler ran in a copied context)."""
+    context = _current.get()
+    if context is not None:
+        context.tenant = name
+
+
+def loggable_path(path: str) -> str:
+    """The path with spaces, control and non-ASCII characters percent-encoded: a decoded `%0A` in a
+    URL must not start a forged log line."""
+    return _UNSAFE.sub(lambda match: "".join(f"%{byte:02X}" for byte in match.group().encode()), path)
+
+
+def accepted_or_new(value: bytes | None) -> str:
+    if value:
+        text = value.decode("latin-1")
+        if _VALID.match(text):
+            return text
+    return uuid.uuid4().hex
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_id` to every log record emitted while a request is being served."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = _current.get()
+        record.request_id = context.request_id if context is not None else "-"
+        return True
+
+
+class RequestId:
+    def __init__(self, app, access_log: bool = False):
+        self.app = app
+        self.access_log = access_log
+        if access_log:  # asked for explicitly: not silenced by a WARNING root level
+            access_logger.setLevel(logging.INFO)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((value for name, value in scope.get("headers", []) if name == HEADER), None)
+        context = RequestContext(accepted_or_new(given))
+        scope.setdefault("state", {})["request_id"] = context.request_id
+        token = _current.set(context)
+        started = time.perf_counter()
+        status = 500  # what the client gets if the app fails before starting a response
+
+        async def send_with_id(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [(n, v) for n, v in message.get("headers", []) if n.lower() != HEADER]
+                message = {**message, "headers": [*headers, (HEADER, context.request_id.encode("latin-1"))]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            _current.reset(token)
+            if self.access_log:
+                access_logger.info(
+                    "method=%s path=%s status=%d duration_ms=%.1f request_id=%s tenant=%s",
+                    scope.get("method", "-"), loggable_path(scope.get("path", "-")), status,
+                    (time.perf_counter() - started) * 1000, context.request_id, context.tenant or "-",
+                )
