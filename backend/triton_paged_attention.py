@@ -4,6 +4,10 @@ pool through its block table, so no per-step gathered copy of the context is mad
 This module imports `triton` at the top; `backend.attention_cuda` imports it only when a CUDA
 backend runs (or a test asks for Triton's CPU interpreter), so the CPU engine never needs triton.
 
+Under Triton's CPU interpreter (TRITON_INTERPRET=1 in the environment before triton is first
+imported: triton.language's own helpers are compiled or interpreted at import) the same kernel
+runs on CPU tensors, which is how the tests check it without a GPU.
+
 One program handles one (sequence, kv head) pair and all query heads of that head's GQA group:
 the group shares every K/V value it loads. Blocks are visited in order with an online softmax in
 float32 (running max, running sum, rescaled accumulator), as flash-decoding does per split.
@@ -11,14 +15,17 @@ float32 (running max, running sum, rescaled accumulator), as flash-decoding does
 
 from __future__ import annotations
 
-import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
+
+# Whether triton runs in interpreter mode (fixed at its import, see the module docstring).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,
     q_ptr,
@@ -84,18 +91,8 @@ def _paged_decode_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_is_head[:, None])
 
 
-@functools.cache
-def _jitted_kernel(interpret: bool):
-    """The kernel compiled for the GPU, or wrapped for Triton's CPU interpreter.
-
-    `triton.jit` decides between the two when it is applied, from TRITON_INTERPRET: applying it
-    here, per mode, lets a test switch to the interpreter without re-importing this module."""
-    del interpret  # the cache key; triton reads the mode from its knobs
-    return triton.jit(_paged_decode_kernel)
-
-
 def interpreter_enabled() -> bool:
-    return bool(knobs.runtime.interpret)
+    return INTERPRETED
 
 
 def shape_supported(head_dim: int, block_size: int) -> bool:
@@ -128,8 +125,7 @@ def paged_decode_attention(
     # Unused pointers still need a tensor: the keys stand in for absent scales.
     key_scales_arg = key_scales if quantized else keys
     value_scales_arg = value_scales if quantized else keys
-    kernel = _jitted_kernel(interpreter_enabled())
-    kernel[(batch, num_kv_heads)](
+    _paged_decode_kernel[(batch, num_kv_heads)](
         out, q, keys, values, key_scales_arg, value_scales_arg, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), keys.stride(0), keys.stride(1),
         key_scales_arg.stride(0), block_tables.stride(0),
