@@ -304,15 +304,49 @@ def test_padded_static_decode_matches_hf(make_engine, parity_prompts, hf_greedy_
     engine = make_engine(attention_backend="reference", max_num_batched_tokens=64)
     graphs = _use_backend(engine, CUDAAttention(9, 3, 64, decode_kernel="torch"), graph_sizes=(1, 2, 4, 8))
     assert graphs is not None
-    padded_sizes: list[int] = []
+    batches: list[tuple[int, int]] = []  # (rows, padded size) of every static decode step
     run = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda batch: padded_sizes.append(padded_batch_size(len(batch), graphs.sizes)) or run(batch))
+    monkeypatch.setattr(
+        graphs, "run", lambda batch: batches.append((len(batch), padded_batch_size(len(batch), graphs.sizes))) or run(batch)
+    )
     budgets = [PARITY_MAX_TOKENS - 2 * (i % 4) for i in range(len(parity_prompts))]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in budgets]
     outputs = engine.generate(parity_prompts, params)
     assert outputs == [expected[:n] for expected, n in zip(hf_greedy_reference, budgets, strict=True)]
-    assert {1, 2, 4, 8} & set(padded_sizes) and any(size > 1 for size in padded_sizes)
+    assert any(rows < size for rows, size in batches), "some steps must have run padded"
+    assert len({size for _, size in batches}) >= 3
     assert engine.stats().num_kv_blocks_free == engine.stats().num_kv_blocks_total
+
+
+def test_static_decode_runner_matches_the_regular_runner(make_engine, monkeypatch):
+    """Same logits as the regular runner for the same step; a one-token prefill chunk with more
+    prompt to come runs in the batch but is not sampled."""
+    engine = make_engine(attention_backend="reference")
+    graphs = _use_backend(engine, CUDAAttention(9, 3, 64, decode_kernel="torch"), graph_sizes=(1, 2, 4))
+    assert graphs is not None
+    calls = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda batch: calls.append(len(batch)) or run(batch))
+    regular = ModelRunner(engine.model, engine.kv_cache, engine.attention, CPU)
+    # Block 0 holds real K/V (the first positions of `decoding`): padding rows must not touch it.
+    decoding = _sequence("decode", list(range(100, 130)), computed=29, table=[0, 1])
+    chunk = _sequence("chunk", list(range(200, 240)), computed=20, table=[2, 3, 4])  # 20 prompt tokens to go
+    short = _sequence("short", list(range(300, 306)), computed=5, table=[5])
+    scheduled = [ScheduledSequence(decoding, 1), ScheduledSequence(chunk, 1), ScheduledSequence(short, 1)]
+    kv = engine.kv_cache
+    generator = torch.Generator().manual_seed(0)
+    for keys, values in zip(kv.keys, kv.values, strict=True):  # a filled pool, not zeros
+        keys.copy_(torch.randn(keys.shape, generator=generator))
+        values.copy_(torch.randn(values.shape, generator=generator))
+    expected = regular.execute(scheduled)
+    real_slots = slice(0, engine.block_manager.num_blocks * 16)
+    pool_after_regular = [keys[:, real_slots].clone() for keys in kv.keys]
+    got = engine.runner.execute(scheduled)  # 3 rows padded to 4
+    assert calls == [3]
+    assert got.sampled_sequences == expected.sampled_sequences == [decoding, short]
+    torch.testing.assert_close(got.logits, expected.logits)
+    for keys, before in zip(kv.keys, pool_after_regular, strict=True):
+        assert torch.equal(keys[:, real_slots], before), "a padding row wrote into a real block"
 
 
 # ---------------------------------------------------------------- padding and static buffers
