@@ -10,8 +10,9 @@ Backends:
   causal mask. Slow but obviously right; the other backends are tested against it.
 - `cpu_batched`: all decode rows in one batched GQA matmul over a padded gather (no per-sequence
   Python work per layer), prefill chunks through SDPA. The fastest measured on this CPU.
-A CUDA backend (FlashInfer / Triton paged attention, CUDA graphs for decode) registers itself with
-`register_backend` and consumes the same metadata (block tables, slot mapping, lengths).
+- `cuda` (backend/attention_cuda.py, CUDA devices only): prefill chunks through torch's fused SDPA,
+  decodes through a Triton paged-attention kernel reading K/V via the block tables.
+Each backend names the device types it runs on; `create_backend` refuses any other at start-up.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class AttentionMetadata:
 
 class AttentionBackend:
     name = "base"
+    # True when a decode-only step has static shapes and no host sync (CUDA graph capture).
+    supports_decode_graphs = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads
@@ -162,7 +165,9 @@ class CPUBatchedAttention(AttentionBackend):
 
     def _decode(self, layer: int, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata):
         assert metadata.decode_blocks is not None and metadata.decode_context_lens is not None
-        if self.use_kernel and kv_cache.keys[layer].dtype in (torch.bfloat16, torch.int8):
+        # The C++ kernel reads CPU memory only: a backend picked for CUDA tensors never calls it.
+        on_cpu = q.device.type == "cpu"
+        if self.use_kernel and on_cpu and kv_cache.keys[layer].dtype in (torch.bfloat16, torch.int8):
             quantized = kv_cache.quantized
             return torch.ops.ctxgate_cpu.paged_decode_attention(
                 q,
@@ -175,48 +180,93 @@ class CPUBatchedAttention(AttentionBackend):
                 kv_cache.spec.block_size,
                 self.scale,
             )
-        batch, max_blocks = metadata.decode_blocks.shape
-        max_context = max_blocks * kv_cache.spec.block_size
-        keys, values = kv_cache.gather_blocks(layer, metadata.decode_blocks.view(-1))  # [KVH, B*L, D]
-        keys = keys.view(self.num_kv_heads, batch, max_context, self.head_dim)
-        values = values.view(self.num_kv_heads, batch, max_context, self.head_dim)
-        # Batch over (kv head, sequence) with the query heads of a group as rows: every operand is
-        # contiguous, so no K/V copy beyond the gather (strided batched matmuls were ~5x slower).
-        query = q.view(batch, self.num_kv_heads, self.group_size, self.head_dim).transpose(0, 1)
-        scores = torch.matmul(query, keys.transpose(-1, -2)).float().mul_(self.scale)  # [KVH, B, G, L]
-        if metadata.decode_bias is not None:
-            scores.add_(metadata.decode_bias)
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)  # [KVH, B, G, D]
-        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
+        return gathered_decode_attention(
+            q, kv_cache, layer, metadata.decode_blocks, metadata.decode_bias, self.num_kv_heads, self.scale
+        )
 
 
-_BACKENDS: dict[str, Callable[[int, int, int], AttentionBackend]] = {
-    ReferenceAttention.name: ReferenceAttention,
-    CPUBatchedAttention.name: CPUBatchedAttention,
+def gathered_decode_attention(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    layer: int,
+    block_tables: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_kv_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """Decode rows q [B, H, D] over a gathered copy of their blocks ([B, max_blocks] tables); `bias`
+    ([1, B, 1, max_blocks * block_size], -inf past each context) masks the padding."""
+    batch, max_blocks = block_tables.shape
+    _, num_heads, head_dim = q.shape
+    group_size = num_heads // num_kv_heads
+    max_context = max_blocks * kv_cache.spec.block_size
+    keys, values = kv_cache.gather_blocks(layer, block_tables.view(-1))  # [KVH, B*L, D]
+    keys = keys.view(num_kv_heads, batch, max_context, head_dim)
+    values = values.view(num_kv_heads, batch, max_context, head_dim)
+    # Batch over (kv head, sequence) with the query heads of a group as rows: every operand is
+    # contiguous, so no K/V copy beyond the gather (strided batched matmuls were ~5x slower).
+    query = q.view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float().mul_(scale)  # [KVH, B, G, L]
+    if bias is not None:
+        scores.add_(bias)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [KVH, B, G, D]
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
+
+
+def _cuda_backend(num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    # Imported on use: the CUDA module pulls in Triton lazily and is no business of the CPU engine.
+    from backend.attention_cuda import CUDAAttention
+
+    return CUDAAttention(num_heads, num_kv_heads, head_dim)
+
+
+BackendFactory = Callable[[int, int, int], AttentionBackend]
+ANY_DEVICE = ("cpu", "cuda")
+# name -> (factory, device types it runs on)
+_BACKENDS: dict[str, tuple[BackendFactory, tuple[str, ...]]] = {
+    ReferenceAttention.name: (ReferenceAttention, ANY_DEVICE),
+    CPUBatchedAttention.name: (CPUBatchedAttention, ANY_DEVICE),  # on CUDA: the gathered path only
+    "cuda": (_cuda_backend, ("cuda",)),
 }
 
 
-def register_backend(name: str, factory: Callable[[int, int, int], AttentionBackend]) -> None:
-    """Plug in a device-specific backend (e.g. a CUDA paged-attention kernel) under `name`."""
-    _BACKENDS[name] = factory
+def register_backend(name: str, factory: BackendFactory, devices: tuple[str, ...] = ANY_DEVICE) -> None:
+    """Plug in a device-specific backend under `name`, for the device types it runs on."""
+    _BACKENDS[name] = (factory, devices)
 
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def backend_devices(name: str) -> tuple[str, ...]:
+    return _BACKENDS[name][1]
+
+
 def default_backend_name(device: torch.device) -> str:
-    if device.type == "cuda" and "cuda" in _BACKENDS:
+    if device.type == "cuda":
         return "cuda"
     return CPUBatchedAttention.name
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """The backend `name` stands for on `device`; a clear error if it does not exist or run there."""
+    if name == "auto":
+        name = default_backend_name(device)
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
+    devices = backend_devices(name)
+    if device.type not in devices:
+        raise ValueError(
+            f"attention backend {name!r} runs on {' or '.join(devices)} devices only, and this engine runs "
+            f"on {device}; choose another --attention-backend or --device"
+        )
+    return name
 
 
 def create_backend(
     name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> AttentionBackend:
-    if name == "auto":
-        name = default_backend_name(device)
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
-    return _BACKENDS[name](num_heads, num_kv_heads, head_dim)
+    factory, _ = _BACKENDS[resolve_backend_name(name, device)]
+    return factory(num_heads, num_kv_heads, head_dim)

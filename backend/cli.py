@@ -34,9 +34,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that build an `EngineConfig`; shared by `engine serve` and `bench engine`."""
     parser.add_argument("--model", default=None, help="Hugging Face model dir (default: SmolLM2-135M)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="weight and activation dtype; auto: bfloat16 where the CPU/GPU computes it natively, "
-                        "else float32")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+                        help="weight and activation dtype; auto: what backend/cpu_features.py chooses for this "
+                        "CPU (bfloat16 with AVX-512 BF16 or AVX2 kernels, else float32), bfloat16 on CUDA")
+    parser.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU), cpu, cuda or cuda:N")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                         help="KV cache storage; int8 halves its memory (per-token scales) for a small accuracy cost")
     parser.add_argument(
@@ -52,7 +52,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context window (tokens)")
     parser.add_argument("--ttft-target-ms", type=float, default=None, help="time-to-first-token target")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--attention-backend", default=None, help="attention implementation (default auto)")
+    parser.add_argument(
+        "--attention-backend", default=None,
+        help="attention implementation: auto (cuda on a GPU, cpu_batched on CPU), reference, cpu_batched, cuda",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=None,
+        help="CUDA: fraction of GPU memory the engine may use; the KV pool gets what the weights leave (default 0.9)",
+    )
+    parser.add_argument(
+        "--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+        help="decode through captured CUDA graphs (default: on where they run)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
 
 
@@ -75,10 +86,12 @@ def engine_config_from_args(args: argparse.Namespace):
         "ttft_target_ms": args.ttft_target_ms,
         "num_threads": args.threads,
         "attention_backend": args.attention_backend,
+        "gpu_memory_utilization": getattr(args, "gpu_memory_utilization", None),
+        "cuda_graphs": getattr(args, "cuda_graphs", None),
         "enable_prefix_caching": not args.no_prefix_caching,
     }
     # Optional fields left unset fall back to EngineConfig's defaults.
-    keep_none = {"model", "num_kv_blocks", "max_model_len", "num_threads"}
+    keep_none = {"model", "num_kv_blocks", "kv_cache_memory_mb", "max_model_len", "num_threads", "cuda_graphs"}
     return EngineConfig(**{k: v for k, v in fields.items() if v is not None or k in keep_none})
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_CPU_KV_CACHE_MB = 256
+
 
 @dataclass
 class EngineConfig:
@@ -12,7 +14,14 @@ class EngineConfig:
     device: str = "auto"  # auto|cpu|cuda
     block_size: int = 16
     num_kv_blocks: int | None = None  # if None, derived from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 256
+    # KV pool size; None: 256 MiB on CPU, on CUDA what gpu_memory_utilization leaves after the weights.
+    kv_cache_memory_mb: int | None = None
+    # CUDA: the fraction of the GPU's total memory the engine may hold (weights, activations, KV
+    # pool), like vLLM's; what other processes already use counts against it too.
+    gpu_memory_utilization: float = 0.9
+    # Decode CUDA graphs: None = on where they run (CUDA, the cuda attention backend, 16/32-bit
+    # KV); True = required (a start-up error where they cannot run); False = off.
+    cuda_graphs: bool | None = None
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8
     # none | int4: decode-sized matmuls read 4-bit weights (groups of 32, asymmetric); the default
     # model ships as Q4_1, whose grid int4 reproduces up to bfloat16 scale rounding.
@@ -23,7 +32,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     ttft_target_ms: float = 1500.0
     num_threads: int | None = None  # torch.set_num_threads; default os.cpu_count()
-    attention_backend: str = "auto"  # auto|reference|cpu_batched|cuda names later
+    attention_backend: str = "auto"  # auto|reference|cpu_batched|cuda
+
+    @property
+    def cpu_kv_cache_memory_mb(self) -> int:
+        return DEFAULT_CPU_KV_CACHE_MB if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -42,3 +55,7 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb <= 0:
+            raise ValueError("kv_cache_memory_mb must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")

@@ -48,6 +48,46 @@ class KVCacheSpec:
         return max(1, int(memory_mb * 1024 * 1024) // self.bytes_per_block)
 
 
+def kv_blocks_for_gpu_memory(
+    free_bytes: int, total_bytes: int, utilization: float, bytes_per_block: int, reserve_bytes: int = 0
+) -> int:
+    """KV blocks that fit in a GPU, vLLM's rule: the engine may hold `utilization` of the total
+    memory; what is in use now (this process's weights and other processes alike) and the
+    activation reserve come off that budget, and the pool gets the rest."""
+    in_use = total_bytes - free_bytes
+    budget = int(total_bytes * utilization) - in_use - reserve_bytes
+    if budget < bytes_per_block:
+        gib = 2**30
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} allows {total_bytes * utilization / gib:.1f} GiB, but "
+            f"{in_use / gib:.1f} GiB are in use and {reserve_bytes / gib:.1f} GiB are kept for activations: "
+            "no room for the KV cache; raise --gpu-memory-utilization or free GPU memory"
+        )
+    return budget // bytes_per_block
+
+
+def activation_reserve_bytes(
+    hidden_size: int,
+    intermediate_size: int,
+    qkv_size: int,
+    vocab_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    dtype_bytes: int,
+    slack_bytes: int = 512 * 2**20,
+) -> int:
+    """GPU memory kept out of the KV pool for one step's activations (upper estimate).
+
+    Per scheduled token a layer holds a few hidden-sized tensors, the fused QKV and attention
+    outputs and the gate/up (2x intermediate) and SiLU products; float32 logits (and the sampler's
+    copies) per sequence; and fixed slack for the CUDA context's allocations, cuBLAS workspaces,
+    CUDA-graph pools and allocator fragmentation.
+    """
+    per_token = (4 * hidden_size + 2 * qkv_size + 3 * intermediate_size) * dtype_bytes
+    logits = 3 * max_num_seqs * vocab_size * 4
+    return max_num_batched_tokens * per_token + logits + slack_bytes
+
+
 @dataclass
 class KVWritePlan:
     """Per-step indices for writing the new tokens' KV, computed once and shared by all layers."""

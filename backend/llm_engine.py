@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from backend.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics, SamplingParams
-from backend.attention import create_backend
+from backend.attention import AttentionBackend, create_backend, resolve_backend_name
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.cpu_features import cpu_path
-from backend.kv_cache import KVCache, KVCacheSpec
+from backend.decode_graphs import DecodeGraphs, DecodeInputBuffers, capture_sizes
+from backend.kv_cache import KVCache, KVCacheSpec, activation_reserve_bytes, kv_blocks_for_gpu_memory
 from backend.model_loader import load_model
 from backend.model_runner import ModelRunner
 from backend.sampler import sample
@@ -48,9 +49,45 @@ class EngineStats:
 
 
 def resolve_device(name: str) -> torch.device:
+    """`auto` is CUDA when torch sees a GPU; a CUDA device torch cannot use is a start-up error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {name}: torch {torch.__version__} sees no CUDA device "
+                f"(built for CUDA {torch.version.cuda or 'no CUDA: a CPU-only build'}); use --device cpu or auto"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: torch sees {count} CUDA device(s)")
+    return device
+
+
+def check_device_support(config: EngineConfig, device: torch.device) -> None:
+    """Refuse, before loading anything, the options the device has no path for."""
+    resolve_backend_name(config.attention_backend, device)
+    if device.type == "cuda" and config.weight_quant == "int4":
+        raise ValueError("--weight-quant int4 runs on CPU only (torch's int4pack CPU kernel); drop it on CUDA")
+    if device.type != "cuda" and config.cuda_graphs:
+        raise ValueError(f"--cuda-graphs needs a CUDA device; this engine runs on {device}")
+
+
+def use_decode_graphs(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> bool:
+    """Whether decode steps run through captured CUDA graphs (config.cuda_graphs None = where they can)."""
+    if config.cuda_graphs is False:
+        return False
+    reasons = []
+    if device.type != "cuda":
+        reasons.append(f"the device is {device}")
+    if not attention.supports_decode_graphs:
+        reasons.append(f"attention backend {attention.name!r} has no static-shape decode")
+    if config.kv_cache_dtype == "int8":
+        reasons.append("int8 KV writes have data-dependent shapes")
+    if reasons and config.cuda_graphs:
+        raise ValueError(f"--cuda-graphs cannot run: {'; '.join(reasons)}")
+    return not reasons
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -74,10 +111,15 @@ class LLMEngine:
         model_path = resolve_model_path(config.model)
         self.model_name = model_path.name
         self.device = resolve_device(config.device)
+        check_device_support(config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tokenizer: Tokenizer = load_tokenizer(str(model_path))
         self.model = load_model(model_path, self.dtype, self.device, config.weight_quant)
         arch = self.model.config
+        self.attention = create_backend(
+            config.attention_backend, self.device, arch.num_heads, arch.num_kv_heads, arch.head_dim
+        )
+        graphs = use_decode_graphs(config, self.device, self.attention)
 
         spec = KVCacheSpec(
             num_layers=arch.num_layers,
@@ -87,22 +129,21 @@ class LLMEngine:
             dtype=self.dtype,
             quantized=config.kv_cache_dtype == "int8",
         )
-        num_blocks = config.num_kv_blocks or spec.blocks_for_memory(config.kv_cache_memory_mb)
+        num_blocks = self._kv_pool_blocks(spec)
         # A sequence longer than the whole pool could never be scheduled: cap the context there.
         self.max_model_len = min(
             config.max_model_len or min(arch.max_position_embeddings, DEFAULT_MAX_MODEL_LEN),
             num_blocks * config.block_size,
         )
         self.model.init_rotary(self.max_model_len)
-        self.kv_cache = KVCache(spec, num_blocks, self.device)
+        # Decode graphs pad batches with rows writing to a scratch block beyond the manager's pool.
+        self.kv_cache = KVCache(spec, num_blocks + (1 if graphs else 0), self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, config.ttft_target_ms
         )
-        self.attention = create_backend(
-            config.attention_backend, self.device, arch.num_heads, arch.num_kv_heads, arch.head_dim
-        )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device)
+        decode_graphs = self._capture_decode_graphs(num_blocks) if graphs else None
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, decode_graphs)
         self.vocab_size = arch.vocab_size
         self.sequences: dict[str, Sequence] = {}
         self._arrival_counter = itertools.count()
@@ -114,6 +155,39 @@ class LLMEngine:
             self.model_name, self.dtype, self.device, num_blocks, config.block_size,
             "int8" if spec.quantized else str(self.dtype), self.attention.name, self.cpu_path_summary(),
         )
+
+    def _kv_pool_blocks(self, spec: KVCacheSpec) -> int:
+        config = self.config
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        if self.device.type != "cuda" or config.kv_cache_memory_mb is not None:
+            return spec.blocks_for_memory(config.cpu_kv_cache_memory_mb)
+        arch = self.model.config
+        reserve = activation_reserve_bytes(
+            arch.hidden_size, arch.intermediate_size, (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim,
+            arch.vocab_size, config.max_num_batched_tokens, config.max_num_seqs,
+            torch.empty((), dtype=self.dtype).element_size(),
+        )
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        num_blocks = kv_blocks_for_gpu_memory(free, total, config.gpu_memory_utilization, spec.bytes_per_block, reserve)
+        logger.info(
+            "KV pool from GPU memory: %.1f of %.1f GiB free, utilization %.2f, %.1f GiB kept for activations: "
+            "%d blocks (%.1f GiB)", free / 2**30, total / 2**30, config.gpu_memory_utilization, reserve / 2**30,
+            num_blocks, num_blocks * spec.bytes_per_block / 2**30,
+        )
+        return num_blocks
+
+    def _capture_decode_graphs(self, scratch_block: int) -> DecodeGraphs:
+        config = self.config
+        sizes = capture_sizes(config.max_num_seqs)
+        max_blocks_per_seq = -(-self.max_model_len // config.block_size)
+        buffers = DecodeInputBuffers(max(sizes), max_blocks_per_seq, scratch_block, config.block_size, self.device)
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, buffers, sizes, capture=True)
+        started = time.perf_counter()
+        graphs.capture_all()
+        logger.info("decode CUDA graphs captured in %.1f s", time.perf_counter() - started)
+        return graphs
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
@@ -144,7 +218,7 @@ class LLMEngine:
             cache_salt=request.cache_salt,
         )
         if sampling.seed is not None:
-            seq.generator = torch.Generator().manual_seed(sampling.seed)
+            seq.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.sequences[request.request_id] = seq
         self.scheduler.add(seq)
@@ -258,6 +332,15 @@ class LLMEngine:
             "attention": self.attention.name,
             "threads": self.num_threads,
         }
+        if self.device.type == "cuda":
+            graphs = self.runner.decode_graphs
+            decode_kernel = getattr(self.attention, "decode_kernel_for", None)
+            probe = torch.empty(0, device=self.device)
+            info.update({
+                "gpu": torch.cuda.get_device_name(self.device),
+                "decode_kernel": decode_kernel(probe, self.kv_cache.spec.block_size) if decode_kernel else "none",
+                "cuda_graph_batch_sizes": list(graphs.sizes) if graphs else [],
+            })
         if self.device.type == "cpu":
             path = cpu_path()
             plan = self.model.matmul_plan

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.attention import AttentionBackend, AttentionMetadata, PrefillChunk
+from backend.decode_graphs import DecodeBatch, DecodeGraphs
 from backend.kv_cache import KVCache
 from backend.model import LlamaModel
 from backend.scheduler import ScheduledSequence
@@ -26,12 +27,21 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, attention: AttentionBackend, device: torch.device):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        device: torch.device,
+        decode_graphs: DecodeGraphs | None = None,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
         self.device = device
         self.block_size = kv_cache.spec.block_size
+        # Decode-only steps up to its largest size run padded through static buffers (CUDA graphs).
+        self.decode_graphs = decode_graphs
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -110,6 +120,32 @@ class ModelRunner:
         return self._tensor(input_ids), self._tensor(positions), metadata, self._tensor(logits_rows), sampled
 
     def execute(self, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
+        graphs = self.decode_graphs
+        if graphs is not None and len(scheduled) <= graphs.max_batch:
+            if all(item.num_new_tokens == 1 for item in scheduled):
+                return self._execute_decode_graph(graphs, scheduled)
         input_ids, positions, metadata, logits_rows, sampled = self.prepare(scheduled)
         logits = self.model(input_ids, positions, self.attention, self.kv_cache, metadata, logits_rows)
+        return ModelRunnerOutput(sampled, logits)
+
+    def _execute_decode_graph(self, graphs: DecodeGraphs, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
+        size = self.block_size
+        batch = DecodeBatch([], [], [], [], [])
+        sampled_rows: list[int] = []
+        sampled: list[Sequence] = []
+        for row, item in enumerate(scheduled):
+            seq = item.seq
+            position = seq.num_computed_tokens
+            batch.input_ids.append(seq.token_ids[position])
+            batch.positions.append(position)
+            batch.slot_mapping.append(seq.block_table[position // size] * size + position % size)
+            batch.block_tables.append(seq.block_table)
+            batch.context_lens.append(position + 1)
+            # A one-token step is not sampled when it is a chunked prefill with more prompt to come.
+            if position + 1 == seq.num_tokens:
+                sampled_rows.append(row)
+                sampled.append(seq)
+        logits = graphs.run(batch)
+        if len(sampled_rows) != len(scheduled):
+            logits = logits.index_select(0, self._tensor(sampled_rows))
         return ModelRunnerOutput(sampled, logits)

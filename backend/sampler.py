@@ -26,19 +26,30 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 
 def sample(logits: torch.Tensor, sequences: list[Sequence]) -> list[int]:
-    """One token id per row of float32 `logits` ([len(sequences), vocab])."""
+    """One token id per row of float32 `logits` ([len(sequences), vocab]).
+
+    Everything runs on the logits' device (a sequence's seeded generator lives there too); the
+    chosen ids cross to the host once per step, in the final `.tolist()`.
+    """
     if not sequences:
         return []
-    greedy_ids = torch.argmax(logits, dim=-1).tolist()
-    tokens: list[int] = []
-    for row, seq in enumerate(sequences):
-        params = seq.sampling
-        # A temperature this small overflows logits / temperature into inf (NaN probabilities): greedy.
-        if params.temperature < GREEDY_TEMPERATURE or params.top_k == 1:
-            tokens.append(greedy_ids[row])
-            continue
-        row_logits = logits[row].float().cpu() / params.temperature
-        row_logits = apply_top_k_top_p(row_logits, params.top_k, params.top_p)
-        probs = torch.softmax(row_logits, dim=-1)
-        tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
-    return tokens
+    token_ids = torch.argmax(logits, dim=-1)
+    rows = [row for row, seq in enumerate(sequences) if not _is_greedy(seq)]
+    if rows:
+        draws = torch.cat([_draw(logits[row], sequences[row]) for row in rows])
+        token_ids = token_ids.index_copy(0, torch.tensor(rows, device=logits.device), draws)
+    return token_ids.tolist()
+
+
+def _is_greedy(seq: Sequence) -> bool:
+    params = seq.sampling
+    # A temperature this small overflows logits / temperature into inf (NaN probabilities): greedy.
+    return params.temperature < GREEDY_TEMPERATURE or params.top_k == 1
+
+
+def _draw(row_logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """A [1] tensor holding the token drawn for `seq` from its row of logits."""
+    params = seq.sampling
+    scaled = apply_top_k_top_p(row_logits.float() / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    return torch.multinomial(probs, 1, generator=seq.generator)

@@ -373,7 +373,7 @@ class HFGenerateRunner:
 
     name = "hf_generate"
 
-    def __init__(self, model_dir: str, torch_dtype, tokenizer, num_threads: int | None = None):
+    def __init__(self, model_dir: str, torch_dtype, tokenizer, num_threads: int | None = None, device: str = "cpu"):
         import torch
 
         # The in-process engine leaves this thread one OpenMP thread (backend/openmp.py); the
@@ -384,7 +384,8 @@ class HFGenerateRunner:
 
         hf_logging.disable_progress_bar()  # the weight-loading bar would clutter the report
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        self.device = torch.device(device)  # the engine's device: the baseline runs where it runs
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(self.device)
         self.model.eval()
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else tokenizer.eos_token_id
@@ -413,6 +414,7 @@ class HFGenerateRunner:
         for row, prompt in enumerate(prompts):  # left padding, as decoder-only generation needs
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         token_times: list[float] = []
         start = time.perf_counter()
         with torch.inference_mode():

@@ -93,7 +93,12 @@ def bench_engine_command(args: argparse.Namespace) -> int:
     peers = [OpenAIServerRunner(url, None, tokenizer, name=name) for name, url in peer_specs]
     settings["peers"] = {peer.name: peer.base_url for peer in peers}
     baseline_threads = None if args.url else async_engine.num_threads
-    baseline = HFGenerateRunner(model_dir, baseline_dtype, tokenizer, baseline_threads) if options.baseline else None
+    baseline_device = "cpu" if args.url else str(async_engine.path_info["device"])
+    baseline = (
+        HFGenerateRunner(model_dir, baseline_dtype, tokenizer, baseline_threads, baseline_device)
+        if options.baseline else None
+    )
+    settings["baseline_device"] = baseline_device if baseline is not None else None
     settings["baseline_dtype"] = str(baseline_dtype) if baseline is not None else None
     print(f"bench engine: {settings['mode']}, model {model_dir}, torch threads {settings['threads']}, "
           f"baseline {settings['baseline_dtype']}")
