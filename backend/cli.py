@@ -38,7 +38,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "CPU (bfloat16 with AVX-512 BF16 or AVX2 kernels, else float32), bfloat16 on CUDA")
     parser.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU), cpu, cuda or cuda:N")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
-                        help="KV cache storage; int8 halves its memory (per-token scales) for a small accuracy cost")
+                        help="KV cache storage; int8 halves its memory (per-block, per-head scales) for a small accuracy cost")
     parser.add_argument(
         "--weight-quant", choices=["none", "int4"], default="none",
         help="int4: 4-bit group-32 weights for decode-sized matmuls (bfloat16 on CPU; prefill keeps bf16)",
