@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client import CollectorRegistry
 
 from backend.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
 from backend.openai_api.sse import read_sse_payloads
@@ -130,9 +131,9 @@ class UpstreamClient:
         await self._client.aclose()
 
     @property
-    def metrics_registry(self) -> None:
-        """The upstream server exposes its own engine metrics; none are kept here."""
-        return None
+    def metrics_registry(self) -> CollectorRegistry:
+        """Per-upstream health and latency; the upstream server exposes its own engine metrics."""
+        return self.metrics.registry
 
     # -- generation ----------------------------------------------------------------------------
     def _candidate_urls(self) -> list[str]:

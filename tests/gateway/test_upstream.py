@@ -90,7 +90,7 @@ async def test_all_upstreams_down_is_a_clear_502():
                                            connect_timeout_s=0.2, retries=1))
     # The declared interface, nothing probed: a remote engine has no local tokenizer or metrics.
     assert isinstance(client, EngineClient)
-    assert client.tokenizer is None and client.metrics_registry is None
+    assert client.tokenizer is None and client.metrics_registry is client.metrics.registry
     assert client.needs_health_check and not client.is_ready()
     request = GenerationRequest("r1", [1, 2, 3], SamplingParams(max_tokens=2), messages=[{"role": "user",
                                                                                            "content": "x"}])
