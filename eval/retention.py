@@ -5,7 +5,8 @@ Each question goes through `CompressionPipeline.run` exactly as the gateway woul
 prompt + question, the passages as documents, client text neutralised the same way), and is scored
 on the messages the pipeline returns with the eval's own normalization (eval/evidence.py). Yes/no
 answers are not scored. The time is the pipeline's wall time for a question whose passages it has
-not seen before (first sight; the embedding model itself is loaded before the clock starts).
+not seen before (first sight: the per-text caches are emptied before each question; the embedding
+model itself is loaded before the clock starts).
 
 Tuning and reporting use disjoint halves of a dataset (`--split tune|test`): the files are seeded
 shuffles, so the first half and the second half are two independent samples.
@@ -34,6 +35,7 @@ SPLITS = ("all", "tune", "test")
 class QuestionResult:
     id: str
     answer_retained: bool | None  # None: yes/no answer, not scored
+    gold_passages_retained: float | None
     original_tokens: int
     sent_tokens: int
     compression_ms: float
@@ -86,7 +88,7 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
 class RetentionHarness:
     """One pipeline (tokenizer and embedding model loaded once) for many runs."""
 
-    def __init__(self, model: str | None = None):
+    def __init__(self, model: str | None = None, first_sight: bool = True):
         from backend.model_prepare import resolve_model_path
         from backend.tokenizer import load_tokenizer
         from compression.pipeline import CompressionPipeline
@@ -96,6 +98,19 @@ class RetentionHarness:
         self.pipeline = CompressionPipeline(self.tokenizer)
         self.neutraliser = Neutraliser(self.tokenizer)
         self.pipeline.services.embedder.embed(["warm-up"])  # model load is not compression time
+        self.first_sight = first_sight
+
+    def forget(self) -> None:
+        """Empty the per-text caches (embeddings, sentence splits, token counts), so the next
+        question is timed as a first sight even when an earlier run saw the same passages."""
+        services = self.pipeline.services
+        for cache in (
+            getattr(services.embedder, "_local", None),
+            getattr(services.splitter, "_cache", None),
+            getattr(self.pipeline.counter, "_counts", None),
+        ):
+            if cache is not None:
+                cache.clear()
 
     def request_of(self, example: EvalExample) -> Any:
         from compression.types import CompressionInput, Document
@@ -111,6 +126,8 @@ class RetentionHarness:
 
     def run_one(self, example: EvalExample, policy: Any) -> QuestionResult:
         request = self.request_of(example)
+        if self.first_sight:
+            self.forget()
         started = time.perf_counter()
         result = asyncio.run(self.pipeline.run(request, policy))
         elapsed_ms = (time.perf_counter() - started) * 1000
@@ -121,6 +138,7 @@ class RetentionHarness:
         return QuestionResult(
             id=example.id,
             answer_retained=retention.answer_retained,
+            gold_passages_retained=retention.gold_passages_retained,
             original_tokens=result.original_prompt_tokens,
             sent_tokens=result.prompt_tokens,
             compression_ms=round(elapsed_ms, 3),
@@ -134,6 +152,7 @@ class RetentionHarness:
 
 def summarize(results: Sequence[QuestionResult]) -> dict[str, Any]:
     scored = [r.answer_retained for r in results if r.answer_retained is not None]
+    gold = [r.gold_passages_retained for r in results if r.gold_passages_retained is not None]
     original = sum(r.original_tokens for r in results)
     sent = sum(r.sent_tokens for r in results)
     times = np.array([r.compression_ms for r in results], dtype=np.float64)
@@ -141,6 +160,7 @@ def summarize(results: Sequence[QuestionResult]) -> dict[str, Any]:
         "n": len(results),
         "n_scored": len(scored),
         "answer_retention": round(sum(scored) / len(scored), 4) if scored else None,
+        "gold_passage_retention": round(float(np.mean(gold)), 4) if gold else None,
         # Ratio of totals, as eval/report.py computes it.
         "compression_ratio": round(original / sent, 3) if sent else None,
         "compression_ratio_median": round(float(np.median([r.ratio for r in results])), 3) if results else None,
