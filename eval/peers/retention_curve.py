@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=60, help="scored questions per dataset for ctxgate")
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
     parser.add_argument("--peer", help="the peer's JSON (eval/peers/longllmlingua_peer.py)")
+    parser.add_argument("--reuse", help="take the policy's points from this curve.json instead of running it")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -139,10 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     harness = RetentionHarness()
     peer = json.loads(Path(args.peer).read_text()) if args.peer else None
     budgets = [int(b) for b in args.budgets.split(",")]
+    reused = json.loads(Path(args.reuse).read_text())["curves"] if args.reuse else {}
     curves: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for dataset in args.datasets:
         name = load_dataset(resolve_dataset_path(dataset)).name
-        curves[name] = {args.policy: ctxgate_curve(harness, args.policy, dataset, args.split, args.limit, budgets)}
+        points = reused.get(name, {}).get(args.policy)
+        if points is None:
+            points = ctxgate_curve(harness, args.policy, dataset, args.split, args.limit, budgets)
+        curves[name] = {args.policy: points}
         if peer is not None:
             curves[name]["LongLLMLingua"] = peer_curve(harness, peer, dataset)
     report = {
