@@ -8,7 +8,6 @@ the block budget; sentences are then emitted in their original order, passage ti
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import numpy as np
 
 from compression.counting import CachedCounter
 from compression.knapsack import knapsack
+from compression.multihop import FIRST_HOP_SENTENCES, SecondHop, mentions, plan_second_hop, title_core
 from compression.rendering import passage_header_cost, render_context
 from compression.rerank import minmax
 from compression.state import Passage
@@ -39,6 +39,9 @@ REVERSE_SOURCES = 1
 BRIDGE_SENTENCES = 3
 BRIDGE_GAP = 0.05
 FEEDBACK_WEIGHT = 0.9  # a second-hop match counts a little less than a direct one
+# Triggered second hop (extraction.second_hop "auto"): how many sentences of each bridge passage
+# are lifted, chosen by their match with the question plus the bridge entity.
+HOP_SENTENCES = 2
 
 
 def lexical_overlap(question: str, texts: list[str]) -> np.ndarray:
@@ -70,6 +73,9 @@ class SentenceUnit:
     score: float
     value: float = 0.0
     cost: int = 0
+    # Units of one multi-hop chain (the first-hop sentence naming a bridge entity and the bridge
+    # passage's best sentence) share a chain id: the knapsack keeps them together or not at all.
+    chain: int | None = None
 
 
 def score_sentences(
@@ -125,22 +131,18 @@ def score_sentences(
             unit.score = max(unit.score, FEEDBACK_WEIGHT * (second + MULTI_HOP_PASSAGE_WEIGHT))
     if expand_query and len(passages) > 1:
         boost_bridge_passages(units, passages)
+    store_sentence_scores(units, passages)
+    return units
+
+
+def store_sentence_scores(units: list[SentenceUnit], passages: list[Passage]) -> None:
+    """Each passage keeps its sentences' scores: the fit stage trims by them."""
     for passage_index, passage in enumerate(passages):
         scores = [0.0] * len(passage.sentences or [])
         for unit in units:
             if unit.passage_index == passage_index:
                 scores[unit.sentence_index] = unit.score
         passage.sentence_scores = scores
-    return units
-
-
-def title_core(title: str) -> str:
-    """'Boston, Lincolnshire' -> 'boston'; 'Kiss and Tell (1945 film)' -> 'kiss and tell'."""
-    return title.split(" (")[0].split(", ")[0].strip().lower()
-
-
-def mentions(text: str, phrase: str) -> bool:
-    return re.search(rf"\b{re.escape(phrase)}\b", text) is not None
 
 
 def boost_bridge_passages(units: list[SentenceUnit], passages: list[Passage]) -> None:
@@ -170,6 +172,82 @@ def boost_bridge_passages(units: list[SentenceUnit], passages: list[Passage]) ->
             unit.score = max(unit.score, top_score - BRIDGE_GAP * (1 + unit.sentence_index))
 
 
+def best_units(units: list[SentenceUnit], count: int) -> list[tuple[int, int, str]]:
+    """The first hop's best sentences as (passage index, sentence index, text), best first."""
+    ranked = sorted(units, key=lambda unit: -unit.score)[:count]
+    return [(unit.passage_index, unit.sentence_index, unit.text) for unit in ranked]
+
+
+def second_hop(
+    question: str, units: list[SentenceUnit], passages: list[Passage], embed: Callable[[list[str]], np.ndarray]
+) -> SecondHop:
+    """extraction.second_hop "auto": after the first hop's scores, decide whether the question needs
+    a bridge (compression.multihop) and, only then, follow it. Returns the decision."""
+    if len(passages) < 2 or not units:
+        return SecondHop(triggered=False)
+    hop = plan_second_hop(question, passages, best_units(units, FIRST_HOP_SENTENCES))
+    if hop.triggered:
+        follow_second_hop(question, hop, units, embed)
+        store_sentence_scores(units, passages)
+    return hop
+
+
+def follow_second_hop(
+    question: str, hop: SecondHop, units: list[SentenceUnit], embed: Callable[[list[str]], np.ndarray]
+) -> None:
+    """Score each bridge passage's sentences against the question completed with the bridge entity,
+    lift its best ones just below the best first-hop sentence, and chain the best one to the
+    first-hop sentence that named the entity."""
+    top_score = max(unit.score for unit in units)
+    position_of = {(unit.passage_index, unit.sentence_index): i for i, unit in enumerate(units)}
+    for chain_id, (bridge_index, entity) in enumerate(hop.bridges.items()):
+        members = [i for i, unit in enumerate(units) if unit.passage_index == bridge_index]
+        if not members:
+            continue
+        texts = [units[i].text for i in members]
+        # Bridge sentences may have been left out by the lexical pre-filter: embed them now (a
+        # few sentences, and only for questions that take the second hop).
+        sentence_vectors = embed(texts)
+        hop_query = f"{question} {entity}"
+        hop_scores = match_scores(hop_query, texts, sentence_vectors, embed)
+        lifted = [members[j] for j in np.argsort(-hop_scores, kind="stable")[:HOP_SENTENCES]]
+        for rank, i in enumerate(lifted):
+            units[i].score = max(units[i].score, top_score - BRIDGE_GAP * (1 + rank))
+        # The chained sentence answers what is left of the question once the entity is known: it
+        # matches the question itself, not the entity's name (which every sentence about it has).
+        answer = members[int(np.argmax(match_scores(question, texts, sentence_vectors, embed)))]
+        units[answer].score = max(units[answer].score, top_score - BRIDGE_GAP)
+        link = position_of.get(hop.links[bridge_index])
+        if link is not None and units[link].chain is None:
+            units[link].chain = units[answer].chain = chain_id
+            chain_score = max(units[link].score, units[answer].score)
+            units[link].score = units[answer].score = chain_score
+
+
+def match_scores(
+    query: str, texts: list[str], vectors: np.ndarray, embed: Callable[[list[str]], np.ndarray]
+) -> np.ndarray:
+    """The first hop's fusion (embedding + lexical) of `texts` against `query`, without the passage
+    term: inside one passage only the sentences' own match counts."""
+    semantic = vectors @ embed([query])[0]
+    return EMBEDDING_WEIGHT * semantic + LEXICAL_WEIGHT * lexical_overlap(query, texts)
+
+
+def knapsack_items(units: list[SentenceUnit]) -> list[list[int]]:
+    """Knapsack items as lists of unit positions: a chain is one item, every other unit its own."""
+    items: list[list[int]] = []
+    chains: dict[int, list[int]] = {}
+    for position, unit in enumerate(units):
+        if unit.chain is None:
+            items.append([position])
+        elif unit.chain in chains:
+            chains[unit.chain].append(position)
+        else:
+            chains[unit.chain] = [position]
+            items.append(chains[unit.chain])
+    return items
+
+
 def select_sentences(
     units: list[SentenceUnit], passages: list[Passage], budget: int, counter: CachedCounter, policy: ExtractionPolicy
 ) -> None:
@@ -184,10 +262,14 @@ def select_sentences(
         unit.value, unit.cost = float(value), cost + 1  # +1: the joining space
     headers = [passage_header_cost(counter.count, min(i + 1, 99), p, policy.keep_titles) for i, p in enumerate(passages)]
 
+    items = knapsack_items(units)
+    item_values = [sum(units[i].value for i in item) for item in items]
+    item_costs = [sum(units[i].cost for i in item) for item in items]
     reserve = 0
     chosen: list[int] = []
     for _ in range(4):
-        chosen = knapsack([u.value for u in units], [u.cost for u in units], budget - reserve)
+        chosen_items = knapsack(item_values, item_costs, budget - reserve)
+        chosen = sorted(i for item in chosen_items for i in items[item])
         used_passages = {units[i].passage_index for i in chosen}
         needed = sum(units[i].cost for i in chosen) + sum(headers[p] for p in used_passages)
         if needed <= budget:

@@ -23,11 +23,13 @@ from compression.dedup import duplicate_indices
 from compression.extraction import (
     drop_lowest_sentence,
     score_sentences,
+    second_hop,
     select_sentences,
     trim_block_to_budget,
     values_from_scores,
 )
 from compression.knapsack import knapsack
+from compression.multihop import first_hop_passage_sentences, plan_second_hop
 from compression.prefilter import mark_embedding_candidates
 from compression.rendering import (
     SUMMARY_HEADER,
@@ -364,10 +366,31 @@ class RerankStage(Stage):
             ranked = [p for p in ranked if p.score >= policy.min_score]
         limit = min(policy.top_k or len(ranked), ctx.policy.documents.max_documents or len(ranked))
         kept = {id(p) for p in ranked[:limit]}
+        if ctx.policy.extraction.second_hop == "auto":
+            bridges = rerank_bridges(state, ctx, ranked, limit)
+            kept |= {id(p) for p in bridges}
+            report.details["bridges_kept"] = len(bridges)
         state.passages = [p for p in state.passages if id(p) in kept]
         report.details["kept"] = len(state.passages)
         report.saved_tokens = before - passages_tokens(ctx.counter, state.passages)
         return report
+
+
+# Passages read for bridge entities before sentence scores exist (the extraction decides for good).
+RERANK_HOP_PASSAGES = 2
+
+
+def rerank_bridges(state: PipelineState, ctx: StageContext, ranked: list[Passage], limit: int) -> list[Passage]:
+    """Passages below the rerank cut that a multi-hop question's first hop names: the bridge ranks
+    low by nature (it shares little with the question), so the cut must not drop it."""
+    if limit >= len(ranked):
+        return []
+    ensure_sentences(ctx, ranked[:RERANK_HOP_PASSAGES])
+    order = list(range(len(ranked)))
+    hop = plan_second_hop(
+        state.question_text, ranked, first_hop_passage_sentences(ranked, order, RERANK_HOP_PASSAGES)
+    )
+    return [ranked[index] for index in hop.bridges if index >= limit] if hop.triggered else []
 
 
 class ExtractionStage(Stage):
@@ -390,6 +413,8 @@ class ExtractionStage(Stage):
             question_vector = ctx.question_vector(state)
             embed = ctx.services.embedder.embed
             units = score_sentences(state.question_text, question_vector, state.passages, embed, policy)
+            if policy.second_hop == "auto":
+                report.details.update(second_hop(state.question_text, units, state.passages, embed).details())
             select_sentences(units, state.passages, budget, ctx.counter, policy)
         else:
             select_passages(state.passages, budget, ctx.counter, policy)

@@ -50,6 +50,20 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     _add_gateway_args(run)
     run.set_defaults(func=_eval_run)
 
+    retention = eval_sub.add_parser(
+        "retention", help="answer retention, compression ratio and time per question, in process (fast)")
+    retention.add_argument("--dataset", action="append", required=True, dest="datasets",
+                           help="JSONL dataset (repeat); a bare name is looked up in ../shared/data/eval")
+    retention.add_argument("--policy", required=True, help="policy name")
+    retention.add_argument("--policy-dir", help="policy directory (default: the shipped policies)")
+    retention.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                           help="dotted policy field override, e.g. documents.max_tokens=200 (repeat)")
+    retention.add_argument("--split", choices=["all", "tune", "test"], default="all",
+                           help="first half of each file (tune), second half (test), or all")
+    retention.add_argument("--limit", type=int, help="first N questions of the split")
+    retention.add_argument("--out", help="write the per-question JSON here")
+    retention.set_defaults(func=_eval_retention)
+
     gate = eval_sub.add_parser("gate", help="fail when quality regressed against a baseline report")
     gate.add_argument("--baseline", required=True, help="OLD/report.json")
     gate.add_argument("--current", required=True, help="NEW/report.json")
@@ -115,6 +129,21 @@ def _eval_run(args: argparse.Namespace) -> int:
             f"ratio {arm['compression_ratio']}, TTFT P95 {arm['ttft_ms']['p95']} ms, errors {arm['errors']}"
         )
     print(f"report: {args.out}/report.md")
+    return 0
+
+
+def _eval_retention(args: argparse.Namespace) -> int:
+    from eval.retention import parse_overrides, run_retention, write_json
+
+    report = run_retention(args.datasets, args.policy, parse_overrides(args.override), args.split, args.limit,
+                           args.policy_dir)
+    for name, result in report["datasets"].items():
+        summary = result["summary"]
+        print(f"{name} [{args.policy} {args.split}]: answer retained {summary['answer_retention']} "
+              f"(n={summary['n_scored']}), ratio {summary['compression_ratio']}, compression ms "
+              f"mean {summary['compression_ms_mean']} p95 {summary['compression_ms_p95']}")
+    if args.out:
+        write_json(report, args.out)
     return 0
 
 

@@ -1,0 +1,147 @@
+"""When a question needs a second hop, and which passages and sentences that hop must keep.
+
+A multi-hop ("bridge") question names one entity and asks about another that only the first
+entity's passage names: "What position was held by the woman who portrayed Corliss Archer in the
+film Kiss and Tell?" needs the Kiss and Tell passage (it names Shirley Temple) and then the Shirley
+Temple passage (it holds the answer). The second passage shares few words with the question, so a
+single-hop scorer ranks it low and a tight budget drops it.
+
+The decision is made from two signals, both needed, so single-hop questions pay nothing:
+
+- the question's form: the asked-about thing is described through another one, by a relative
+  clause ("the woman who portrayed ...", "a university that ..."), a reduced relative ("a movie
+  starring ...", "a film based on ...") or a role of something else ("the director of ...");
+- what the first hop found: its best sentences name another passage of the request (by title)
+  that the question itself does not name. That passage is the bridge.
+
+Everything here is plain string work on the request's own titles and sentences: no model call.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from compression.state import Passage
+from compression.text import content_words
+
+# "the woman who portrayed", "a chain that operated", "the city in which": a noun phrase followed by
+# a relative pronoun describes the asked-about entity through another one.
+_RELATIVE_CLAUSE = re.compile(
+    r"\b(?:the|a|an|this|that|which|what)\s+(?:[\w'-]+\s+){0,4}?(?:(?:in|of|at|on|for|by|from|with)\s+)?"
+    r"(?:who|whom|whose|which|that|where)\s+\w+",
+    re.IGNORECASE,
+)
+# Reduced relatives: "a movie starring X", "a film based on", "an album released by".
+_PARTICIPLES = (
+    "starring|featuring|based|located|named|called|known|directed|written|produced|founded|born|owned|"
+    "created|designed|played|portrayed|released|published|developed|built|hosted|formed|composed|"
+    "recorded|performed|coached|managed|led|signed|drafted|adapted|inspired|situated|headquartered"
+)
+_REDUCED_RELATIVE = re.compile(
+    rf"\b(?:the|a|an)\s+(?:[\w'-]+\s+){{0,4}}?(?:{_PARTICIPLES})\s+(?:by|in|on|at|from|as|after|for|with|\w+)",
+    re.IGNORECASE,
+)
+# "the director of X", "the father of X": a role held relative to another entity.
+_ROLE_OF = re.compile(r"\bthe\s+(?:[\w'-]+\s+){0,2}?(?P<role>[\w'-]+)\s+of\s+\S", re.IGNORECASE)
+# Words so general that "the <word> of" names no role ("the name of", "the end of").
+_NOT_ROLES = frozenset(
+    """name names number meaning origin end start beginning top bottom middle rest part parts size
+    length amount type kind form use population capital time date year day season history story
+    episode episodes series cast lyrics song words term definition purpose role function""".split()
+)
+
+# How many of the first hop's best sentences are read for bridge entities, and how many bridges at
+# most are followed (a second hop that follows everything keeps nothing).
+FIRST_HOP_SENTENCES = 3
+MAX_BRIDGES = 2
+MIN_TITLE_CHARS = 3
+
+
+def question_form_cues(question: str) -> list[str]:
+    """The bridge forms the question has (empty for a plain single-hop question)."""
+    cues = []
+    body = question.strip()
+    if _RELATIVE_CLAUSE.search(body):
+        cues.append("relative-clause")
+    if _REDUCED_RELATIVE.search(body):
+        cues.append("reduced-relative")
+    if any(match.group("role").lower() not in _NOT_ROLES for match in _ROLE_OF.finditer(body)):
+        cues.append("role-of")
+    return cues
+
+
+def title_core(title: str) -> str:
+    """'Boston, Lincolnshire' -> 'boston'; 'Kiss and Tell (1945 film)' -> 'kiss and tell'."""
+    return title.split(" (")[0].split(", ")[0].strip().lower()
+
+
+def mentions(text: str, phrase: str) -> bool:
+    """Whole-word, case-insensitive containment (`text` and `phrase` already lower-cased)."""
+    return re.search(rf"\b{re.escape(phrase)}\b", text) is not None
+
+
+@dataclass
+class SecondHop:
+    """The outcome of the trigger: why (or why not), and the bridge passages with their entity."""
+
+    triggered: bool
+    cues: list[str] = field(default_factory=list)
+    # passage index -> the bridge entity (its title core) the first hop named
+    bridges: dict[int, str] = field(default_factory=dict)
+    # bridge passage index -> the first-hop sentence that names it, as (passage, sentence) indices
+    links: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def details(self) -> dict[str, object]:
+        return {"second_hop": self.triggered, "cues": self.cues, "bridges": sorted(set(self.bridges.values()))}
+
+
+def linked_passages(
+    question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]]
+) -> tuple[dict[int, str], dict[int, tuple[int, int]]]:
+    """Passages (by index) whose title the first hop's sentences name and the question does not.
+
+    `first_hop` holds (passage index, sentence index, text) of the best first-hop sentences, best
+    first; a bridge named by a better sentence comes first."""
+    question_lower = question.lower()
+    question_words = content_words(question)
+    bridges: dict[int, str] = {}
+    links: dict[int, tuple[int, int]] = {}
+    for passage_index, sentence_index, text in first_hop:
+        text_lower = text.lower()
+        for index, passage in enumerate(passages):
+            if index == passage_index or index in bridges:  # a passage naming itself bridges nothing
+                continue
+            core = title_core(passage.title or "")
+            if len(core) < MIN_TITLE_CHARS or mentions(question_lower, core):
+                continue
+            if content_words(core) <= question_words:
+                continue  # every word of the title is already in the question: no new entity
+            if mentions(text_lower, core):
+                bridges[index] = core
+                links[index] = (passage_index, sentence_index)
+            if len(bridges) >= MAX_BRIDGES:
+                return bridges, links
+    return bridges, links
+
+
+def plan_second_hop(question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]]) -> SecondHop:
+    """The trigger: a bridge form in the question and a bridge entity in the first hop's findings."""
+    cues = question_form_cues(question)
+    if not cues:
+        return SecondHop(triggered=False)
+    bridges, links = linked_passages(question, passages, first_hop)
+    return SecondHop(triggered=bool(bridges), cues=cues, bridges=bridges, links=links)
+
+
+def first_hop_passage_sentences(passages: list[Passage], ranked: list[int], count: int) -> list[tuple[int, int, str]]:
+    """Before sentence scores exist (at rerank): the live sentences of the `count` best passages,
+    standing in for the first hop's best sentences."""
+    found: list[tuple[int, int, str]] = []
+    for index in ranked[:count]:
+        passage = passages[index]
+        sentences = passage.sentences or [passage.text]
+        found.extend(
+            (index, si, sentence) for si, sentence in enumerate(sentences) if si not in passage.removed_sentences
+        )
+    return found

@@ -1,0 +1,202 @@
+"""`ctxgate eval retention`: answer retention, compression ratio and compression time per question,
+in process (no gateway, no generation), for one policy and optional overrides.
+
+Each question goes through `CompressionPipeline.run` exactly as the gateway would call it (system
+prompt + question, the passages as documents, client text neutralised the same way), and is scored
+on the messages the pipeline returns with the eval's own normalization (eval/evidence.py). Yes/no
+answers are not scored. The time is the pipeline's wall time for a question whose passages it has
+not seen before (first sight: the per-text caches are emptied before each question; the embedding
+model itself is loaded before the clock starts).
+
+Tuning and reporting use disjoint halves of a dataset (`--split tune|test`): the files are seeded
+shuffles, so the first half and the second half are two independent samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eval.client import question_messages
+from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
+from eval.evidence import evidence_retention
+
+SPLITS = ("all", "tune", "test")
+
+
+@dataclass
+class QuestionResult:
+    id: str
+    answer_retained: bool | None  # None: yes/no answer, not scored
+    gold_passages_retained: float | None
+    original_tokens: int
+    sent_tokens: int
+    compression_ms: float
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.original_tokens / max(1, self.sent_tokens)
+
+
+def split_examples(examples: Sequence[EvalExample], split: str) -> list[EvalExample]:
+    """'tune' is the first half of the file, 'test' the second, 'all' both."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}")
+    half = len(examples) // 2
+    if split == "tune":
+        return list(examples[:half])
+    if split == "test":
+        return list(examples[half:])
+    return list(examples)
+
+
+def policy_with_overrides(policy: Any, overrides: dict[str, Any]) -> Any:
+    """The policy with dotted-field overrides applied (the operator's harness may override any
+    field, not only those a request may)."""
+    from policies.loader import apply_overrides
+
+    if not overrides:
+        return policy
+    permissive = policy.model_copy(update={"allow_request_overrides": list(overrides)})
+    return apply_overrides(permissive, overrides).model_copy(
+        update={"allow_request_overrides": policy.allow_request_overrides}
+    )
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """['documents.max_tokens=200'] -> {'documents.max_tokens': 200} (values parsed as YAML)."""
+    import yaml
+
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        dotted, separator, raw = pair.partition("=")
+        if not separator or not dotted.strip():
+            raise ValueError(f"override {pair!r} is not FIELD=VALUE")
+        overrides[dotted.strip()] = yaml.safe_load(raw)
+    return overrides
+
+
+class RetentionHarness:
+    """One pipeline (tokenizer and embedding model loaded once) for many runs."""
+
+    def __init__(self, model: str | None = None, first_sight: bool = True):
+        from backend.model_prepare import resolve_model_path
+        from backend.tokenizer import load_tokenizer
+        from compression.pipeline import CompressionPipeline
+        from gateway.sanitize import Neutraliser
+
+        self.tokenizer = load_tokenizer(str(resolve_model_path(model)))
+        self.pipeline = CompressionPipeline(self.tokenizer)
+        self.neutraliser = Neutraliser(self.tokenizer)
+        self.pipeline.services.embedder.embed(["warm-up"])  # model load is not compression time
+        self.first_sight = first_sight
+
+    def forget(self) -> None:
+        """Empty the per-text caches (embeddings, sentence splits, token counts), so the next
+        question is timed as a first sight even when an earlier run saw the same passages."""
+        services = self.pipeline.services
+        for cache in (
+            getattr(services.embedder, "_local", None),
+            getattr(services.splitter, "_cache", None),
+            getattr(self.pipeline.counter, "_counts", None),
+        ):
+            if cache is not None:
+                cache.clear()
+
+    def request_of(self, example: EvalExample) -> Any:
+        from compression.types import CompressionInput, Document
+
+        messages = [
+            {"role": m["role"], "content": self.neutraliser.text(m["content"])} for m in question_messages(example)
+        ]
+        documents = [
+            Document(text=self.neutraliser.document(d["text"]), id=d["id"], title=self.neutraliser.document(d["title"]))
+            for d in example.documents()
+        ]
+        return CompressionInput(messages=messages, documents=documents)
+
+    def run_one(self, example: EvalExample, policy: Any) -> QuestionResult:
+        request = self.request_of(example)
+        if self.first_sight:
+            self.forget()
+        started = time.perf_counter()
+        result = asyncio.run(self.pipeline.run(request, policy))
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        retention = evidence_retention(example, result.messages)
+        details: dict[str, Any] = {}
+        for stage in result.stages:
+            details.update({f"{stage.name}.{key}": value for key, value in stage.details.items()})
+        return QuestionResult(
+            id=example.id,
+            answer_retained=retention.answer_retained,
+            gold_passages_retained=retention.gold_passages_retained,
+            original_tokens=result.original_prompt_tokens,
+            sent_tokens=result.prompt_tokens,
+            compression_ms=round(elapsed_ms, 3),
+            stage_ms=result.compression_ms,
+            details=details,
+        )
+
+    def run(self, examples: Sequence[EvalExample], policy: Any) -> list[QuestionResult]:
+        return [self.run_one(example, policy) for example in examples]
+
+
+def summarize(results: Sequence[QuestionResult]) -> dict[str, Any]:
+    scored = [r.answer_retained for r in results if r.answer_retained is not None]
+    gold = [r.gold_passages_retained for r in results if r.gold_passages_retained is not None]
+    original = sum(r.original_tokens for r in results)
+    sent = sum(r.sent_tokens for r in results)
+    times = np.array([r.compression_ms for r in results], dtype=np.float64)
+    return {
+        "n": len(results),
+        "n_scored": len(scored),
+        "answer_retention": round(sum(scored) / len(scored), 4) if scored else None,
+        "gold_passage_retention": round(float(np.mean(gold)), 4) if gold else None,
+        # Ratio of totals, as eval/report.py computes it.
+        "compression_ratio": round(original / sent, 3) if sent else None,
+        "compression_ratio_median": round(float(np.median([r.ratio for r in results])), 3) if results else None,
+        "compression_ms_mean": round(float(times.mean()), 2) if results else None,
+        "compression_ms_p50": round(float(np.percentile(times, 50)), 2) if results else None,
+        "compression_ms_p95": round(float(np.percentile(times, 95)), 2) if results else None,
+    }
+
+
+def run_retention(
+    datasets: Sequence[str],
+    policy_name: str,
+    overrides: dict[str, Any],
+    split: str = "all",
+    limit: int | None = None,
+    policy_dir: str | None = None,
+    harness: RetentionHarness | None = None,
+) -> dict[str, Any]:
+    from policies.loader import load_policy_file, packaged_policy_dir
+
+    directory = Path(policy_dir) if policy_dir else packaged_policy_dir()
+    policy = policy_with_overrides(load_policy_file(directory / f"{policy_name}.yaml"), overrides)
+    harness = harness or RetentionHarness()
+    report: dict[str, Any] = {"policy": policy_name, "overrides": overrides, "split": split, "datasets": {}}
+    for name in datasets:
+        dataset = load_dataset(resolve_dataset_path(name))
+        examples = split_examples(dataset.examples, split)[:limit]
+        results = harness.run(examples, policy)
+        report["datasets"][dataset.name] = {
+            "summary": summarize(results),
+            "questions": [asdict(r) | {"ratio": round(r.ratio, 3)} for r in results],
+        }
+    return report
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report, indent=1, ensure_ascii=False))

@@ -1,0 +1,229 @@
+"""The second-hop trigger (compression/multihop.py) and what it does to scoring, the knapsack and
+the rerank cut: bridge questions take the hop and keep the chain, single-hop questions do not."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import numpy as np
+import pytest
+
+from compression.extraction import SentenceUnit, knapsack_items, second_hop, select_sentences
+from compression.multihop import linked_passages, plan_second_hop, question_form_cues
+from compression.state import Passage
+from compression.types import CompressionInput, Document
+from policies.schema import ExtractionPolicy, Policy
+
+BRIDGE_QUESTION = "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
+
+
+@pytest.mark.parametrize(
+    ("question", "cue"),
+    [
+        (BRIDGE_QUESTION, "relative-clause"),
+        ("Ralph Hefferline was a psychology professor at a university that is located in what city?", "relative-clause"),
+        ("According to the 2001 census, what was the population of the city in which Kirton End is located?",
+         "relative-clause"),
+        ("What year did Guns N Roses perform a promo for a movie starring Arnold Schwarzenegger?", "reduced-relative"),
+        ('The director of the romantic comedy "Big Stone Gap" is based in what New York city?', "role-of"),
+    ],
+)
+def test_bridge_forms_are_recognised(question, cue):
+    assert cue in question_form_cues(question)
+
+
+@pytest.mark.parametrize(
+    "question",
+    [
+        "who sang original i want a hippopotamus for christmas",
+        "what is the name of the under butler in downton abbey",
+        "where can the mona lisa be found today",
+        "when did the newest macbook pro come out",
+        "what is the origin of the name robinson",
+    ],
+)
+def test_single_hop_forms_have_no_cue(question):
+    assert question_form_cues(question) == []
+
+
+def passage(title: str, text: str, position: int = 0) -> Passage:
+    return Passage(document=Document(text=text, title=title), position=position)
+
+
+KISS = passage(
+    "Kiss and Tell (1945 film)",
+    "Kiss and Tell is a 1945 American comedy film starring then 17-year-old Shirley Temple as Corliss Archer.",
+)
+TEMPLE = passage(
+    "Shirley Temple",
+    "Shirley Temple Black was an American actress. As an adult, she held the government post of Chief of "
+    "Protocol of the United States.",
+    1,
+)
+CORLISS = passage("Corliss Archer", "Corliss Archer is a fictional character in a series of stories.", 2)
+OTHER = passage("Meet Corliss Archer", "Meet Corliss Archer is an American radio comedy series.", 3)
+
+
+def first_hop_of(p: Passage, index: int) -> list[tuple[int, int, str]]:
+    return [(index, 0, p.text)]
+
+
+def test_a_title_the_first_hop_names_is_a_bridge():
+    passages = [KISS, TEMPLE, CORLISS, OTHER]
+    bridges, links = linked_passages(BRIDGE_QUESTION, passages, first_hop_of(KISS, 0))
+    assert bridges == {1: "shirley temple"}
+    assert links == {1: (0, 0)}
+
+
+def test_a_title_the_question_already_names_is_no_bridge():
+    # "Corliss Archer" is named by the first hop, but the question names it too: not a new entity.
+    passages = [KISS, CORLISS]
+    bridges, _ = linked_passages(BRIDGE_QUESTION, passages, first_hop_of(KISS, 0))
+    assert bridges == {}
+
+
+def test_trigger_needs_both_the_form_and_a_bridge():
+    passages = [KISS, TEMPLE]
+    assert plan_second_hop(BRIDGE_QUESTION, passages, first_hop_of(KISS, 0)).triggered
+    # Same passages, a single-hop form: no second hop however the passages link.
+    single = "when was kiss and tell released"
+    assert not plan_second_hop(single, passages, first_hop_of(KISS, 0)).triggered
+    # Bridge form, but the first hop names no other passage.
+    unlinked = [KISS, passage("Chief of Protocol", "The Chief of Protocol advises the President.", 1)]
+    assert not plan_second_hop(BRIDGE_QUESTION, unlinked, first_hop_of(KISS, 0)).triggered
+
+
+def fake_embed(texts: list[str]) -> np.ndarray:
+    """Deterministic unit vectors from bag-of-words hashing: similar words, similar vectors."""
+    vectors = np.zeros((len(texts), 64), dtype=np.float32)
+    for row, text in enumerate(texts):
+        for word in text.lower().split():
+            vectors[row, int(hashlib.md5(word.strip(".,?").encode()).hexdigest(), 16) % 64] += 1.0
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors / np.where(norms > 0, norms, 1.0)
+
+
+def scored_units(question: str, passages: list[Passage], scores: dict[tuple[int, int], float]) -> list[SentenceUnit]:
+    units = []
+    for pi, p in enumerate(passages):
+        p.sentences = p.sentences or [s if s.endswith(".") else s + "." for s in p.text.split(". ")]
+        for si, text in enumerate(p.sentences):
+            units.append(SentenceUnit(pi, si, text, scores.get((pi, si), 0.1)))
+    return units
+
+
+def test_second_hop_lifts_and_chains_the_bridge_sentence():
+    passages = [passage(p.title or "", p.text, p.position) for p in (KISS, TEMPLE)]
+    units = scored_units(BRIDGE_QUESTION, passages, {(0, 0): 1.0})
+    hop = second_hop(BRIDGE_QUESTION, units, passages, fake_embed)
+    assert hop.triggered and hop.bridges == {1: "shirley temple"}
+    answer = next(u for u in units if "Chief of Protocol" in u.text)
+    link = units[0]
+    assert answer.score > 0.8  # lifted next to the best first-hop sentence
+    assert answer.chain is not None and answer.chain == link.chain
+    assert [len(item) for item in knapsack_items(units) if len(item) > 1] == [2]
+
+
+def test_single_hop_question_takes_no_second_hop_and_keeps_its_scores():
+    passages = [passage(p.title or "", p.text, p.position) for p in (KISS, TEMPLE)]
+    units = scored_units("when was kiss and tell released", passages, {(0, 0): 1.0})
+    before = [u.score for u in units]
+    hop = second_hop("when was kiss and tell released", units, passages, fake_embed)
+    assert not hop.triggered
+    assert [u.score for u in units] == before
+    assert all(u.chain is None for u in units)
+
+
+class WordCounter:
+    """Counts words (the selection only needs a consistent count)."""
+
+    def count(self, text: str) -> int:
+        return len(text.split())
+
+    def count_many(self, texts: list[str]) -> list[int]:
+        return [self.count(t) for t in texts]
+
+
+def kept_after_selection(chained: bool, budget: int) -> set[tuple[int, int]]:
+    passages = [passage("A", "x"), passage("B", "y", 1)]
+    passages[0].sentences = ["a1 link sentence here", "a2 filler words"]
+    passages[1].sentences = ["b1 answer sentence here"]
+    chain = 0 if chained else None
+    units = [
+        SentenceUnit(0, 0, passages[0].sentences[0], 1.0, chain=chain),
+        SentenceUnit(0, 1, passages[0].sentences[1], 0.98),
+        SentenceUnit(1, 0, passages[1].sentences[0], 0.9, chain=chain),
+    ]
+    select_sentences(units, passages, budget, WordCounter(), ExtractionPolicy())
+    return {(pi, si) for pi, p in enumerate(passages) for si in p.kept_sentences or []}
+
+
+def test_knapsack_keeps_a_chain_whole():
+    # 18 words hold the chain (5 + 5) and both headers (4 + 4), not all three sentences. Unchained,
+    # the two sentences of passage A are worth more and the answer sentence of B is dropped.
+    assert kept_after_selection(chained=False, budget=18) == {(0, 0), (0, 1)}
+    assert kept_after_selection(chained=True, budget=18) == {(0, 0), (1, 0)}
+
+
+def test_policy_second_hop_defaults_off_and_rag_default_is_auto():
+    from policies.loader import load_policy_file, packaged_policy_dir
+
+    assert ExtractionPolicy().second_hop == "off"
+    assert load_policy_file(packaged_policy_dir() / "rag-default.yaml").extraction.second_hop == "auto"
+
+
+def hop_request(question: str) -> CompressionInput:
+    distractors = [
+        Document(text=f"Topic {i} is a town in county {i}. It has {i} churches and a market.", title=f"Town {i}")
+        for i in range(6)
+    ]
+    return CompressionInput(
+        messages=[{"role": "user", "content": question}],
+        documents=[
+            Document(text=KISS.text + KISS_FILLER, title=KISS.title),
+            *distractors,
+            Document(text=TEMPLE.text, title=TEMPLE.title),
+        ],
+    )
+
+
+# More than the block budget holds, so the extraction must choose sentences.
+KISS_FILLER = (
+    " The film was shot in black and white over six weeks in the spring."
+    " It premiered in New York and was a box office success."
+    " A sequel, A Kiss for Corliss, followed in 1949."
+)
+
+
+def hop_policy(second: str) -> Policy:
+    return Policy(
+        name="hop",
+        max_input_tokens=400,
+        documents={"max_tokens": 75},
+        rerank={"top_k": 1},
+        extraction={"second_hop": second},
+        dedup={"enabled": False},
+    )
+
+
+def test_pipeline_keeps_the_bridge_passage_past_the_rerank_cut(make_pipeline):
+    pipeline = make_pipeline()
+    result = asyncio.run(pipeline.run(hop_request(BRIDGE_QUESTION), hop_policy("auto")))
+    rerank = next(s for s in result.stages if s.name == "rerank")
+    extraction = next(s for s in result.stages if s.name == "extraction")
+    assert rerank.details["bridges_kept"] == 1
+    assert extraction.details["second_hop"] is True
+    assert extraction.details["bridges"] == ["shirley temple"]
+    assert "Chief of Protocol" in result.context_text
+    # Single hop only: the rerank cut (top 1) drops the bridge passage and the answer with it.
+    single = asyncio.run(pipeline.run(hop_request(BRIDGE_QUESTION), hop_policy("off")))
+    assert "Chief of Protocol" not in single.context_text
+
+
+def test_pipeline_single_hop_question_does_not_trigger(make_pipeline):
+    result = asyncio.run(make_pipeline().run(hop_request("when was kiss and tell released"), hop_policy("auto")))
+    rerank = next(s for s in result.stages if s.name == "rerank")
+    extraction = next(s for s in result.stages if s.name == "extraction")
+    assert rerank.details["bridges_kept"] == 0
+    assert extraction.details.get("second_hop") is False
