@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-waiting-requests", type=int, default=None,
         help="refuse new requests with 503 when this many are already waiting",
     )
+    serve.add_argument("--api-key", default=os.environ.get("CTXGATE_ENGINE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default $CTXGATE_ENGINE_API_KEY)")
+    serve.add_argument("--drop-params", action="store_true",
+                       help="drop request fields the engine cannot honour instead of answering 400")
     add_engine_arguments(serve)
     serve.set_defaults(func=_engine_serve)
 
@@ -92,5 +97,6 @@ def _engine_serve(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive")
     engine = AsyncEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
-    serve(engine, host=args.host, port=args.port, log_level=args.log_level.lower())
+    serve(engine, host=args.host, port=args.port, log_level=args.log_level.lower(),
+          served_model_name=args.served_model_name, api_key=args.api_key, drop_params=args.drop_params)
     return 0

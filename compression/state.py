@@ -11,14 +11,14 @@ from compression.types import CompressionInput, Document, RetrievalSpec
 
 
 def message_text(message: dict[str, Any]) -> str:
-    """Content as plain text (OpenAI content parts are joined)."""
+    """Content as plain text (OpenAI content parts are joined by newlines, as the gateway joins them)."""
     content = message.get("content")
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
     return str(content)
 
 
