@@ -293,6 +293,7 @@ async def compress(request: Request) -> dict[str, Any]:
             "prompt_tokens": result.prompt_tokens,
             "saved_tokens": result.saved_tokens,
             "compression_ms": result.compression_ms,
+            "message_context": result.message_context,
             "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
                         "details": s.details} for s in result.stages],
         },

@@ -354,6 +354,7 @@ class Gateway:
                 "cost": cost["total"],
                 "cost_detail": cost,
                 "dropped_params": list(prepared.dropped_params),
+                "message_context": result.message_context,
             },
         )
 

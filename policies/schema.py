@@ -28,6 +28,10 @@ class HistoryPolicy(_Section):
 class DocumentsPolicy(_Section):
     max_tokens: int = Field(1200, ge=0, description="budget for the retrieved-passages block")
     max_documents: int | None = Field(None, ge=1)
+    # Find retrieved context that frameworks render inside the system/user messages (LangChain's
+    # stuff-documents prompt, LlamaIndex's context chat, numbered or tagged documents, "Context:"
+    # sections) and cut it like `documents`; the instructions and the question stay as they are.
+    from_messages: bool = False
 
 
 class DedupPolicy(_Section):
