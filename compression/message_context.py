@@ -66,6 +66,8 @@ _TERMINATOR = re.compile(
     r"^[ \t]*(?:#+[ \t]*)?(?:(?:question|query|user question|q|answer|instructions?|task|helpful answer)[ \t]*:"
     r"|given the context\b)", re.MULTILINE | re.IGNORECASE,
 )
+# A paragraph's first line this short, without sentence punctuation, is its title.
+MAX_TITLE_CHARS = 80
 _METADATA_LINE = re.compile(r"^[\w .-]{1,40}:[ \t]+\S.{0,200}$")
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
 
@@ -192,9 +194,26 @@ def split_passages(block: str) -> list[FoundPassage]:
         if all(_METADATA_LINE.match(line.strip()) for line in lines) and len(lines) <= 6:
             metadata += paragraph.strip() + "\n\n"  # LlamaIndex node metadata: belongs to the next text
             continue
-        passages.append(FoundPassage(paragraph.strip(), (metadata, ""), title=_title_from(metadata)))
+        head, body, title = _peel_title(lines)
+        frame_head = metadata + head
+        passages.append(FoundPassage(body if head else paragraph.strip(), (frame_head, ""),
+                                     title=title or _title_from(metadata)))
         metadata = ""
     return passages
+
+
+def _peel_title(lines: list[str]) -> tuple[str, str, str | None]:
+    """(header kept verbatim, body, title) of a paragraph whose first line names it: "Title: X" or a
+    short line without sentence punctuation ("{title}\n{page_content}" document prompts)."""
+    if len(lines) < 2:
+        return "", "\n".join(lines), None
+    first = lines[0].strip()
+    key, _, value = first.partition(":")
+    if value.strip() and key.strip().lower() in ("title", "source", "document", "file_name", "file_path"):
+        return lines[0] + "\n", "\n".join(lines[1:]).strip(), value.strip()
+    if len(first) <= MAX_TITLE_CHARS and not first.endswith((".", "!", "?", ":", ";", ",")):
+        return lines[0] + "\n", "\n".join(lines[1:]).strip(), first
+    return "", "\n".join(lines), None
 
 
 def _title_from(metadata: str) -> str | None:
