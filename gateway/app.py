@@ -348,6 +348,7 @@ class _Run:
         self.relayed = generation.forward is not None
         self.chunks: list[dict[str, Any]] = []
         self.upstream_usage: dict[str, Any] | None = None
+        self.upstream_id: str | None = None
         self._iterator: Any = None
         self._first: Any = None
 
@@ -373,6 +374,7 @@ class _Run:
     def _take(self, delta) -> str:
         if delta.raw is not None:
             self.chunks.append(delta.raw)
+            self.upstream_id = self.upstream_id or delta.raw.get("id")
         if delta.text:
             now = time.perf_counter()
             self.first_token_at = self.first_token_at or now
@@ -510,9 +512,10 @@ async def _events(run: _Run, writer: ResponseWriter, endpoint: str, include_usag
             yield _relay(chunk, writer)
         if not run.relayed:
             yield writer.finish(run.outcome.finish_reason)
-        if include_usage and run.relayed:
-            yield sse_event({"id": writer.response_id, "object": "chat.completion.chunk" if writer.chat
-                             else "text_completion", "created": writer.created, "model": writer.model,
+        if include_usage and run.relayed:  # the upstream's envelope (id, created), the gateway's usage
+            yield sse_event({"id": run.upstream_id or writer.response_id,
+                             "object": "chat.completion.chunk" if writer.chat else "text_completion",
+                             "created": writer.created, "model": writer.model,
                              "choices": [], "usage": run.usage_body(usage)})
         elif include_usage:
             yield writer.usage(usage)

@@ -221,6 +221,7 @@ def test_upstream_tool_calls_and_logprobs_come_back_whole_and_streamed(upstream_
     assert "".join(pieces) == '{"q": "grass"}'
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage.prompt_tokens == 11 and "ctxgate" in chunks[-1].usage.model_extra
+    assert {c.id for c in chunks} == {"chatcmpl-up"}  # one envelope: the upstream's
 
 
 def test_upstream_forwards_tool_messages(upstream_pair):
