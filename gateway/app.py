@@ -392,17 +392,20 @@ class _Run:
         return delta.text
 
     async def deltas(self) -> AsyncIterator[str]:
-        """Text pieces; records finish reason, counts and metrics from the final delta."""
+        """Text pieces (and, when relaying, one item per upstream chunk, "" if it has no text); records
+        finish reason, counts and metrics from the final delta."""
         if self._iterator is None:
             await self.start()
         try:
             if self._first is not None:
                 first, self._first = self._first, None
-                if text := self._take(first):
+                text = self._take(first)
+                if text or first.raw is not None:  # relayed chunks go out as they come, text or not
                     yield text
             if not self.finished:
                 async for delta in self._iterator:
-                    if text := self._take(delta):
+                    text = self._take(delta)
+                    if text or delta.raw is not None:
                         yield text
         finally:
             if not self.finished:
@@ -497,7 +500,7 @@ async def _events(run: _Run, writer: ResponseWriter, endpoint: str, include_usag
             yield event
         try:
             async for text in run.deltas():
-                if not run.relayed:
+                if not run.relayed and text:
                     yield writer.text(text)
                 for chunk in run.relayed_chunks():
                     yield _relay(chunk, writer)
