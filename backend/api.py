@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # type-only: this module stays free of the tokenizer and metrics libraries
     from prometheus_client import CollectorRegistry
@@ -59,6 +59,10 @@ class GenerationRequest:
     # (a remote engine tokenizes with its own tokenizer); the in-process engine uses the ids.
     messages: list[dict] | None = None
     prompt_text: str | None = None
+    # The client's own request fields that the gateway does not rewrite (tools, response_format,
+    # logprobs, vendor extras, ...): an engine that `forwards_fields` sends them on untouched and
+    # relays its server's chunks (`GenerationDelta.raw`); other engines never see them.
+    forward: dict[str, Any] | None = None
 
 
 @dataclass
@@ -85,14 +89,21 @@ class GenerationDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Forwarding engines only: the server's chunk as received (relayed to the client as it is) and,
+    # on the final delta, the server's own `usage` object.
+    raw: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
 
 
 class EngineError(Exception):
     """Raised for requests the engine refuses; `status_code` maps it to HTTP."""
 
-    def __init__(self, message: str, status_code: int = 400):
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status_code = status_code
+        # What an upstream server said was wrong, kept so the client still learns which field.
+        self.param = param
+        self.code = code
 
 
 @runtime_checkable
@@ -104,6 +115,8 @@ class EngineClient(Protocol):
     # The compute path serving (device, dtype, CPU kernels, matmul dispatch; see
     # backend.cpu_features); None when the engine does not say (a non-ctxgate upstream).
     path_info: dict[str, object] | None
+    # Optional (read with getattr, default False): True for engines that forward the client's
+    # request fields to another server (`GenerationRequest.forward`) instead of honouring them here.
 
     @property
     def tokenizer(self) -> Tokenizer | None:

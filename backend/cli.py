@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,6 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--vllm-metric-names", action="store_true",
                        help="also export the engine's metrics under vLLM's names (vllm:num_requests_waiting, ...)")
+    serve.add_argument("--api-key", default=os.environ.get("CTXGATE_ENGINE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default $CTXGATE_ENGINE_API_KEY)")
+    serve.add_argument("--drop-params", action="store_true",
+                       help="drop request fields the engine cannot honour instead of answering 400")
     add_engine_arguments(serve)
     serve.set_defaults(func=_engine_serve)
 
@@ -127,5 +132,6 @@ def _engine_serve(args: argparse.Namespace) -> int:
         from backend.metrics import export_vllm_names
 
         export_vllm_names(engine.metrics)
-    serve(engine, host=args.host, port=args.port, log_level=args.log_level.lower())
+    serve(engine, host=args.host, port=args.port, log_level=args.log_level.lower(),
+          served_model_name=args.served_model_name, api_key=args.api_key, drop_params=args.drop_params)
     return 0

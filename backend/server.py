@@ -23,7 +23,8 @@ from pydantic import BaseModel
 from backend.api import EngineError, GenerationDelta, GenerationRequest, Priority, SamplingParams
 from backend.async_engine import AsyncEngine, RequestStream
 from backend.openai_api.errors import APIError, install_error_handlers
-from backend.openai_api.http import document_request_bodies, parse_body, unless_disconnected
+from backend.openai_api.fields import enforce_supported
+from backend.openai_api.http import BearerAuth, document_request_bodies, parse_body, unless_disconnected
 from backend.openai_api.responses import ResponseWriter, Usage
 from backend.openai_api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from backend.openai_api.sse import DONE, event_stream_response, sse_event
@@ -49,13 +50,14 @@ class EngineServer:
     engine: AsyncEngine
     model_name: str
     accepted_model_names: frozenset[str]
+    drop_params: bool = False  # drop (instead of refusing) fields the engine cannot honour
 
     @classmethod
-    def for_engine(cls, engine: AsyncEngine, served_model_name: str | None) -> EngineServer:
+    def for_engine(cls, engine: AsyncEngine, served_model_name: str | None, drop_params: bool = False) -> EngineServer:
         model_name = served_model_name or engine.model_name
         # Clients may name the model as served, by the engine's own name, or by its path.
         names = {model_name, engine.model_name, str(engine.config.model or "")} - {""}
-        return cls(engine, model_name, frozenset(names))
+        return cls(engine, model_name, frozenset(names), drop_params)
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested not in self.accepted_model_names:
@@ -99,13 +101,6 @@ class EngineServer:
 def _priority_from(value: int) -> Priority:
     # vLLM convention: lower value is more urgent; anything above 0 counts as background work.
     return Priority.USER if value <= 0 else Priority.BACKGROUND
-
-
-def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported", param="logprobs")
-    if isinstance(body, CompletionRequest) and body.echo:
-        raise APIError(400, "echo is not supported", param="echo")
 
 
 def _completion_prompt_ids(body: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
@@ -211,7 +206,7 @@ async def completions(request: Request) -> Response:
     server = _server(request)
     body = await parse_body(request, CompletionRequest)
     server.check_model(body.model)
-    _refuse_unsupported(body)
+    enforce_supported(body, server.drop_params)
     prompt_ids = _completion_prompt_ids(body, server.engine.tokenizer)
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     return await _answer(request, server, body, prompt_ids, max_tokens)
@@ -221,7 +216,7 @@ async def chat_completions(request: Request) -> Response:
     server = _server(request)
     body = await parse_body(request, ChatCompletionRequest)
     server.check_model(body.model)
-    _refuse_unsupported(body)
+    enforce_supported(body, server.drop_params)
     prompt_ids = _chat_prompt_ids(body, server.engine.tokenizer)
     return await _answer(request, server, body, prompt_ids, body.requested_max_tokens())
 
@@ -261,10 +256,12 @@ async def _run_engine(app: FastAPI) -> AsyncIterator[None]:
 
 
 # ---------------------------------------------------------------------------- application
-def create_app(engine: AsyncEngine, served_model_name: str | None = None, manage_engine: bool = True) -> FastAPI:
-    """The FastAPI app around `engine`. With `manage_engine` the app starts and stops the engine."""
+def create_app(engine: AsyncEngine, served_model_name: str | None = None, manage_engine: bool = True,
+               api_key: str | None = None, drop_params: bool = False) -> FastAPI:
+    """The FastAPI app around `engine`. With `manage_engine` the app starts and stops the engine;
+    with `api_key` every /v1 route needs `Authorization: Bearer <api_key>`."""
     app = FastAPI(title="ctxgate engine", lifespan=_run_engine if manage_engine else None)
-    app.state.server = EngineServer.for_engine(engine, served_model_name)
+    app.state.server = EngineServer.for_engine(engine, served_model_name, drop_params)
     install_error_handlers(app)
     app.add_exception_handler(EngineError, _answer_engine_error)
     app.add_api_route("/v1/completions", completions, methods=["POST"])
@@ -273,11 +270,15 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, manage
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     document_request_bodies(app, REQUEST_BODIES, ERROR_ANSWERS)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
     return app
 
 
-def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8001, log_level: str = "info") -> None:
+def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8001, log_level: str = "info",
+          served_model_name: str | None = None, api_key: str | None = None, drop_params: bool = False) -> None:
     """Run the server in the foreground until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level)
+    app = create_app(engine, served_model_name, api_key=api_key, drop_params=drop_params)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

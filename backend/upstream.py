@@ -27,6 +27,12 @@ logger = logging.getLogger(__name__)
 
 # Statuses that mean "this replica cannot take it right now", worth trying another one.
 _FAILOVER_STATUSES = {502, 503, 504}
+# Request fields the gateway decides (compressed messages, clamped max_tokens, the upstream's model
+# name, streaming) or that only the gateway understands; every other client field is forwarded.
+_GATEWAY_OWNED = frozenset({
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream", "stream_options",
+    "stop", "ctxgate",
+})
 
 
 @dataclass
@@ -63,6 +69,9 @@ class UpstreamClient:
     """EngineClient over HTTP with timeouts, retries, failover and streaming passthrough."""
 
     tokenizer = None  # the gateway counts with its own local tokenizer for this model
+    # The client's fields go to the upstream untouched and its chunks come back as they are
+    # (`GenerationRequest.forward`, `GenerationDelta.raw`): the upstream decides what it supports.
+    forwards_fields = True
 
     def __init__(self, config: UpstreamConfig, served_model_name: str | None = None):
         self.config = config
@@ -146,22 +155,27 @@ class UpstreamClient:
 
     def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
         sampling = request.sampling
-        body: dict[str, Any] = {
+        if request.forward is not None:
+            # The client's own fields, untouched (sampling included: an absent field stays absent, so
+            # the upstream applies its own defaults); only what the gateway decides is set below.
+            body = {key: value for key, value in request.forward.items() if key not in _GATEWAY_OWNED}
+        else:
+            body = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+            if sampling.seed is not None:
+                body["seed"] = sampling.seed
+            if sampling.top_k:
+                body["top_k"] = sampling.top_k
+            if sampling.ignore_eos:
+                body["ignore_eos"] = True
+        body |= {
             "model": self._upstream_model or self.model_name,
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,  # the policy's clamp
+            # Always streamed, with usage: TTFT is measured here and usage feeds the quota.
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
         if sampling.stop:
-            body["stop"] = sampling.stop
-        if sampling.top_k:
-            body["top_k"] = sampling.top_k
-        if sampling.ignore_eos:
-            body["ignore_eos"] = True
+            body["stop"] = sampling.stop  # empty strings filtered: they would stop at once
         if request.messages is not None:
             body["messages"] = request.messages
             return "/v1/chat/completions", body
@@ -193,7 +207,9 @@ class UpstreamClient:
                 if response.status_code >= 400:
                     await response.aread()
                     await response.aclose()
-                    raise EngineError(_error_message(response), status_code=response.status_code)
+                    param, code = _error_fields(response)
+                    raise EngineError(_error_message(response), status_code=response.status_code,
+                                      param=param, code=code)
                 self._down_until.pop(url, None)
                 self._healthy = self._upstream_model is not None
                 return url, response
@@ -209,6 +225,7 @@ class UpstreamClient:
         finish_reason: str | None = None
         usage: dict[str, Any] = {}
         completion_text_chunks = 0
+        relay = request.forward is not None
         try:
             async for payload in read_sse_payloads(response.aiter_lines()):
                 if "error" in payload and not payload.get("choices"):
@@ -217,15 +234,19 @@ class UpstreamClient:
                     raise EngineError(f"upstream error: {message}", status_code=502)
                 if payload.get("usage"):
                     usage = payload["usage"]
+                texts: list[str] = []
                 for choice in payload.get("choices") or []:
                     text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
-                    if text:
-                        if first_token_at is None:
-                            first_token_at = time.perf_counter()
-                        completion_text_chunks += 1
-                        yield GenerationDelta(request_id=request.request_id, text=text, token_ids=[])
+                    if text and int(choice.get("index", 0)) == 0:
+                        texts.append(text)
                     if choice.get("finish_reason"):
                         finish_reason = choice["finish_reason"]
+                if texts or (relay and payload.get("choices")):
+                    if texts and first_token_at is None:
+                        first_token_at = time.perf_counter()
+                    completion_text_chunks += bool(texts)
+                    yield GenerationDelta(request_id=request.request_id, text="".join(texts), token_ids=[],
+                                          raw=payload if relay else None)
         except httpx.ReadTimeout as exc:
             self.metrics.failure(url, "timeout")
             raise EngineError(f"upstream {url} read timeout", status_code=504) from exc
@@ -258,6 +279,7 @@ class UpstreamClient:
             prompt_tokens=int(usage.get("prompt_tokens") or len(request.prompt_token_ids)),
             completion_tokens=completion_tokens,
             metrics=metrics,
+            usage=usage or None,
         )
 
     async def abort(self, request_id: str) -> None:
@@ -274,3 +296,15 @@ def _error_message(response: httpx.Response) -> str:
     except ValueError:
         pass
     return f"upstream returned HTTP {response.status_code}: {response.text[:200]}"
+
+
+def _error_fields(response: httpx.Response) -> tuple[str | None, str | None]:
+    """The `param` and `code` of an OpenAI-style error body (None when absent or not JSON)."""
+    try:
+        error = response.json().get("error")
+    except ValueError:
+        return None, None
+    if not isinstance(error, dict):
+        return None, None
+    param, code = error.get("param"), error.get("code")
+    return (param if isinstance(param, str) else None), (code if isinstance(code, str) else None)

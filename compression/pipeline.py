@@ -16,6 +16,7 @@ from typing import Any
 
 from compression.cache import BytesCache, LRUBytesCache
 from compression.counting import CachedCounter, TokenCounter
+from compression.message_context import report_kept
 from compression.rendering import render_context
 from compression.services import PrefillCostEstimator, Services
 from compression.stages import STAGES, Stage, StageContext, run_timed
@@ -62,6 +63,7 @@ class CompressionPipeline:
                 reports.append(await run_timed(stage, state, ctx))
         if state.compressing:
             self.cost_estimator.observe_compression((time.perf_counter() - started) * 1000)
+        report_kept(state, reports, self.counter)
         return result_of(state, reports, policy)
 
 

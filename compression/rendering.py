@@ -43,6 +43,8 @@ def passage_header_cost(count: Callable[[str], int], number: int, passage: Passa
 
 
 def render_passage(number: int, passage: Passage, keep_title: bool = True) -> str:
+    if passage.frame is not None:  # found inside a message: its own header and tags, as the client wrote them
+        return f"{passage.frame[0]}{passage.body()}{passage.frame[1]}"
     return f"{passage_header(number, passage.title if keep_title else None)}\n{passage.body()}"
 
 
@@ -87,17 +89,29 @@ def render_messages(
     summary: str | None,
     assembly: AssemblyPolicy,
 ) -> list[dict[str, Any]]:
-    """The messages sent to the model: system prompt, context, summary, history, question, trailing."""
+    """The messages sent to the model: system prompt, context, summary, history, question, trailing.
+    Context found inside a message goes back where it was found instead of the assembly placement."""
+    slot = state.context_slot
     messages: list[dict[str, Any]] = [dict(m) for m in state.system_messages]
-    if context_text and assembly.placement == "system":
+    if slot is not None and slot.where == "system":
+        messages[slot.index] = in_slot(messages[slot.index], slot.offset, context_text)
+    elif slot is None and context_text and assembly.placement == "system":
         messages.append(context_message(context_text))
     if summary:
         messages.append({"role": "system", "content": summary_text(summary)})
     messages.extend(dict(m) for m in history)
     question = dict(state.question)
-    if context_text and assembly.placement == "user":
+    if slot is not None and slot.where == "question":
+        question = in_slot(question, slot.offset, context_text)
+    elif slot is None and context_text and assembly.placement == "user":
         # The question text itself is untouched: the context goes before it in the same turn.
         question["content"] = question_with_context(context_text, message_text(state.question))
     messages.append(question)
     messages.extend(dict(m) for m in state.trailing)
     return messages
+
+
+def in_slot(message: dict[str, Any], offset: int, context_text: str) -> dict[str, Any]:
+    """`message` with the passages block put back at `offset` of its content."""
+    content = message_text(message)
+    return {**message, "content": content[:offset] + context_text + content[offset:]}

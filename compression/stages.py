@@ -1,6 +1,6 @@
 """The pipeline's stages, in the one ordered list `STAGES` that `CompressionPipeline` runs.
 
-    retrieval -> cost-check -> history -> dedup -> rerank -> extraction -> assembly -> fit
+    retrieval -> message-context -> cost-check -> history -> dedup -> rerank -> extraction -> assembly -> fit
 
 Each stage is a small class configured by its policy section: `enabled(state, policy)` says whether
 it runs for this request, `run(state, ctx)` reads and writes the typed `PipelineState` and returns a
@@ -29,6 +29,7 @@ from compression.extraction import (
     values_from_scores,
 )
 from compression.knapsack import knapsack
+from compression.message_context import lift_context
 from compression.multihop import first_hop_passage_sentences, plan_second_hop
 from compression.prefilter import mark_embedding_candidates
 from compression.rendering import (
@@ -140,6 +141,27 @@ class RetrievalStage(Stage):
             passage.sentences = list(sentences)
             state.passages.append(passage)
         return StageReport(self.name, details={"index": state.retrieval.index, "retrieved": len(hits)})
+
+
+class MessageContextStage(Stage):
+    """Retrieved context rendered inside the system/user messages becomes passages for the stages
+    below; the renderer puts what is kept back where it was (compression/message_context.py)."""
+
+    name = "message-context"
+
+    def enabled(self, state: PipelineState, policy: Policy) -> bool:
+        return policy.documents.from_messages
+
+    async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
+        lifted = lift_context(state)
+        if lifted is None:
+            return StageReport(self.name, details={"passages_found": 0, "tokens_found": 0})
+        where, found = lifted
+        passages = state.passages[len(state.passages) - len(found.passages):]
+        return StageReport(self.name, details={
+            "message": where, "layout": found.layout, "passages_found": len(passages),
+            "tokens_found": passages_tokens(ctx.counter, passages),
+        })
 
 
 class CostCheckStage(Stage):
@@ -540,11 +562,12 @@ def drop_summary(state: PipelineState, counter: CachedCounter) -> int:
     return cost
 
 
-# The pipeline, in order. Retrieval comes first because the original prompt (and the cost check)
-# must include the retrieved passages; history runs before the documents stages because the
+# The pipeline, in order. Retrieval and the context found inside messages come first because the
+# original prompt (and the cost check) must include those passages; history runs before the documents stages because the
 # documents get what the system prompt, question and kept history leave.
 STAGES: tuple[Stage, ...] = (
     RetrievalStage(),
+    MessageContextStage(),
     CostCheckStage(),
     HistoryStage(),
     DedupStage(),

@@ -11,14 +11,14 @@ from compression.types import CompressionInput, Document, RetrievalSpec
 
 
 def message_text(message: dict[str, Any]) -> str:
-    """Content as plain text (OpenAI content parts are joined)."""
+    """Content as plain text (OpenAI content parts are joined by newlines, as the gateway joins them)."""
     content = message.get("content")
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
     return str(content)
 
 
@@ -33,6 +33,9 @@ class Passage:
     kept_sentences: list[int] | None = None  # extraction; None keeps every (non-removed) sentence
     # Lexical pre-filter: the sentences worth an embedding (None: all of them).
     embed_sentences: set[int] | None = None
+    # Found inside a message (compression.message_context): the passage's own markup (header, tags)
+    # before and after its body, rendered back verbatim around whatever of the body is kept.
+    frame: tuple[str, str] | None = None
 
     @property
     def text(self) -> str:
@@ -55,6 +58,17 @@ class Passage:
 
     def is_empty(self) -> bool:
         return not self.body().strip()
+
+
+@dataclass
+class ContextSlot:
+    """Where a context block found inside a message was: the kept passages are rendered back there
+    (`offset` into that message's content, from which the block itself was removed)."""
+
+    where: str  # "system" (state.system_messages[index]) or "question"
+    index: int
+    offset: int
+    layout: str
 
 
 @dataclass
@@ -84,6 +98,8 @@ class PipelineState:
     skip_reason: str | None = None  # compression would not pay: the original is sent as it is
     # The lexical pre-filter has chosen which sentences get embedded (it runs once, before the first).
     prefiltered: bool = False
+    # Retrieved context found inside a message: where its passages go back (None: none found).
+    context_slot: ContextSlot | None = None
     # Set by the fit stage: exactly what is sent.
     sent: RenderedPrompt | None = None
     trimmed_units: int = 0  # units the fit dropped after the stages' estimates

@@ -51,6 +51,12 @@ class CompressionResult:
         return {stage.name: stage.saved_tokens for stage in self.stages}
 
     @property
+    def message_context(self) -> dict[str, Any] | None:
+        """What the message-context stage found inside the messages and how much of it is sent."""
+        report = next((stage for stage in self.stages if stage.name == "message-context"), None)
+        return dict(report.details) if report is not None else None
+
+    @property
     def compression_ms(self) -> dict[str, float]:
         return {stage.name: round(stage.ms, 3) for stage in self.stages}
 

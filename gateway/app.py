@@ -21,8 +21,14 @@ from pydantic import BaseModel
 
 from backend.api import EngineClient, GenerationRequest
 from backend.openai_api.errors import ClientDisconnected, install_error_handlers
-from backend.openai_api.http import BodySizeLimit, document_request_bodies, parse_body, unless_disconnected
-from backend.openai_api.responses import ResponseWriter
+from backend.openai_api.http import (
+    BodySizeLimit,
+    document_request_bodies,
+    parse_body,
+    parse_body_and_json,
+    unless_disconnected,
+)
+from backend.openai_api.responses import ResponseWriter, Usage, fold_chunks
 from backend.openai_api.sse import DONE, event_stream_response, sse_event
 from gateway.admission import AdmissionCollector, AdmissionControl, AdmissionController
 from gateway.keys import KeyStore, Tenant
@@ -59,6 +65,7 @@ def _default_engine(settings: GatewaySettings) -> EngineClient:
             urls=list(settings.upstreams), model=settings.upstream_model,
             connect_timeout_s=settings.upstream_connect_timeout_s,
             read_timeout_s=settings.upstream_read_timeout_s, retries=settings.upstream_retries,
+            api_key=settings.upstream_api_key,
         )
         return UpstreamClient(config, served_model_name=settings.served_model_name or settings.upstream_model)
     from backend.async_engine import AsyncEngine  # noqa: I001 (lands with the engine branch)
@@ -70,6 +77,10 @@ def _default_engine(settings: GatewaySettings) -> EngineClient:
 
 
 def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
+    if settings.tokenizer:  # counting for a remote model: no local model package needed
+        from gateway.tokenizers import load_counting_tokenizer
+
+        return load_counting_tokenizer(settings.tokenizer)
     if engine.tokenizer is not None:
         return engine.tokenizer
     from backend.model_prepare import prepare_default_model
@@ -285,6 +296,7 @@ async def compress(request: Request) -> dict[str, Any]:
             "prompt_tokens": result.prompt_tokens,
             "saved_tokens": result.saved_tokens,
             "compression_ms": result.compression_ms,
+            "message_context": result.message_context,
             "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
                         "details": s.details} for s in result.stages],
         },
@@ -293,15 +305,15 @@ async def compress(request: Request) -> dict[str, Any]:
 
 async def chat_completions(request: Request) -> Response:
     tenant = _tenant(request)
-    body = await parse_body(request, ChatCompletionRequest)
-    prepared = await _gateway(request).prepare_chat(body, tenant)
+    body, raw = await parse_body_and_json(request, ChatCompletionRequest)
+    prepared = await _gateway(request).prepare_chat(body, tenant, raw)
     return await _answer(request, body, prepared, messages=prepared.result.messages)
 
 
 async def completions(request: Request) -> Response:
     tenant = _tenant(request)
-    body = await parse_body(request, CompletionRequest)
-    prepared = await _gateway(request).prepare_completion(body, tenant)
+    body, raw = await parse_body_and_json(request, CompletionRequest)
+    prepared = await _gateway(request).prepare_completion(body, tenant, raw)
     return await _answer(request, body, prepared, messages=None)
 
 
@@ -313,7 +325,7 @@ async def _answer(
     generation = GenerationRequest(
         request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
         sampling=prepared.sampling, priority=prepared.priority, cache_salt=prepared.tenant.name,
-        messages=messages, prompt_text=prepared.prompt_text,
+        messages=messages, prompt_text=prepared.prompt_text, forward=prepared.forward,
     )
     writer = ResponseWriter(prepared.request_id, body.model, prepared.created,
                             chat=isinstance(body, ChatCompletionRequest))
@@ -335,6 +347,11 @@ class _Run:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.finished = False
+        # Upstream mode: the upstream's chunks, relayed as they are (and folded when not streamed).
+        self.relayed = generation.forward is not None
+        self.chunks: list[dict[str, Any]] = []
+        self.upstream_usage: dict[str, Any] | None = None
+        self.upstream_id: str | None = None
         self._iterator: Any = None
         self._first: Any = None
 
@@ -358,6 +375,9 @@ class _Run:
             await self.gateway.engine.abort(self.generation.request_id)
 
     def _take(self, delta) -> str:
+        if delta.raw is not None:
+            self.chunks.append(delta.raw)
+            self.upstream_id = self.upstream_id or delta.raw.get("id")
         if delta.text:
             now = time.perf_counter()
             self.first_token_at = self.first_token_at or now
@@ -371,24 +391,39 @@ class _Run:
             if delta.completion_tokens:
                 self.outcome.completion_tokens = delta.completion_tokens
             self.outcome.metrics = delta.metrics
+            self.upstream_usage = delta.usage
         return delta.text
 
     async def deltas(self) -> AsyncIterator[str]:
-        """Text pieces; records finish reason, counts and metrics from the final delta."""
+        """Text pieces (and, when relaying, one item per upstream chunk, "" if it has no text); records
+        finish reason, counts and metrics from the final delta."""
         if self._iterator is None:
             await self.start()
         try:
             if self._first is not None:
                 first, self._first = self._first, None
-                if text := self._take(first):
+                text = self._take(first)
+                if text or first.raw is not None:  # relayed chunks go out as they come, text or not
                     yield text
             if not self.finished:
                 async for delta in self._iterator:
-                    if text := self._take(delta):
+                    text = self._take(delta)
+                    if text or delta.raw is not None:
                         yield text
         finally:
             if not self.finished:
                 await self._stop_engine()
+
+    def relayed_chunks(self) -> list[dict[str, Any]]:
+        """Upstream chunks not yet sent to a streaming client (taken: each is sent once)."""
+        chunks, self.chunks = self.chunks, []
+        return chunks
+
+    def usage_body(self, usage: Usage) -> dict[str, Any]:
+        """`usage` as the client gets it: the upstream's own object plus `ctxgate` when relaying."""
+        if self.relayed and self.upstream_usage:
+            return {**self.upstream_usage, "ctxgate": usage.model_extra.get("ctxgate")}
+        return usage.model_dump()
 
     async def drain(self) -> None:
         """Run the request to the end, keeping only what `outcome` records."""
@@ -445,6 +480,9 @@ async def _complete(request: Request, run: _Run, writer: ResponseWriter) -> JSON
         raise gateway.engine_error(exc) from None
     usage = await gateway.settle(prepared, run.outcome)
     run.observe_latency(request.url.path)
+    if run.relayed:  # the upstream's answer as it is; only the model name (rewritten going up) and usage
+        whole = fold_chunks(run.chunks, writer.chat) | {"model": writer.model, "usage": run.usage_body(usage)}
+        return JSONResponse(whole)
     return JSONResponse(writer.whole(run.outcome.text, run.outcome.finish_reason, usage))
 
 
@@ -461,11 +499,14 @@ async def _events(run: _Run, writer: ResponseWriter, endpoint: str, include_usag
     gateway, prepared = run.gateway, run.prepared
     settled = False
     try:
-        for event in writer.opening():
+        for event in [] if run.relayed else writer.opening():
             yield event
         try:
             async for text in run.deltas():
-                yield writer.text(text)
+                if not run.relayed and text:
+                    yield writer.text(text)
+                for chunk in run.relayed_chunks():
+                    yield _relay(chunk, writer)
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
             yield sse_event(gateway.engine_error(exc).body())
             yield DONE
@@ -473,10 +514,24 @@ async def _events(run: _Run, writer: ResponseWriter, endpoint: str, include_usag
         usage = await gateway.settle(prepared, run.outcome)
         settled = True
         run.observe_latency(endpoint)
-        yield writer.finish(run.outcome.finish_reason)
-        if include_usage:
+        for chunk in run.relayed_chunks():  # chunks after the last text (tool calls, the finish reason)
+            yield _relay(chunk, writer)
+        if not run.relayed:
+            yield writer.finish(run.outcome.finish_reason)
+        if include_usage and run.relayed:  # the upstream's envelope (id, created), the gateway's usage
+            yield sse_event({"id": run.upstream_id or writer.response_id,
+                             "object": "chat.completion.chunk" if writer.chat else "text_completion",
+                             "created": writer.created, "model": writer.model,
+                             "choices": [], "usage": run.usage_body(usage)})
+        elif include_usage:
             yield writer.usage(usage)
         yield DONE
     finally:
         if not settled:
             await asyncio.shield(gateway.settle(prepared, run.outcome, count_metrics=False))
+
+
+def _relay(chunk: dict[str, Any], writer: ResponseWriter) -> str:
+    """An upstream chunk as it came, under the model name the client asked for; usage is sent once,
+    at the end, with the gateway's accounting added."""
+    return sse_event({key: value for key, value in chunk.items() if key != "usage"} | {"model": writer.model})

@@ -34,6 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="seconds an upstream may stay silent mid-response before the request fails (default 120)")
     serve.add_argument("--upstream-retries", type=int, default=1,
                        help="extra connection attempts per upstream URL before failing over (default 1)")
+    serve.add_argument("--upstream-api-key", default=os.environ.get("CTXGATE_UPSTREAM_API_KEY"),
+                       help="Bearer key sent to the upstream (default $CTXGATE_UPSTREAM_API_KEY)")
+    serve.add_argument("--tokenizer", default=None,
+                       help="count budgets with this: a local HF tokenizer dir or a tiktoken encoding name "
+                       "(for a remote model; no local model is needed then)")
+    serve.add_argument("--drop-params", action="store_true",
+                       help="drop request fields the built-in engine cannot honour instead of answering 400")
     serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                        help="shared quota store (default: $REDIS_URL; in-process when unset)")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
@@ -160,6 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
         policy_dir=args.policy_dir, keys_file=args.keys, index_dir=args.index_dir, upstreams=args.upstream,
         upstream_model=args.upstream_model, upstream_connect_timeout_s=args.upstream_connect_timeout,
         upstream_read_timeout_s=args.upstream_read_timeout, upstream_retries=args.upstream_retries,
+        upstream_api_key=args.upstream_api_key or None, tokenizer=args.tokenizer, drop_params=args.drop_params,
         redis_url=args.redis_url or None, default_policy=args.default_policy,
         max_body_bytes=args.max_body_bytes, reload_interval_s=args.reload_interval,
         max_in_flight=args.max_in_flight or None, max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,

@@ -44,6 +44,9 @@ class ServerSection(_Section):
     queue_timeout: float | None = Field(None, gt=0, description="seconds a request may wait for a slot")
     request_timeout: float | None = Field(None, ge=0, description="seconds an admitted request may take; 0: none")
     drain_timeout: float | None = Field(None, ge=0, description="on SIGTERM, seconds for in-flight requests")
+    drop_params: bool | None = Field(None, description="drop request fields the engine cannot honour instead of 400")
+    tokenizer: str | None = Field(None, description="count budgets with a local HF tokenizer dir or a tiktoken "
+                                  "encoding name (for a remote model)")
 
 
 class EngineSection(_Section):
@@ -81,6 +84,7 @@ class UpstreamsSection(_Section):
     connect_timeout: float | None = Field(None, gt=0)
     read_timeout: float | None = Field(None, gt=0)
     retries: int | None = Field(None, ge=0)
+    api_key: str | None = Field(None, description="Bearer key sent to the upstreams, e.g. os.environ/VLLM_API_KEY")
 
 
 class RedisSection(_Section):
@@ -120,7 +124,7 @@ class CtxgateConfig(_Section):
         upstreams = self.upstreams.model_dump(exclude_none=True)
         for key, dest in (("urls", "upstream"), ("model", "upstream_model"), ("connect_timeout",
                           "upstream_connect_timeout"), ("read_timeout", "upstream_read_timeout"),
-                          ("retries", "upstream_retries")):
+                          ("retries", "upstream_retries"), ("api_key", "upstream_api_key")):
             if key in upstreams:
                 values[dest] = upstreams[key]
         if self.redis.url is not None:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from backend.api import EngineClient, EngineError, Priority, RequestMetrics, SamplingParams
 from backend.openai_api.errors import APIError
+from backend.openai_api.fields import enforce_supported
 from backend.openai_api.responses import Usage
 from compression.types import (
     BudgetExceededError,
@@ -47,6 +48,10 @@ class Prepared:
     sampling: SamplingParams
     priority: Priority
     reservation: Reservation | None = None
+    # Fields the built-in engine could not honour, dropped under drop_params (usage.ctxgate).
+    dropped_params: list[str] = field(default_factory=list)
+    # Upstream mode: the client's fields forwarded untouched (GenerationRequest.forward).
+    forward: dict[str, Any] | None = None
     received_at: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -152,10 +157,27 @@ class Gateway:
             return policy
         return policy.model_copy(update={"max_input_tokens": limit})
 
+    # -- request fields --------------------------------------------------------------------------
+    @property
+    def forwards_fields(self) -> bool:
+        """Upstream mode: the engine sends the client's fields on instead of honouring them itself."""
+        return bool(getattr(self.engine, "forwards_fields", False))
+
+    def check_fields(self, body: GatewayRequest, policy: Policy,
+                     raw: dict[str, Any] | None) -> tuple[list[str], dict[str, Any] | None]:
+        """(dropped field names, fields to forward). The built-in engine refuses (400) what it cannot
+        honour unless drop_params; an upstream gets the client's body, and decides itself."""
+        if self.forwards_fields:
+            return [], dict(raw) if raw is not None else body.model_dump(exclude_unset=True)
+        return enforce_supported(body, policy.drop_params or self.settings.drop_params), None
+
     # -- budget --------------------------------------------------------------------------------
     async def compress(self, body: ChatCompletionRequest, tenant: Tenant, policy: Policy) -> CompressionResult:
-        # Client text may not forge control tokens or context markers (gateway/sanitize.py).
-        messages = [{"role": m.role, "content": self.neutraliser.text(m.text())} | ({"name": m.name} if m.name else {})
+        # Client text may not forge control tokens or context markers (gateway/sanitize.py). An
+        # upstream also gets each message's other fields (tool_calls, tool_call_id, ...) back.
+        extra_fields = self.forwards_fields
+        messages = [{"role": m.role, "content": self.neutraliser.text(m.text())}
+                    | ({"name": m.name} if m.name else {}) | ((m.model_extra or {}) if extra_fields else {})
                     for m in body.messages]
         extras = body.ctxgate or CtxgateExtras()
         documents = [
@@ -269,9 +291,11 @@ class Gateway:
         await self.reconcile(prepared.reservation, 0, 0.0)
 
     # -- the whole preparation -----------------------------------------------------------------
-    async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
+    async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant,
+                           raw: dict[str, Any] | None = None) -> Prepared:
         self.check_model(body.model, tenant)
         policy = self.resolve_policy(tenant, body.ctxgate)
+        dropped, forward = self.check_fields(body, policy, raw)
         result = await self.compress(body, tenant, policy)
         token_ids, prompt_text = self.encode_checked(result, policy)
         sampling = self.sampling_for(body, policy, len(token_ids))
@@ -279,16 +303,19 @@ class Gateway:
         prepared = Prepared(
             request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
+            dropped_params=dropped, forward=forward,
         )
         prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens,
                                                   slot_id=prepared.request_id)
         return prepared
 
-    async def prepare_completion(self, body: CompletionRequest, tenant: Tenant) -> Prepared:
+    async def prepare_completion(self, body: CompletionRequest, tenant: Tenant,
+                                 raw: dict[str, Any] | None = None) -> Prepared:
         self.check_model(body.model, tenant)
         if body.ctxgate and (body.ctxgate.documents or body.ctxgate.retrieval):
             raise APIError(400, "documents and retrieval need /v1/chat/completions", param="ctxgate")
         policy = self.resolve_policy(tenant, body.ctxgate)
+        dropped, forward = self.check_fields(body, policy, raw)
         prompt_text = body.prompt_text() or ""
         token_ids = self.tokenizer.encode(prompt_text)
         if not token_ids:
@@ -306,6 +333,7 @@ class Gateway:
         prepared = Prepared(
             request_id=f"cmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=Priority.USER,
+            dropped_params=dropped, forward=forward,
         )
         prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens,
                                                   slot_id=prepared.request_id)
@@ -347,6 +375,8 @@ class Gateway:
                 "cached_prompt_tokens": metrics.cached_prompt_tokens,
                 "cost": cost["total"],
                 "cost_detail": cost,
+                "dropped_params": list(prepared.dropped_params),
+                "message_context": result.message_context,
             },
         )
 
@@ -355,7 +385,8 @@ class Gateway:
             self.metrics.upstream_errors.labels(str(exc.status_code)).inc()
             # An engine refusing for load is the documented overload answer: tell clients when to retry.
             retry = {"Retry-After": "1"} if exc.status_code in (429, 503) else None
-            return APIError(exc.status_code, str(exc), code="overloaded" if retry else "engine_error", headers=retry)
+            code = "overloaded" if retry else (getattr(exc, "code", None) or "engine_error")
+            return APIError(exc.status_code, str(exc), param=getattr(exc, "param", None), code=code, headers=retry)
         if isinstance(exc, TimeoutError):
             self.metrics.upstream_errors.labels("504").inc()
             return APIError(504, str(exc) or "the request timed out", code="timeout")

@@ -27,6 +27,13 @@ class GatewaySettings:
     upstream_connect_timeout_s: float = 2.0
     upstream_read_timeout_s: float = 120.0
     upstream_retries: int = 1
+    # Bearer key the upstream expects (vLLM's --api-key); also $CTXGATE_UPSTREAM_API_KEY.
+    upstream_api_key: str | None = field(default_factory=lambda: os.environ.get("CTXGATE_UPSTREAM_API_KEY") or None)
+    # What budgets are counted with when the model is remote: a local HF directory or a tiktoken
+    # encoding name (e.g. cl100k_base). None: the engine's own tokenizer, or the --model directory.
+    tokenizer: str | None = None
+    # Drop request fields the built-in engine cannot honour instead of answering 400 (any policy).
+    drop_params: bool = False
     redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL") or None)
     default_policy: str = "rag-default"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

@@ -28,6 +28,10 @@ class HistoryPolicy(_Section):
 class DocumentsPolicy(_Section):
     max_tokens: int = Field(1200, ge=0, description="budget for the retrieved-passages block")
     max_documents: int | None = Field(None, ge=1)
+    # Find retrieved context that frameworks render inside the system/user messages (LangChain's
+    # stuff-documents prompt, LlamaIndex's context chat, numbered or tagged documents, "Context:"
+    # sections) and cut it like `documents`; the instructions and the question stay as they are.
+    from_messages: bool = False
 
 
 class DedupPolicy(_Section):
@@ -87,6 +91,9 @@ class Policy(_Section):
     max_input_tokens: int = Field(2048, ge=16, description="hard cap on the prompt sent to the model")
     reserve_output_tokens: int = Field(256, ge=1, description="max_tokens is clamped to this")
     compression_enabled: bool = True
+    # LiteLLM's convention: request fields the built-in engine cannot honour (tools, logprobs, ...)
+    # are a 400 naming the field, unless this drops them (listed in usage.ctxgate.dropped_params).
+    drop_params: bool = False
     # Skip compression when the estimated prefill saving is below this many ms (0: always compress).
     min_saving_ms: float = Field(0.0, ge=0)
     allow_request_overrides: list[str] = Field(

@@ -9,6 +9,7 @@ OpenAI-style 400/415 from both servers; `document_request_bodies` puts the model
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -26,11 +27,17 @@ ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaita
 # -- request bodies ------------------------------------------------------------------------------
 async def parse_body(request: Request, model: type[Model]) -> Model:
     """The request's JSON body as `model`, or an APIError (400/415) naming what is wrong."""
+    parsed, _raw = await parse_body_and_json(request, model)
+    return parsed
+
+
+async def parse_body_and_json(request: Request, model: type[Model]) -> tuple[Model, dict[str, Any]]:
+    """The body as `model` and as the JSON object the client sent (what an upstream is forwarded)."""
     if "json" not in request.headers.get("content-type", "application/json"):
         raise APIError(415, "Content-Type must be application/json", code="unsupported_media_type")
     data = parse_json_object(await request.body())
     try:
-        return model.model_validate(data)
+        return model.model_validate(data), data
     except ValidationError as exc:
         raise invalid_value(list(exc.errors(include_url=False))) from None
 
@@ -94,6 +101,27 @@ class BodySizeLimit:
                 except ValueError:
                     return 0  # a garbled header: the counting receive still enforces the limit
         return 0
+
+
+class BearerAuth:
+    """ASGI middleware: paths under `prefix` need `Authorization: Bearer <api_key>` (401 otherwise),
+    as vLLM's `--api-key`; health and metrics stay open for probes and scrapers."""
+
+    def __init__(self, app: ASGIApp, api_key: str, prefix: str = "/v1"):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.prefix = prefix
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith(self.prefix):
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers", [])).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):  # constant time: no key guessing by timing
+            message = "missing API key (Authorization: Bearer <key>)" if not given else "invalid API key"
+            refusal = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await refusal.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 # -- client disconnects --------------------------------------------------------------------------

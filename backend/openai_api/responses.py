@@ -127,3 +127,80 @@ class ResponseWriter:
         chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
         return StreamChunk(id=self.response_id, object=chunk_object, created=self.created, model=self.model,
                            choices=choices, usage=usage).sse()
+
+
+# -- relaying another server's stream ------------------------------------------------------------
+def fold_chunks(chunks: list[dict[str, Any]], chat: bool) -> dict[str, Any]:
+    """The non-streamed response a stream's chunks add up to (OpenAI semantics: string deltas
+    concatenate, tool calls merge by their index, log-probability lists extend). Fields the chunks
+    carry that are not known here (`system_fingerprint`, vLLM's `stop_reason`, ...) are kept."""
+    whole: dict[str, Any] = {}
+    choices: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for key, value in chunk.items():
+            if key not in ("choices", "usage", "object"):
+                whole.setdefault(key, value)
+        for choice in chunk.get("choices") or []:
+            index = int(choice.get("index", 0))
+            folded = choices.setdefault(index, _empty_choice(index, chat))
+            for key, value in choice.items():
+                if key == "delta" and chat:
+                    _merge_message(folded["message"], value or {})
+                elif key == "text" and not chat:
+                    folded["text"] += value or ""
+                elif key == "logprobs" and value is not None:
+                    folded["logprobs"] = _merge_logprobs(folded.get("logprobs"), value)
+                elif key not in ("index", "delta", "text", "logprobs") and value is not None:
+                    folded[key] = value
+    whole["object"] = "chat.completion" if chat else "text_completion"
+    whole["choices"] = [_finish_choice(choices[index], chat) for index in sorted(choices)]
+    return whole
+
+
+def _empty_choice(index: int, chat: bool) -> dict[str, Any]:
+    base: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}
+    return base | ({"message": {}} if chat else {"text": ""})
+
+
+def _merge_message(message: dict[str, Any], delta: dict[str, Any]) -> None:
+    for key, value in delta.items():
+        if key == "tool_calls":
+            calls = message.setdefault("tool_calls", {})
+            for position, call in enumerate(value or []):
+                _merge_tool_call(calls.setdefault(int(call.get("index", position)), {}), call)
+        elif isinstance(value, str) and isinstance(message.get(key), str) and key != "role":
+            message[key] += value
+        elif value is not None or key not in message:
+            message[key] = value
+
+
+def _merge_tool_call(call: dict[str, Any], delta: dict[str, Any]) -> None:
+    for key, value in delta.items():
+        if key == "index":
+            continue
+        if key == "function" and isinstance(value, dict):
+            function = call.setdefault("function", {})
+            for name, part in value.items():  # the name comes once, the arguments in pieces
+                function[name] = function.get(name, "") + part if isinstance(part, str) else part
+        elif value is not None and key not in call:
+            call[key] = value  # id and type come once, with the first piece
+
+
+def _merge_logprobs(folded: dict[str, Any] | None, delta: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(folded or {})
+    for key, value in delta.items():
+        if isinstance(value, list) and isinstance(merged.get(key), list):
+            merged[key] = merged[key] + value
+        elif value is not None or key not in merged:
+            merged[key] = value
+    return merged
+
+
+def _finish_choice(choice: dict[str, Any], chat: bool) -> dict[str, Any]:
+    if chat:
+        message = choice["message"]
+        message.setdefault("role", "assistant")
+        message.setdefault("content", None)
+        if isinstance(message.get("tool_calls"), dict):
+            message["tool_calls"] = [message["tool_calls"][i] for i in sorted(message["tool_calls"])]
+    return choice

@@ -12,9 +12,10 @@ MAX_STOP_SEQUENCES = 16
 
 
 class _Lenient(BaseModel):
-    # Clients (the OpenAI SDK, LangChain, ...) send fields ctxgate does not use; accept and ignore them
-    # so newer SDKs keep working.
-    model_config = ConfigDict(extra="ignore")
+    # Clients (the OpenAI SDK, LangChain, vLLM extras, ...) send fields not modelled here. They are
+    # kept (`model_extra`) rather than dropped: an upstream gets them forwarded untouched, and the
+    # built-in engine refuses the known ones it cannot honour (`backend.openai_api.fields`).
+    model_config = ConfigDict(extra="allow")
 
 
 class ContentPart(_Lenient):
@@ -39,7 +40,9 @@ class ChatMessage(_Lenient):
                 raise APIError(400, f"content part of type '{part.type}' is not supported (text only)",
                                param="messages", code="unsupported_content")
             texts.append(part.text or "")
-        return "".join(texts)
+        # Separate parts stay separate paragraphs (as OpenAI's own rendering does); "" would glue
+        # the last word of one part to the first of the next.
+        return "\n".join(texts)
 
 
 class StreamOptions(_Lenient):
@@ -53,8 +56,8 @@ class SamplingFields(_Lenient):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    top_k: int = Field(0, ge=-1, description="0 or -1 (vLLM's convention) disables top-k")
+    n: int = Field(1, ge=1, description="choices per request (the built-in engine makes one)")
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -64,6 +67,11 @@ class SamplingFields(_Lenient):
     cache_salt: str | None = Field(None, description="requests with different salts share no cached KV blocks")
     priority: int = Field(0, description="vLLM convention: above 0 is background work")
     user: str | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _minus_one_disables(cls, value: int) -> int:
+        return 0 if value == -1 else value
 
     @field_validator("stop")
     @classmethod

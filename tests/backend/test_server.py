@@ -245,3 +245,35 @@ def test_unknown_model_is_404(client, base_url):
                      json={"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"n": 3}, "n"),
+    ("/v1/completions", {"logprobs": 0}, "logprobs"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"frequency_penalty": 0.4}, "frequency_penalty"),
+])
+def test_unsupported_fields_are_400_naming_them_or_dropped_with_the_flag(base_url, engine, path, fields, param):
+    from backend.server import create_app
+    from tests.gateway.conftest import ServerThread
+
+    body = {"max_tokens": 1} | fields | (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "One, two,"})
+    refused = httpx.post(base_url + path, json=body, timeout=60)
+    assert refused.status_code == 400
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == (param, "unsupported_parameter")
+    with ServerThread(create_app(engine, manage_engine=False, drop_params=True)) as dropping:
+        assert httpx.post(dropping.url + path, json=body, timeout=60).status_code == 200
+
+
+def test_api_key_guards_v1_but_not_health(engine):
+    from backend.server import create_app
+    from tests.gateway.conftest import ServerThread
+
+    with ServerThread(create_app(engine, manage_engine=False, api_key="k1")) as keyed:
+        assert httpx.get(keyed.url + "/v1/models", timeout=30).status_code == 401
+        assert httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer k1"}, timeout=30).status_code == 200
+        assert httpx.get(keyed.url + "/health", timeout=30).status_code == 200

