@@ -52,7 +52,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
 
     retention = eval_sub.add_parser(
         "retention", help="answer retention, compression ratio and time per question, in process (fast)")
-    retention.add_argument("--dataset", action="append", required=True, dest="datasets",
+    retention.add_argument("--input", action="append", required=True, dest="datasets",
                            help="JSONL dataset (repeat); a bare name is looked up in ../shared/data/eval")
     retention.add_argument("--policy", required=True, help="policy name")
     retention.add_argument("--policy-dir", help="policy directory (default: the shipped policies)")

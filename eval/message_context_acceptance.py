@@ -106,14 +106,14 @@ def measure(dataset: Path, limit: int, policy: str = "rag-default",
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", type=Path, default=DEFAULT_DATASET)
+    parser.add_argument("--input", type=Path, default=DEFAULT_DATASET, help="NQ-style JSONL (default: the NQ dev set)")
     parser.add_argument("--limit", type=int, default=100)
     parser.add_argument("--policy", default="rag-default")
     parser.add_argument("--document-prompt", default="{page_content}",
                         help="LangChain document prompt (create_stuff_documents_chain's default: {page_content}; "
                         "'{title}\\n{page_content}' shows each passage's title)")
     args = parser.parse_args(argv)
-    result = measure(args.dataset, args.limit, args.policy, args.document_prompt.replace("\\n", "\n"))
+    result = measure(args.input, args.limit, args.policy, args.document_prompt.replace("\\n", "\n"))
     print(json.dumps(asdict(result) | {"passed": result.passed}, indent=2))
     return 0 if result.passed else 1
 
