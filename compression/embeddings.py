@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from compression.batching import EmbedBatcher
 from compression.cache import BytesCache
 from compression.text import content_hash
 
@@ -66,11 +67,21 @@ class Embedder:
         if QUANTIZE:
             quantize_linear_layers(self._model)
         self._cache = cache
+        self._batcher: EmbedBatcher | None = None
+        self._batcher_lock = threading.Lock()
         self._local: OrderedDict[str, np.ndarray] = OrderedDict()
         self._max_local = max_local_entries
         self._lock = threading.Lock()
         self._key_prefix = f"emb:{self.model_path.name}{':int8' if QUANTIZE else ''}:"
         self.encoded_texts = 0  # texts that actually went through the model (cache misses)
+
+    def use_batcher(self, window_ms: float = 3.0, threads: int = 1) -> EmbedBatcher:
+        """From now on every model call goes through one batching thread (compression/batching.py)
+        with `threads` OpenMP threads; idempotent (the first settings stay)."""
+        with self._batcher_lock:
+            if self._batcher is None:
+                self._batcher = EmbedBatcher(self._encode_now, window_ms=window_ms, threads=threads)
+            return self._batcher
 
     @property
     def model(self) -> Any:
@@ -120,6 +131,11 @@ class Embedder:
                 self._local.popitem(last=False)
 
     def _encode(self, texts: list[str], batch_size: int, show_progress_bar: bool) -> np.ndarray:
+        if self._batcher is not None:
+            return self._batcher.encode(texts)
+        return self._encode_now(texts, batch_size, show_progress_bar)
+
+    def _encode_now(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
         return np.asarray(
             self._model.encode(
                 texts,
