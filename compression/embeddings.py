@@ -103,8 +103,7 @@ class Embedder:
                 else:
                     missing[key] = text
         if missing and self._cache is not None:
-            for key in list(missing):
-                raw = self._cache.get(self._key_prefix + key)
+            for key, raw in zip(list(missing), self._cache_get(list(missing)), strict=True):
                 if raw is not None and len(raw) == 4 * self.dimension:
                     vectors[key] = np.frombuffer(raw, dtype=np.float32).copy()
                     del missing[key]
@@ -112,11 +111,28 @@ class Embedder:
             encoded = self._encode(list(missing.values()), batch_size, show_progress_bar)
             for key, vector in zip(missing, encoded, strict=True):
                 vectors[key] = vector
-                if self._cache is not None:
-                    self._cache.set(self._key_prefix + key, vector.tobytes())
+            if self._cache is not None:
+                self._cache_set({key: vectors[key].tobytes() for key in missing})
             self.encoded_texts += len(missing)
         self._remember(keys, [vectors[key] for key in keys])
         return np.stack([vectors[key] for key in keys]).astype(np.float32, copy=False)
+
+    def _cache_get(self, keys: list[str]) -> list[bytes | None]:
+        """One round trip when the cache can batch (Redis MGET), else one call per key."""
+        assert self._cache is not None
+        prefixed = [self._key_prefix + key for key in keys]
+        get_many = getattr(self._cache, "get_many", None)
+        return list(get_many(prefixed)) if get_many else [self._cache.get(key) for key in prefixed]
+
+    def _cache_set(self, items: dict[str, bytes]) -> None:
+        assert self._cache is not None
+        prefixed = {self._key_prefix + key: value for key, value in items.items()}
+        set_many = getattr(self._cache, "set_many", None)
+        if set_many:
+            set_many(prefixed)
+        else:
+            for key, value in prefixed.items():
+                self._cache.set(key, value)
 
     def prime(self, texts: list[str], vectors: np.ndarray) -> None:
         """Seed the in-process cache with vectors computed earlier (e.g. stored in a retrieval index)."""

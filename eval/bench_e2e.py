@@ -479,9 +479,9 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
     engine_server = EngineServerProcess(model=options.model, log_path=target / "engine.log")
     with engine_server as engine_url:
         for concurrency in options.concurrencies:
-            # A fresh gateway per level, without a shared cache: the documents are new to it.
+            # A fresh gateway per level, without a shared (Redis) cache: the documents are new to it.
             gateway = GatewayProcess(policy_dir=options.policy_dir, model=options.model,
-                                     log_path=target / f"gateway-c{concurrency}.log", env={"REDIS_URL": None})
+                                     log_path=target / f"gateway-c{concurrency}.log", env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None})
             with gateway as gateway_url:
                 endpoints = Endpoints(gateway_url, engine_url, asyncio.run(model_name(gateway_url)),
                                       [pid for pid in (gateway.pid, engine_server.pid) if pid])

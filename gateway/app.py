@@ -84,9 +84,14 @@ def default_pipeline(
     from compression.pipeline import CompressionPipeline
 
     settings = settings or GatewaySettings()
+    cache = None
+    if settings.embed_cache_url:
+        from compression.redis_cache import RedisBytesCache
+
+        cache = RedisBytesCache(settings.embed_cache_url)
     # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
     return CompressionPipeline(
-        tokenizer, engine=engine, index_dir=index_dir, workers=settings.compression_workers,
+        tokenizer, engine=engine, index_dir=index_dir, cache=cache, workers=settings.compression_workers,
         embed_batch_window_ms=settings.embed_batch_window_ms, embed_threads=settings.embed_threads,
     )
 

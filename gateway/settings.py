@@ -47,6 +47,10 @@ class GatewaySettings:
     compression_workers: int = 2
     embed_threads: int = 1
     embed_batch_window_ms: float = 3.0
+    # Embedding (and summary) cache shared by replicas and kept across restarts; None: in-process only.
+    embed_cache_url: str | None = field(
+        default_factory=lambda: os.environ.get("CTXGATE_EMBED_CACHE_URL") or os.environ.get("REDIS_URL") or None
+    )
     # On SIGTERM: refuse new requests with 503 and wait up to this long for in-flight ones.
     drain_timeout_s: float = 30.0
 
