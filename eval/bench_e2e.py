@@ -8,7 +8,9 @@ Four arms on the same questions and load, in one run:
   the first pass pays first-sight compression; the second pass sends the same documents again (warm);
 - *ideal*: the exact messages the compressing policy sends (fetched from /v1/ctxgate/compress after
   the compressed arm saw them), sent with `passthrough` (same prefill, no compression work);
-- *engine*: the ideal messages sent straight to `ctxgate engine serve` (the engine without the gateway).
+- *engine*: the ideal messages sent straight to the built-in engine without the gateway: by default
+  an `AsyncEngine` in the bench process (token ids in, deltas out: no HTTP at all, the strictest
+  baseline), or `ctxgate engine serve` over HTTP with `--engine-server`.
 
 Arms are interleaved chunk by chunk (a chunk is a few closed-loop "rounds" of `concurrency` clients),
 the order rotated per chunk, because a shared two-core machine drifts over minutes. Every request
@@ -20,6 +22,7 @@ Every chunk records the CPU time other processes took meanwhile (eval.bench_engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import time
@@ -61,6 +64,7 @@ class E2EOptions:
     model: str | None = None
     policy_dir: str | None = None
     progress: bool = True
+    engine_server: bool = False
 
 
 @dataclass
@@ -153,6 +157,28 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any])
     return {"ttft_ms": ((first or ended) - started) * 1000, "e2e_ms": (ended - started) * 1000, "usage": usage}
 
 
+async def local_generate(engine: Any, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    """One request to an in-process `AsyncEngine`, timed like `stream_chat` (usage in the same shape)."""
+    from backend.api import GenerationRequest, SamplingParams
+
+    started = time.perf_counter()
+    ids = engine.tokenizer.encode_chat(messages)
+    request = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids,
+                                sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    first: float | None = None
+    tokens = 0
+    prefill_ms = None
+    async for delta in engine.generate(request):
+        if delta.token_ids and first is None:
+            first = time.perf_counter()
+        tokens += len(delta.token_ids)
+        if delta.finish_reason is not None and delta.metrics is not None:
+            prefill_ms = delta.metrics.prefill_ms
+    ended = time.perf_counter()
+    usage = {"prompt_tokens": len(ids), "completion_tokens": tokens, "ctxgate": {"prefill_ms": prefill_ms}}
+    return {"ttft_ms": ((first or ended) - started) * 1000, "e2e_ms": (ended - started) * 1000, "usage": usage}
+
+
 def sample_of(arm: str, pass_name: str, concurrency: int, example: EvalExample, reply: dict[str, Any]) -> Sample:
     usage = reply["usage"]
     extra = usage.get("ctxgate") or {}
@@ -186,9 +212,10 @@ async def closed_loop(items: Sequence[Any], concurrency: int, one: Callable) -> 
 @dataclass
 class Endpoints:
     gateway: str
-    engine: str
+    engine: str | None  # `ctxgate engine serve`, or None: `local_engine` in this process
     model: str
     server_pids: list[int]
+    local_engine: Any = None
 
 
 class E2ERun:
@@ -212,8 +239,18 @@ class E2ERun:
                 body = request_body(arm, copy, None, self.options, self.endpoints.model) | {"max_tokens": 2}
                 await stream_chat(client, self.endpoints.gateway, body)
             await self.fetch_ideal(client, [copy])
-            body = request_body("engine", copy, self.ideal[copy.id], self.options, self.endpoints.model)
-            await stream_chat(client, self.endpoints.engine, body | {"max_tokens": 2})
+            await self.engine_request(client, copy, max_tokens=2)
+
+    async def engine_request(self, client: httpx.AsyncClient, example: EvalExample,
+                             max_tokens: int | None = None) -> dict[str, Any]:
+        """The ideal messages to the engine alone: over HTTP, or as token ids to the local engine."""
+        body = request_body("engine", example, self.ideal[example.id], self.options, self.endpoints.model)
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        if self.endpoints.local_engine is None:
+            assert self.endpoints.engine is not None
+            return await stream_chat(client, self.endpoints.engine, body)
+        return await local_generate(self.endpoints.local_engine, body["messages"], body["max_tokens"])
 
     async def fetch_ideal(self, client: httpx.AsyncClient, examples: list[EvalExample]) -> None:
         """The messages the compressing policy sends, with a placeholder tag the arms replace."""
@@ -230,12 +267,13 @@ class E2ERun:
 
     async def run_arm(self, client: httpx.AsyncClient, arm: str, pass_name: str,
                       examples: list[EvalExample]) -> ArmRun:
-        url = self.endpoints.engine if arm == "engine" else self.endpoints.gateway
-
         async def one(example: EvalExample) -> Sample:
-            body = request_body(arm, example, self.ideal.get(example.id), self.options, self.endpoints.model)
             try:
-                reply = await stream_chat(client, url, body)
+                if arm == "engine":
+                    reply = await self.engine_request(client, example)
+                else:
+                    body = request_body(arm, example, self.ideal.get(example.id), self.options, self.endpoints.model)
+                    reply = await stream_chat(client, self.endpoints.gateway, body)
             except (httpx.HTTPError, RuntimeError) as exc:
                 return Sample(arm, pass_name, self.concurrency, example.id, 0.0, 0.0, 0, 0, error=str(exc))
             return sample_of(arm, pass_name, self.concurrency, example, reply)
@@ -467,6 +505,17 @@ async def model_name(url: str) -> str:
         return str(response.json()["data"][0]["id"])
 
 
+def start_local_engine(model: str | None) -> Any:
+    """The built-in engine in this process, configured as `ctxgate serve` configures its own."""
+    from backend.async_engine import AsyncEngine
+    from backend.config import EngineConfig
+    from backend.model_prepare import prepare_default_model
+
+    engine = AsyncEngine(EngineConfig(model=str(model or prepare_default_model())))
+    engine.start()
+    return engine
+
+
 def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -> dict[str, Any]:
     from eval.report import cpu_path_line
     from eval.server import EngineServerProcess, GatewayProcess
@@ -476,15 +525,21 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
     target.mkdir(parents=True, exist_ok=True)
     levels: dict[str, Any] = {}
     all_runs: list[ArmRun] = []
-    engine_server = EngineServerProcess(model=options.model, log_path=target / "engine.log")
-    with engine_server as engine_url:
+    with contextlib.ExitStack() as stack:
+        engine_url, engine_pid, local_engine = None, None, None
+        if options.engine_server:
+            engine_server = EngineServerProcess(model=options.model, log_path=target / "engine.log")
+            engine_url, engine_pid = stack.enter_context(engine_server), engine_server.pid
+        else:
+            local_engine = start_local_engine(options.model)
+            stack.callback(local_engine.shutdown)
         for concurrency in options.concurrencies:
             # A fresh gateway per level, without a shared (Redis) cache: the documents are new to it.
             gateway = GatewayProcess(policy_dir=options.policy_dir, model=options.model,
                                      log_path=target / f"gateway-c{concurrency}.log", env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None})
             with gateway as gateway_url:
                 endpoints = Endpoints(gateway_url, engine_url, asyncio.run(model_name(gateway_url)),
-                                      [pid for pid in (gateway.pid, engine_server.pid) if pid])
+                                      [pid for pid in (gateway.pid, engine_pid) if pid], local_engine)
                 level = E2ERun(endpoints, options, concurrency)
                 asyncio.run(level.run(dataset.examples))
             all_runs += [run for _, run in level.runs]
