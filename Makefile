@@ -39,6 +39,7 @@ lint: install
 
 bench: model
 	$(VENV)/bin/ctxgate bench engine --out bench-out
+	$(VENV)/bin/ctxgate bench e2e --concurrency 4 --out bench-out/e2e
 
 eval: model
 	$(VENV)/bin/ctxgate eval run --input ../shared/data/eval/nq-multidoc-dev.jsonl \

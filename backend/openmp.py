@@ -48,3 +48,15 @@ def hand_cores_to_engine() -> bool:
         logger.debug("omp_pause_resource_all refused; the calling thread's team stays")
         return False
     return True
+
+
+def limit_calling_thread(num_threads: int) -> bool:
+    """Give the calling thread at most `num_threads` OpenMP threads (1: its torch ops run inline and
+    it never starts a team of its own that would make libgomp throttle the engine's). Per thread:
+    the engine thread's own setting is untouched. False if torch does not use libgomp."""
+    library = _libgomp()
+    if library is None or "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    torch.get_num_threads()  # let ATen's lazy per-thread initialisation happen before we override it
+    library.omp_set_num_threads(max(1, num_threads))
+    return True

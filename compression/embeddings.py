@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from compression.batching import EmbedBatcher
 from compression.cache import BytesCache
 from compression.text import content_hash
 
@@ -66,11 +67,21 @@ class Embedder:
         if QUANTIZE:
             quantize_linear_layers(self._model)
         self._cache = cache
+        self._batcher: EmbedBatcher | None = None
+        self._batcher_lock = threading.Lock()
         self._local: OrderedDict[str, np.ndarray] = OrderedDict()
         self._max_local = max_local_entries
         self._lock = threading.Lock()
         self._key_prefix = f"emb:{self.model_path.name}{':int8' if QUANTIZE else ''}:"
         self.encoded_texts = 0  # texts that actually went through the model (cache misses)
+
+    def use_batcher(self, window_ms: float = 3.0, threads: int = 1) -> EmbedBatcher:
+        """From now on every model call goes through one batching thread (compression/batching.py)
+        with `threads` OpenMP threads; idempotent (the first settings stay)."""
+        with self._batcher_lock:
+            if self._batcher is None:
+                self._batcher = EmbedBatcher(self._encode_now, window_ms=window_ms, threads=threads)
+            return self._batcher
 
     @property
     def model(self) -> Any:
@@ -92,8 +103,7 @@ class Embedder:
                 else:
                     missing[key] = text
         if missing and self._cache is not None:
-            for key in list(missing):
-                raw = self._cache.get(self._key_prefix + key)
+            for key, raw in zip(list(missing), self._cache_get(list(missing)), strict=True):
                 if raw is not None and len(raw) == 4 * self.dimension:
                     vectors[key] = np.frombuffer(raw, dtype=np.float32).copy()
                     del missing[key]
@@ -101,11 +111,28 @@ class Embedder:
             encoded = self._encode(list(missing.values()), batch_size, show_progress_bar)
             for key, vector in zip(missing, encoded, strict=True):
                 vectors[key] = vector
-                if self._cache is not None:
-                    self._cache.set(self._key_prefix + key, vector.tobytes())
+            if self._cache is not None:
+                self._cache_set({key: vectors[key].tobytes() for key in missing})
             self.encoded_texts += len(missing)
         self._remember(keys, [vectors[key] for key in keys])
         return np.stack([vectors[key] for key in keys]).astype(np.float32, copy=False)
+
+    def _cache_get(self, keys: list[str]) -> list[bytes | None]:
+        """One round trip when the cache can batch (Redis MGET), else one call per key."""
+        assert self._cache is not None
+        prefixed = [self._key_prefix + key for key in keys]
+        get_many = getattr(self._cache, "get_many", None)
+        return list(get_many(prefixed)) if get_many else [self._cache.get(key) for key in prefixed]
+
+    def _cache_set(self, items: dict[str, bytes]) -> None:
+        assert self._cache is not None
+        prefixed = {self._key_prefix + key: value for key, value in items.items()}
+        set_many = getattr(self._cache, "set_many", None)
+        if set_many:
+            set_many(prefixed)
+        else:
+            for key, value in prefixed.items():
+                self._cache.set(key, value)
 
     def prime(self, texts: list[str], vectors: np.ndarray) -> None:
         """Seed the in-process cache with vectors computed earlier (e.g. stored in a retrieval index)."""
@@ -120,6 +147,11 @@ class Embedder:
                 self._local.popitem(last=False)
 
     def _encode(self, texts: list[str], batch_size: int, show_progress_bar: bool) -> np.ndarray:
+        if self._batcher is not None:
+            return self._batcher.encode(texts)
+        return self._encode_now(texts, batch_size, show_progress_bar)
+
+    def _encode_now(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
         return np.asarray(
             self._model.encode(
                 texts,

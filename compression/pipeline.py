@@ -10,7 +10,11 @@ with every system message and the question verbatim; when those alone do not fit
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +40,28 @@ class CompressionPipeline:
         index_dir: str | Path | None = None,
         cost_estimator: PrefillCostEstimator | None = None,
         stages: tuple[Stage, ...] = STAGES,
+        workers: int = 0,
+        embed_batch_window_ms: float | None = None,
+        embed_threads: int = 1,
     ):
+        """`workers` > 0: compressing runs in that many threads of its own, off the caller's event
+        loop (the loop keeps streaming other requests' tokens meanwhile); requests whose policy
+        disables compression never queue behind them. `embed_batch_window_ms`: concurrent requests'
+        embeddings are coalesced by one batching thread with `embed_threads` OpenMP threads."""
         self.tokenizer = tokenizer
         self.counter = CachedCounter(tokenizer)
         self.cache = cache if cache is not None else LRUBytesCache()
         self.cost_estimator = cost_estimator or PrefillCostEstimator()
         self.services = Services(self.counter, tokenizer, engine, self.cache, index_dir, self.cost_estimator)
         self.stages = stages
+        if embed_batch_window_ms is not None:
+            self.services.embed_batching = (embed_batch_window_ms, embed_threads)
+        self._executor = (
+            ThreadPoolExecutor(workers, thread_name_prefix="ctxgate-compress", initializer=_limit_openmp)
+            if workers > 0 else None
+        )
+        self._worker = threading.local()
+        self._caller_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def engine(self) -> Any:
@@ -54,6 +73,28 @@ class CompressionPipeline:
         self.services.summarizer.engine = engine
 
     async def run(self, request: CompressionInput, policy: Policy) -> CompressionResult:
+        if self._executor is None or not policy.compression_enabled:
+            # Nothing to compress (counting only): no reason to wait for a compression worker.
+            return await self.run_here(request, policy)
+        if self._caller_loop is None:
+            self._caller_loop = asyncio.get_running_loop()
+            if self.services.engine is not None:
+                self.engine = LoopBridge(self.services.engine, self._caller_loop)
+        future = self._executor.submit(self._run_in_worker, request, policy)
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _run_in_worker(self, request: CompressionInput, policy: Policy) -> CompressionResult:
+        loop = getattr(self._worker, "loop", None)
+        if loop is None:
+            loop = self._worker.loop = asyncio.new_event_loop()
+        return loop.run_until_complete(self.run_here(request, policy))
+
+    async def run_here(self, request: CompressionInput, policy: Policy) -> CompressionResult:
+        """The stages, in the calling thread and event loop."""
         started = time.perf_counter()
         state = split_messages(request, budget_tokens=policy.max_input_tokens)
         ctx = StageContext(policy=policy, counter=self.counter, services=self.services)
@@ -65,6 +106,41 @@ class CompressionPipeline:
             self.cost_estimator.observe_compression((time.perf_counter() - started) * 1000)
         report_kept(state, reports, self.counter)
         return result_of(state, reports, policy)
+
+
+def _limit_openmp() -> None:
+    """A compression worker runs torch ops (if any) inline: no OpenMP team beside the engine's."""
+    from backend import openmp
+
+    openmp.limit_calling_thread(1)
+
+
+class LoopBridge:
+    """The engine as a compression worker sees it: its calls run on the gateway's event loop (an HTTP
+    upstream's connection pool belongs to that loop), their results are handed back to the worker's."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop):
+        self._engine = engine
+        self._loop = loop
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def _on_loop(self, coroutine: Any) -> Any:
+        if asyncio.get_running_loop() is self._loop:
+            return await coroutine
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:
+        async def collect() -> list[Any]:
+            return [delta async for delta in self._engine.generate(request)]
+
+        # Summaries are short and read whole: collecting them first keeps the bridge simple.
+        for delta in await self._on_loop(collect()):
+            yield delta
+
+    async def abort(self, request_id: str) -> None:
+        await self._on_loop(self._engine.abort(request_id))
 
 
 def result_of(state: PipelineState, reports: list[StageReport], policy: Policy) -> CompressionResult:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from compression.state import Passage, PipelineState, message_text
+from compression.text import content_hash
 from policies.schema import AssemblyPolicy
 
 CONTEXT_HEADER = "Documents:"
@@ -72,6 +73,10 @@ def order_passages(passages: list[Passage], order: str) -> list[Passage]:
     """Counter "lost in the middle": best first, or best at both ends of the block."""
     if order == "original":
         return sorted(passages, key=lambda p: p.position)
+    if order == "stable":
+        # Content decides, not the question or the scores: a passage two requests share sits at the
+        # same place relative to the other shared ones, so their prompts share a prefix.
+        return sorted(passages, key=lambda p: (content_hash(p.document.text), p.position))
     ranked = sorted(passages, key=lambda p: (-p.score, p.position))
     if order == "best-first":
         return ranked

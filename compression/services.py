@@ -65,6 +65,8 @@ class Services:
         self.index_store = IndexStore(index_dir)
         self.summarizer = HistorySummarizer(counter.count, self.splitter.split, cache, engine, tokenizer)
         self._embedder = None
+        # (window ms, OpenMP threads) of the embedding micro-batcher; None: encode in the caller.
+        self.embed_batching: tuple[float, int] | None = None
         self._llm_reranker = None
         self._lock = threading.Lock()
 
@@ -75,7 +77,10 @@ class Services:
                 if self._embedder is None:
                     from compression.embeddings import shared_embedder
 
-                    self._embedder = shared_embedder(self.cache)
+                    embedder = shared_embedder(self.cache)
+                    if self.embed_batching is not None:
+                        embedder.use_batcher(*self.embed_batching)
+                    self._embedder = embedder
         return self._embedder
 
     def llm_reranker(self) -> Any:

@@ -18,6 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     _register_bench_engine(bench_sub)
     _register_bench_prefill(bench_sub)
+    _register_bench_e2e(bench_sub)
+    _register_bench_prefix(bench_sub)
 
 
 def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -236,3 +238,71 @@ def _bench_engine(args: argparse.Namespace) -> int:
     from eval.bench_engine_cli import bench_engine_command
 
     return bench_engine_command(args)
+
+
+def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
+    e2e = bench_sub.add_parser(
+        "e2e", help="full / compressed / ideal / engine-alone arms: do saved prompt tokens become saved time?"
+    )
+    e2e.add_argument("--input", dest="dataset", default="nq-multidoc-dev.jsonl", help="QA JSONL (default nq-multidoc-dev.jsonl)")
+    e2e.add_argument("--limit", type=int, default=24, help="first N questions (default 24)")
+    e2e.add_argument("--concurrency", default="4", help="comma-separated levels, e.g. 1,4,16 (default 4)")
+    e2e.add_argument("--output-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    e2e.add_argument("--policy", default="rag-default", help="the compressing policy (default rag-default)")
+    e2e.add_argument("--full-policy", default="passthrough", help="the full-context policy (default passthrough)")
+    e2e.add_argument("--no-warm-pass", action="store_true", help="skip the second (warm-cache) pass")
+    e2e.add_argument("--rounds-per-chunk", type=int, default=2,
+                     help="closed-loop rounds per interleaved chunk (chunk = concurrency x this; default 2)")
+    e2e.add_argument("--model", help="model directory for the gateway and the engine (default: the default model)")
+    e2e.add_argument("--policy-dir", help="extra policy directory for the gateway")
+    e2e.add_argument("--out", default="bench-out/e2e", help="output directory (default bench-out/e2e)")
+    e2e.add_argument("--no-progress", action="store_true", help="no per-chunk progress lines")
+    e2e.add_argument("--engine-server", action="store_true",
+                     help="engine-alone arm over HTTP (`ctxgate engine serve`) instead of the engine in this process")
+    e2e.set_defaults(func=_bench_e2e)
+
+
+def _bench_e2e(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
+    from eval.bench_e2e import E2EOptions, render_markdown, run_bench_e2e
+
+    levels = [int(value) for value in args.concurrency.split(",") if value.strip()]
+    if not levels or min(levels) <= 0 or args.output_tokens <= 0 or args.rounds_per_chunk <= 0:
+        raise ValueError("--concurrency, --output-tokens and --rounds-per-chunk must be positive")
+    options = E2EOptions(
+        dataset=args.dataset, limit=args.limit, concurrencies=levels, output_tokens=args.output_tokens,
+        policy=args.policy, full_policy=args.full_policy, warm_pass=not args.no_warm_pass,
+        rounds_per_chunk=args.rounds_per_chunk, model=args.model, policy_dir=args.policy_dir,
+        progress=not args.no_progress, engine_server=args.engine_server,
+    )
+    from backend.cpu_features import cpu_path
+
+    print(f"bench e2e: {cpu_path().summary()}")
+    report = run_bench_e2e(options, args.out, command="ctxgate " + shlex.join(sys.argv[1:]))
+    print(render_markdown(report))
+    print(f"report: {args.out}/bench_e2e.md")
+    return 0
+
+
+def _register_bench_prefix(bench_sub: argparse._SubParsersAction) -> None:
+    prefix = bench_sub.add_parser(
+        "prefix", help="prefix-cache hit rate across compressed prompts sharing passages: policy order vs stable"
+    )
+    prefix.add_argument("--input", dest="dataset", default="nq-multidoc-dev.jsonl", help="QA JSONL (default nq-multidoc-dev.jsonl)")
+    prefix.add_argument("--policy", default="rag-default", help="packaged compressing policy (default rag-default)")
+    prefix.add_argument("--limit", type=int, default=24, help="requests per arm (default 24)")
+    prefix.add_argument("--retention-limit", type=int, default=100, help="questions for the retention check")
+    prefix.add_argument("--model", help="model directory for the gateway (default: the default model)")
+    prefix.add_argument("--out", default="bench-out/prefix", help="output directory (default bench-out/prefix)")
+    prefix.set_defaults(func=_bench_prefix_reuse)
+
+
+def _bench_prefix_reuse(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
+    from eval.bench_prefix import render_markdown, run_bench_prefix
+
+    if args.limit <= 0 or args.retention_limit <= 0:
+        raise ValueError("--limit and --retention-limit must be positive")
+    report = run_bench_prefix(args.dataset, args.policy, args.limit, args.retention_limit, args.out, args.model)
+    print(render_markdown(report))
+    return 0

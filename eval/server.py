@@ -25,6 +25,8 @@ def free_port() -> int:
 class GatewayProcess:
     """Context manager: `with GatewayProcess(policy_dir=...) as url: ...`."""
 
+    ready_path = "/ready"
+
     def __init__(
         self,
         policy_dir: str | Path | None = None,
@@ -32,8 +34,11 @@ class GatewayProcess:
         log_path: str | Path | None = None,
         ready_timeout_s: float = 600.0,
         extra_args: list[str] | None = None,
+        env: dict[str, str | None] | None = None,
     ):
         self.policy_dir = policy_dir
+        # Environment changes for the child (None removes a variable, e.g. REDIS_URL for a cold cache).
+        self.env_changes = env or {}
         self.model = model
         self.log_path = Path(log_path) if log_path else None
         self.ready_timeout_s = ready_timeout_s
@@ -57,6 +62,11 @@ class GatewayProcess:
             self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         repo_root = Path(__file__).resolve().parent.parent
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
+        for name, value in self.env_changes.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         self._process = subprocess.Popen(
             self.command(),
             stdout=self._log_file or subprocess.DEVNULL,
@@ -81,7 +91,7 @@ class GatewayProcess:
                 self.stop()
                 raise RuntimeError(f"gateway exited with code {self._process.returncode}:\n{tail}")
             try:
-                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.url}{self.ready_path}", timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -106,6 +116,22 @@ class GatewayProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+
+class EngineServerProcess(GatewayProcess):
+    """`ctxgate engine serve` (the built-in engine's own OpenAI server, no gateway) on a free port."""
+
+    ready_path = "/health"
+
+    def command(self) -> list[str]:
+        command = [sys.executable, "-m", "ctxgate", "engine", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.model:
+            command += ["--model", self.model]
+        return command + self.extra_args
 
 
 class InProcessGateway:

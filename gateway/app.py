@@ -89,12 +89,23 @@ def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
     return load_tokenizer(str(settings.model or prepare_default_model()))
 
 
-def default_pipeline(tokenizer: Any, engine: EngineClient, index_dir: Any = None) -> Pipeline:
-    """The compression pipeline over this engine."""
+def default_pipeline(
+    tokenizer: Any, engine: EngineClient, index_dir: Any = None, settings: GatewaySettings | None = None
+) -> Pipeline:
+    """The compression pipeline over this engine, with its own thread budget (see GatewaySettings)."""
     from compression.pipeline import CompressionPipeline
 
+    settings = settings or GatewaySettings()
+    cache = None
+    if settings.embed_cache_url:
+        from compression.redis_cache import RedisBytesCache
+
+        cache = RedisBytesCache(settings.embed_cache_url)
     # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
-    return CompressionPipeline(tokenizer, engine=engine, index_dir=index_dir)
+    return CompressionPipeline(
+        tokenizer, engine=engine, index_dir=index_dir, cache=cache, workers=settings.compression_workers,
+        embed_batch_window_ms=settings.embed_batch_window_ms, embed_threads=settings.embed_threads,
+    )
 
 
 def _policy_registry(settings: GatewaySettings, metrics: GatewayMetrics) -> PolicyRegistry:
@@ -154,7 +165,7 @@ def create_app(
     owns_engine = engine is None
     engine = engine if engine is not None else _default_engine(settings)
     tokenizer = _tokenizer_for(settings, engine)
-    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine, settings.index_dir)
+    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine, settings.index_dir, settings)
     gateway = Gateway(
         settings=settings, engine=engine, tokenizer=tokenizer, pipeline=pipeline,
         policies=_policy_registry(settings, metrics), keys=KeyStore(settings.keys_file),
@@ -188,6 +199,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         await gateway.store.close()
+        close_pipeline = getattr(gateway.pipeline, "close", None)
+        if close_pipeline is not None:
+            close_pipeline()
         if app.state.owns_engine:
             await gateway.engine.stop()
 
@@ -449,12 +463,16 @@ async def _bounded(iterator: AsyncIterator[Any], timeout_s: float | None, starte
             async for item in iterator:
                 yield item
             return
+        loop = asyncio.get_running_loop()
+        # One deadline on the loop's clock; a timer per token (asyncio.timeout_at) instead of a new
+        # task per token (asyncio.wait_for), which showed in the per-token cost of streaming.
+        deadline = loop.time() + started + timeout_s - time.perf_counter()
         while True:
-            remaining = started + timeout_s - time.perf_counter()
-            if remaining <= 0:
+            if loop.time() >= deadline:
                 raise TimeoutError(f"the request took longer than {timeout_s:g}s")
             try:
-                item = await asyncio.wait_for(anext(iterator), remaining)
+                async with asyncio.timeout_at(deadline):
+                    item = await anext(iterator)
             except StopAsyncIteration:
                 return
             except TimeoutError:

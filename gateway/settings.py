@@ -48,6 +48,16 @@ class GatewaySettings:
     request_timeout_s: float | None = 300.0
     # Bound on the in-process engine's waiting queue (beyond it the engine refuses with 503).
     engine_max_waiting_requests: int | None = 256
+    # Compression's own thread budget: requests are compressed in this many worker threads, off the
+    # event loop; the embedding model runs in one batching thread with `embed_threads` OpenMP
+    # threads, coalescing concurrent requests' sentences within `embed_batch_window_ms`.
+    compression_workers: int = 2
+    embed_threads: int = 1
+    embed_batch_window_ms: float = 3.0
+    # Embedding (and summary) cache shared by replicas and kept across restarts; None: in-process only.
+    embed_cache_url: str | None = field(
+        default_factory=lambda: os.environ.get("CTXGATE_EMBED_CACHE_URL") or os.environ.get("REDIS_URL") or None
+    )
     # On SIGTERM: refuse new requests with 503 and wait up to this long for in-flight ones.
     drain_timeout_s: float = 30.0
     # One line per request on the `ctxgate.access` logger (no keys, no prompts); off by default.

@@ -66,7 +66,9 @@ class ExtractionPolicy(_Section):
 
 
 class AssemblyPolicy(_Section):
-    order: Literal["original", "best-first", "best-at-ends"] = "best-first"
+    # "stable": a canonical order by passage content, the same whatever the question, so requests that
+    # share passages share a prompt prefix (and the engine's prefix cache hits).
+    order: Literal["original", "best-first", "best-at-ends", "stable"] = "best-first"
     # Where the passages go: a system message before the conversation, or inside the last user turn.
     placement: Literal["system", "user"] = "user"
 

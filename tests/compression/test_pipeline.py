@@ -99,3 +99,24 @@ def test_reorder_best_at_ends():
 async def test_no_user_message_is_a_value_error(make_pipeline):
     with pytest.raises(ValueError, match="user message"):
         await make_pipeline().run(CompressionInput(messages=[{"role": "system", "content": "x"}]), Policy(name="p"))
+
+
+def test_stable_order_depends_on_content_only():
+    def passage(text: str, position: int, score: float) -> Passage:
+        return Passage(document=Document(text=text), position=position, score=score)
+
+    shared = ["Ida Holm is mayor.", "The Vey runs north.", "Brisk has 5400 people."]
+    first = [passage(t, i, s) for i, (t, s) in enumerate(zip([*shared, "only in A"], [0.1, 0.9, 0.5, 0.7], strict=True))]
+    second = [passage(t, i, s) for i, (t, s) in enumerate(zip(["only in B", *shared[::-1]], [0.3, 0.2, 0.8, 0.6], strict=True))]
+    order_a = [p.document.text for p in order_passages(first, "stable")]
+    order_b = [p.document.text for p in order_passages(second, "stable")]
+    assert [t for t in order_a if t in shared] == [t for t in order_b if t in shared]
+
+
+async def test_stable_assembly_gives_requests_with_the_same_kept_passages_the_same_block(make_pipeline):
+    policy = Policy(name="s", max_input_tokens=4000, documents={"max_tokens": 4000}, rerank={"enabled": False},
+                    assembly={"order": "stable"})
+    pipeline = make_pipeline()
+    forward = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), policy)
+    backward = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS[::-1]), policy)
+    assert forward.messages == backward.messages
