@@ -34,6 +34,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's min_tokens: until this many tokens are out, EOS and stop_token_ids cannot be sampled.
+    min_tokens: int = 0
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for values no engine accepts."""
@@ -45,6 +47,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), not {self.min_tokens}")
 
 
 @dataclass

@@ -242,7 +242,7 @@ class LLMEngine:
             return []
         started = time.perf_counter()
         result = self.runner.execute(output.scheduled)
-        tokens = sample(result.logits, result.sampled_sequences)
+        tokens = sample(result.logits, result.sampled_sequences, self.tokenizer.eos_token_ids)
         finished_at = time.perf_counter()
         num_prefill_tokens = 0
         for item in output.scheduled:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from backend.sequence import Sequence
@@ -25,7 +27,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
-def sample(logits: torch.Tensor, sequences: list[Sequence]) -> list[int]:
+def sample(logits: torch.Tensor, sequences: list[Sequence], eos_token_ids: Iterable[int] = ()) -> list[int]:
     """One token id per row of float32 `logits` ([len(sequences), vocab]).
 
     Everything runs on the logits' device (a sequence's seeded generator lives there too); the
@@ -33,12 +35,27 @@ def sample(logits: torch.Tensor, sequences: list[Sequence]) -> list[int]:
     """
     if not sequences:
         return []
+    logits = suppress_early_stops(logits, sequences, tuple(eos_token_ids))
     token_ids = torch.argmax(logits, dim=-1)
     rows = [row for row, seq in enumerate(sequences) if not _is_greedy(seq)]
     if rows:
         draws = torch.cat([_draw(logits[row], sequences[row]) for row in rows])
         token_ids = token_ids.index_copy(0, torch.tensor(rows, device=logits.device), draws)
     return token_ids.tolist()
+
+
+def suppress_early_stops(logits: torch.Tensor, sequences: list[Sequence], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """min_tokens: a sequence with fewer output tokens cannot end on EOS (unless it ignores EOS
+    anyway) or on one of its stop_token_ids, so those logits are -inf for its row."""
+    rows = [(row, seq) for row, seq in enumerate(sequences) if seq.num_output_tokens < seq.sampling.min_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row, seq in rows:
+        banned = list(seq.sampling.stop_token_ids) + ([] if seq.sampling.ignore_eos else list(eos_token_ids))
+        if banned:
+            logits[row, banned] = float("-inf")
+    return logits
 
 
 def _is_greedy(seq: Sequence) -> bool:

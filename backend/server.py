@@ -87,6 +87,7 @@ class EngineServer:
             max_tokens=max_tokens if max_tokens is not None else max_model_len - prompt_len,
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
             stop=body.stop_list(), stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
         )
 
     async def submit(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> RequestStream:

@@ -67,6 +67,8 @@ class EngineSection(_Section):
     threads: int | None = Field(None, ge=1)
     attention_backend: str | None = None
     prefix_caching: bool | None = Field(None, description="automatic prefix caching (default true)")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="CUDA: fraction of GPU memory")
+    cuda_graphs: bool | None = Field(None, description="CUDA: decode through captured graphs (default: where they run)")
     max_waiting_requests: int | None = Field(None, ge=1, description="refuse with 503 beyond this many waiting")
 
     @model_validator(mode="after")

@@ -219,7 +219,8 @@ class Gateway:
             raise APIError(413, "the prompt leaves no room for output in the model's context", code="prompt_too_long")
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-            seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+            seed=body.seed, stop=body.stop_list(), stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos, min_tokens=min(body.min_tokens, max_tokens),
         )
         try:
             sampling.validate()

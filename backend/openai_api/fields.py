@@ -66,7 +66,6 @@ _SHARED: tuple[Capability, ...] = (
     Capability("repetition_penalty", _one, "it has no repetition penalty"),
     Capability("logit_bias", _falsy, "it has no logit bias"),
     Capability("min_p", _falsy, "it has no min-p sampling"),
-    Capability("min_tokens", _falsy, "it has no minimum length"),
     Capability("guided_json", _none, "it has no guided decoding"),
     Capability("guided_regex", _none, "it has no guided decoding"),
     Capability("guided_choice", _none, "it has no guided decoding"),

@@ -62,6 +62,7 @@ class SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, description="vLLM's: no EOS or stop token id before this many tokens")
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, description="requests with different salts share no cached KV blocks")

@@ -94,3 +94,16 @@ def test_rows_sample_independently_with_their_own_parameters():
     for _ in range(30):
         greedy, sampled = sample(rows, sequences)
         assert greedy == TOP_TOKEN and sampled in {2, 0}
+
+
+def test_min_tokens_keeps_eos_and_stop_ids_out_until_reached():
+    """vLLM's min_tokens: below it, EOS (unless ignored) and stop_token_ids cannot be sampled."""
+    eos = TOP_TOKEN  # the argmax is the EOS token
+    seq = make_seq(temperature=0.0, min_tokens=2, stop_token_ids=[0])
+    assert sample(LOGITS.unsqueeze(0), [seq], eos_token_ids=[eos]) == [3]  # neither EOS (2) nor stop id (0)
+    seq.token_ids += [3, 3]  # two output tokens: the minimum is reached
+    assert sample(LOGITS.unsqueeze(0), [seq], eos_token_ids=[eos]) == [eos]
+    ignoring = make_seq(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert sample(LOGITS.unsqueeze(0), [ignoring], eos_token_ids=[eos]) == [eos]  # EOS does not end it anyway
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3).validate()
