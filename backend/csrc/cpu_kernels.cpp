@@ -166,25 +166,36 @@ inline void softmax_f32(float* row, int64_t length) {
 constexpr int64_t kAvx2InputTile = 4;  // input rows sharing each widened weight chunk
 
 // out[first_input + r, output] = inputs[first_input + r] . weight[output] (fp32 inputs, bf16 weight):
-// each 16-value weight chunk is widened once and used by every input row of the tile.
-template <int INPUTS>
+// each weight chunk is widened once and used by every input row of the tile. CHUNKS 8-wide
+// accumulators per row keep INPUTS * CHUNKS FMA chains in flight: with one row and two chains the
+// loop waited on FMA latency and streamed the weights at about half the bandwidth.
+template <int INPUTS, int CHUNKS>
 inline void gemv_tile_avx2(const uint16_t* weight_row, int64_t output, const float* inputs, int64_t first_input,
                            int64_t inner, int64_t outputs, at::BFloat16* out) {
-  __m256 acc_low[INPUTS], acc_high[INPUTS];
-  for (int r = 0; r < INPUTS; ++r) acc_low[r] = acc_high[r] = _mm256_setzero_ps();
+  constexpr int64_t kStep = 8 * CHUNKS;
+  __m256 acc[INPUTS][CHUNKS];
+  for (int r = 0; r < INPUTS; ++r)
+    for (int c = 0; c < CHUNKS; ++c) acc[r][c] = _mm256_setzero_ps();
   int64_t index = 0;
-  for (; index + 16 <= inner; index += 16) {
-    const __m256 low = load8(weight_row + index);
-    const __m256 high = load8(weight_row + index + 8);
+  for (; index + kStep <= inner; index += kStep) {
+    __m256 weights[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) weights[c] = load8(weight_row + index + 8 * c);
     for (int r = 0; r < INPUTS; ++r) {
       const float* x = inputs + (first_input + r) * inner + index;
-      acc_low[r] = _mm256_fmadd_ps(low, _mm256_loadu_ps(x), acc_low[r]);
-      acc_high[r] = _mm256_fmadd_ps(high, _mm256_loadu_ps(x + 8), acc_high[r]);
+      for (int c = 0; c < CHUNKS; ++c) acc[r][c] = _mm256_fmadd_ps(weights[c], _mm256_loadu_ps(x + 8 * c), acc[r][c]);
+    }
+  }
+  for (; index + 8 <= inner; index += 8) {
+    const __m256 weights = load8(weight_row + index);
+    for (int r = 0; r < INPUTS; ++r) {
+      acc[r][0] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(inputs + (first_input + r) * inner + index), acc[r][0]);
     }
   }
   for (int r = 0; r < INPUTS; ++r) {
     const float* x = inputs + (first_input + r) * inner;
-    float total = hsum256(_mm256_add_ps(acc_low[r], acc_high[r]));
+    __m256 sum = acc[r][0];
+    for (int c = 1; c < CHUNKS; ++c) sum = _mm256_add_ps(sum, acc[r][c]);
+    float total = hsum256(sum);
     for (int64_t tail = index; tail < inner; ++tail) total += bf16_to_float(weight_row[tail]) * x[tail];
     out[(first_input + r) * outputs + output] = at::BFloat16(total);
   }
@@ -194,11 +205,11 @@ inline void gemv_row_avx2(const uint16_t* weight_row, int64_t output, const floa
                           int64_t inner, int64_t outputs, at::BFloat16* out) {
   int64_t first_input = 0;
   for (; first_input + kAvx2InputTile <= num_inputs; first_input += kAvx2InputTile)
-    gemv_tile_avx2<kAvx2InputTile>(weight_row, output, inputs, first_input, inner, outputs, out);
+    gemv_tile_avx2<kAvx2InputTile, 2>(weight_row, output, inputs, first_input, inner, outputs, out);
   switch (num_inputs - first_input) {
-    case 3: gemv_tile_avx2<3>(weight_row, output, inputs, first_input, inner, outputs, out); break;
-    case 2: gemv_tile_avx2<2>(weight_row, output, inputs, first_input, inner, outputs, out); break;
-    case 1: gemv_tile_avx2<1>(weight_row, output, inputs, first_input, inner, outputs, out); break;
+    case 3: gemv_tile_avx2<3, 2>(weight_row, output, inputs, first_input, inner, outputs, out); break;
+    case 2: gemv_tile_avx2<2, 4>(weight_row, output, inputs, first_input, inner, outputs, out); break;
+    case 1: gemv_tile_avx2<1, 4>(weight_row, output, inputs, first_input, inner, outputs, out); break;
     default: break;
   }
 }
