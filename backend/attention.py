@@ -80,6 +80,34 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+class PagedAttentionBackend(AttentionBackend):
+    """A backend that writes the step's K/V, runs all decode rows in one call and each prefill
+    chunk on its own; subclasses say how (`decode`, `prefill`)."""
+
+    def forward(self, layer, q, k, v, kv_cache, metadata):
+        kv_cache.write(layer, k, v, metadata.write_plan)
+        num_decodes = metadata.num_decodes
+        if num_decodes == q.shape[0] and not metadata.prefills:
+            return self.decode(layer, q, kv_cache, metadata)
+        out = torch.empty_like(q)
+        if num_decodes:
+            out[:num_decodes] = self.decode(layer, q[:num_decodes], kv_cache, metadata)
+        for chunk in metadata.prefills:
+            rows = slice(chunk.row_start, chunk.row_end)
+            out[rows] = self.prefill(layer, q[rows], k[rows], v[rows], kv_cache, chunk)
+        return out
+
+    def decode(self, layer: int, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        """q [num_decodes, H, D] (one new token per sequence) -> [num_decodes, H, D]."""
+        raise NotImplementedError
+
+    def prefill(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        """One chunk's q/k/v [chunk_len, heads, D] -> [chunk_len, H, D]."""
+        raise NotImplementedError
+
+
 def _causal_sdpa(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
@@ -127,7 +155,7 @@ class ReferenceAttention(AttentionBackend):
 _NO_SCALES = torch.empty(0)
 
 
-class CPUBatchedAttention(AttentionBackend):
+class CPUBatchedAttention(PagedAttentionBackend):
     """Decodes batched in one GQA matmul over a padded gather; prefill chunks through SDPA.
 
     With the C++ kernels loaded (backend/cpu_kernels.py), bfloat16 and int8 decodes read K/V
@@ -142,28 +170,16 @@ class CPUBatchedAttention(AttentionBackend):
 
         self.use_kernel = cpu_kernels.load()
 
-    def forward(self, layer, q, k, v, kv_cache, metadata):
-        kv_cache.write(layer, k, v, metadata.write_plan)
-        num_decodes = metadata.num_decodes
-        if num_decodes == q.shape[0] and not metadata.prefills:
-            return self._decode(layer, q, kv_cache, metadata)
-        out = torch.empty_like(q)
-        if num_decodes:
-            out[:num_decodes] = self._decode(layer, q[:num_decodes], kv_cache, metadata)
-        for chunk in metadata.prefills:
-            if chunk.mask is None:
-                # The chunk is the sequence's whole context: attend to the fresh K/V directly.
-                keys = k[chunk.row_start : chunk.row_end].transpose(0, 1)
-                values = v[chunk.row_start : chunk.row_end].transpose(0, 1)
-            else:
-                keys, values = kv_cache.gather_blocks(layer, chunk.context_blocks)
-                keys, values = keys[:, : chunk.context_len], values[:, : chunk.context_len]
-            out[chunk.row_start : chunk.row_end] = _causal_sdpa(
-                q[chunk.row_start : chunk.row_end], keys, values, chunk.mask, self.scale
-            )
-        return out
+    def prefill(self, layer, q, k, v, kv_cache, chunk):
+        if chunk.mask is None:
+            # The chunk is the sequence's whole context: attend to the fresh K/V directly.
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            keys, values = kv_cache.gather_blocks(layer, chunk.context_blocks)
+            keys, values = keys[:, : chunk.context_len], values[:, : chunk.context_len]
+        return _causal_sdpa(q, keys, values, chunk.mask, self.scale)
 
-    def _decode(self, layer: int, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata):
+    def decode(self, layer: int, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata):
         assert metadata.decode_blocks is not None and metadata.decode_context_lens is not None
         # The C++ kernel reads CPU memory only: a backend picked for CUDA tensors never calls it.
         on_cpu = q.device.type == "cpu"

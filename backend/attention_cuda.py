@@ -23,7 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from backend.attention import AttentionBackend, AttentionMetadata, PrefillChunk, gathered_decode_attention
+from backend.attention import (
+    AttentionMetadata,
+    PagedAttentionBackend,
+    PrefillChunk,
+    gathered_decode_attention,
+)
 from backend.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -41,7 +46,7 @@ def load_triton_kernels() -> ModuleType | None:
     return triton_paged_attention
 
 
-class CUDAAttention(AttentionBackend):
+class CUDAAttention(PagedAttentionBackend):
     name = "cuda"
     supports_decode_graphs = True
 
@@ -63,20 +68,7 @@ class CUDAAttention(AttentionBackend):
             return "triton"
         return "torch"
 
-    def forward(self, layer, q, k, v, kv_cache, metadata):
-        kv_cache.write(layer, k, v, metadata.write_plan)
-        num_decodes = metadata.num_decodes
-        if num_decodes == q.shape[0] and not metadata.prefills:
-            return self.decode(layer, q, kv_cache, metadata)
-        out = torch.empty_like(q)
-        if num_decodes:
-            out[:num_decodes] = self.decode(layer, q[:num_decodes], kv_cache, metadata)
-        for chunk in metadata.prefills:
-            rows = slice(chunk.row_start, chunk.row_end)
-            out[rows] = self._prefill(layer, q[rows], k[rows], v[rows], kv_cache, chunk)
-        return out
-
-    def _prefill(
+    def prefill(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, chunk: PrefillChunk
     ) -> torch.Tensor:
         """q/k/v [chunk_len, heads, D] -> [chunk_len, H, D]."""

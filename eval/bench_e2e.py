@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from backend.openai_api.sse import read_sse_payloads
 from eval.bench_engine import CpuMeter, percentile
 from eval.client import question_messages
 from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
@@ -141,13 +142,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any])
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")
             raise RuntimeError(f"HTTP {response.status_code}: {detail[:300]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
-            chunk = json.loads(payload)
+        async for chunk in read_sse_payloads(response.aiter_lines()):
             if "error" in chunk:
                 raise RuntimeError(f"in-stream error: {chunk['error']}")
             usage = chunk.get("usage") or usage

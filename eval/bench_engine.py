@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backend.openai_api.sse import read_sse_payloads
+
 logger = logging.getLogger(__name__)
 
 
@@ -305,13 +307,7 @@ class OpenAIServerRunner:
                     if response.status_code != 200:
                         detail = (await response.aread()).decode(errors="replace")
                         raise RuntimeError(f"server answered {response.status_code}: {detail[:300]}")
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == "[DONE]":
-                            break
-                        chunk = json.loads(payload)
+                    async for chunk in read_sse_payloads(response.aiter_lines()):
                         if chunk.get("usage"):
                             usage = chunk["usage"]
                         for choice in chunk.get("choices") or []:

@@ -131,7 +131,7 @@ def test_cpu_decode_kernel_is_never_called_with_non_cpu_tensors(monkeypatch):
     backend = CPUBatchedAttention(9, 3, 64)
     assert backend.use_kernel
     metadata = _decode_metadata(cache, torch.device("meta"), [[1, 2]], [20])
-    out = backend._decode(0, torch.empty(1, 9, 64, dtype=torch.bfloat16, device="meta"), cache, metadata)
+    out = backend.decode(0, torch.empty(1, 9, 64, dtype=torch.bfloat16, device="meta"), cache, metadata)
     assert out.device.type == "meta" and out.shape == (1, 9, 64)
 
 
