@@ -203,6 +203,8 @@ def _post(base_url: str, path: str, **kwargs) -> httpx.Response:
         ("temperature", "hot", "temperature"),
         ("messages", "not a list", "messages"),
         ("stream", {"a": 1}, "stream"),
+        ("min_tokens", -1, "min_tokens"),
+        ("min_tokens", 10_000, "min_tokens"),
     ],
 )
 def test_bad_chat_input_is_400(base_url, engine, field, value, words):
