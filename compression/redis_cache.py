@@ -3,7 +3,7 @@ every gateway replica, behind a circuit breaker: when Redis is down, slow or ref
 answers "miss" at once and compression goes on (it only loses the cache), and the breaker stops
 paying a connect timeout per call until a trial call after `cooldown_s` finds Redis back.
 
-Keys are the caller's (the embedder's are `emb:<model name>[:int8]:<content hash>`), so vectors of
+Keys are the caller's (the embedder's are `emb:<model name>[:int8|:bf16]:<content hash>`), so vectors of
 different models never mix. Batched reads (`get_many`) cost one round trip per request.
 """
 

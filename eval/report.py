@@ -206,8 +206,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def cpu_path_line() -> str:
     """The CPU and engine path of the machine that produced a report's figures."""
     from backend.cpu_features import cpu_path
+    from compression.embeddings import precision_for_this_cpu
 
-    return cpu_path().summary()
+    return f"{cpu_path().summary()}; embedder {precision_for_this_cpu()}"
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -95,7 +95,10 @@ class RetentionHarness:
         from gateway.sanitize import Neutraliser
 
         self.tokenizer = load_tokenizer(str(resolve_model_path(model)))
-        self.pipeline = CompressionPipeline(self.tokenizer)
+        # The embedding model runs as in the gateway (GatewaySettings: one batching thread with one
+        # OpenMP thread), so first-sight times are the gateway's, and a busy machine does not make
+        # a two-thread team wait on a descheduled worker at every matmul.
+        self.pipeline = CompressionPipeline(self.tokenizer, embed_batch_window_ms=0.0, embed_threads=1)
         self.neutraliser = Neutraliser(self.tokenizer)
         self.pipeline.services.embedder.embed(["warm-up"])  # model load is not compression time
         self.first_sight = first_sight

@@ -84,7 +84,12 @@ def test_batched_vectors_equal_the_models_own(embedder):
     texts = ["The river Vey runs north.", "Ida Holm is the mayor of Arlen.", "The river Vey runs north."]
     batcher = EmbedBatcher(embedder._encode_now, window_ms=1)
     try:
-        np.testing.assert_allclose(batcher.encode(texts), embedder._encode_now(texts), atol=1e-5)
+        batched, alone = batcher.encode(texts), embedder._encode_now(texts)
+        # bfloat16 sums depend on the batch's shape and thread count (the batcher dedups and runs
+        # with its own OpenMP budget); the vectors stay the same ones.
+        atol = 1e-2 if embedder.precision == "bfloat16" else 1e-5
+        np.testing.assert_allclose(batched, alone, atol=atol)
+        assert (batched * alone).sum(axis=1).min() > 0.999
     finally:
         batcher.close()
 
