@@ -12,13 +12,16 @@ import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from compression.batching import EmbedBatcher
 from compression.cache import BytesCache
 from compression.text import content_hash
+
+if TYPE_CHECKING:
+    from compression.embed_process import EmbedProcess
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,7 @@ class Embedder:
             self._model.to(torch.bfloat16)
         self._cache = cache
         self._batcher: EmbedBatcher | None = None
+        self._process: EmbedProcess | None = None
         self._batcher_lock = threading.Lock()
         self._local: OrderedDict[str, np.ndarray] = OrderedDict()
         self._max_local = max_local_entries
@@ -108,6 +112,22 @@ class Embedder:
         suffix = {"int8": ":int8", "bfloat16": ":bf16", "float32": ""}[self.precision]
         self._key_prefix = f"emb:{self.model_path.name}{suffix}:"
         self.encoded_texts = 0  # texts that actually went through the model (cache misses)
+
+    def use_process(self, threads: int = 1) -> EmbedProcess:
+        """From now on the model runs in a child process (compression/embed_process.py), so its
+        Python never holds this process's GIL; idempotent (the first settings stay)."""
+        with self._batcher_lock:
+            if self._process is None:
+                from compression.embed_process import EmbedProcess
+
+                self._process = EmbedProcess(self.model_path, self.precision, threads)
+            return self._process
+
+    def close_process(self) -> None:
+        with self._batcher_lock:
+            process, self._process = self._process, None
+        if process is not None:
+            process.close()
 
     def use_batcher(self, window_ms: float = 3.0, threads: int = 1) -> EmbedBatcher:
         """From now on every model call goes through one batching thread (compression/batching.py)
@@ -186,6 +206,9 @@ class Embedder:
         return self._encode_now(texts, batch_size, show_progress_bar)
 
     def _encode_now(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
+        process = self._process
+        if process is not None:
+            return process.encode(texts)
         encoded = self._model.encode(
             texts, batch_size=batch_size, convert_to_tensor=True, show_progress_bar=show_progress_bar
         )

@@ -43,11 +43,14 @@ class CompressionPipeline:
         workers: int = 0,
         embed_batch_window_ms: float | None = None,
         embed_threads: int = 1,
+        embed_process: bool = False,
     ):
         """`workers` > 0: compressing runs in that many threads of its own, off the caller's event
         loop (the loop keeps streaming other requests' tokens meanwhile); requests whose policy
         disables compression never queue behind them. `embed_batch_window_ms`: concurrent requests'
-        embeddings are coalesced by one batching thread with `embed_threads` OpenMP threads."""
+        embeddings are coalesced by one batching thread with `embed_threads` OpenMP threads.
+        `embed_process`: the embedding model runs in a child process, off this process's GIL
+        (compression/embed_process.py), which an engine thread in this process needs."""
         self.tokenizer = tokenizer
         self.counter = CachedCounter(tokenizer)
         self.cache = cache if cache is not None else LRUBytesCache()
@@ -56,6 +59,7 @@ class CompressionPipeline:
         self.stages = stages
         if embed_batch_window_ms is not None:
             self.services.embed_batching = (embed_batch_window_ms, embed_threads)
+        self.services.embed_process = embed_process
         self._executor = (
             ThreadPoolExecutor(workers, thread_name_prefix="ctxgate-compress", initializer=_limit_openmp)
             if workers > 0 else None

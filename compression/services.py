@@ -67,6 +67,8 @@ class Services:
         self._embedder = None
         # (window ms, OpenMP threads) of the embedding micro-batcher; None: encode in the caller.
         self.embed_batching: tuple[float, int] | None = None
+        # Run the embedding model in a child process (compression/embed_process.py).
+        self.embed_process = False
         self._llm_reranker = None
         self._lock = threading.Lock()
 
@@ -78,6 +80,8 @@ class Services:
                     from compression.embeddings import shared_embedder
 
                     embedder = shared_embedder(self.cache)
+                    if self.embed_process:
+                        embedder.use_process(self.embed_batching[1] if self.embed_batching else 1)
                     if self.embed_batching is not None:
                         embedder.use_batcher(*self.embed_batching)
                     self._embedder = embedder

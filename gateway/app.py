@@ -105,6 +105,7 @@ def default_pipeline(
     return CompressionPipeline(
         tokenizer, engine=engine, index_dir=index_dir, cache=cache, workers=settings.compression_workers,
         embed_batch_window_ms=settings.embed_batch_window_ms, embed_threads=settings.embed_threads,
+        embed_process=settings.embed_process,
     )
 
 
@@ -192,9 +193,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway.engine.start()
     await gateway.engine.check_health()
     watcher = asyncio.create_task(_watch_files(gateway), name="ctxgate-reload")
+    warm_up = asyncio.create_task(_load_embedder(gateway), name="ctxgate-embedder-load")
     try:
         yield
     finally:
+        warm_up.cancel()
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
@@ -204,6 +207,24 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             close_pipeline()
         if app.state.owns_engine:
             await gateway.engine.stop()
+
+
+async def _load_embedder(gateway: Gateway) -> None:
+    """Load the embedding model (and start its process) in the background at startup, so the first
+    compressing request does not pay for it; a request that comes sooner waits for the same load."""
+    services = getattr(gateway.pipeline, "services", None)
+    if services is None:
+        return
+    def load() -> None:
+        from backend import openmp
+
+        openmp.limit_calling_thread(1)  # no OpenMP team beside the engine's (backend/openmp.py)
+        services.embedder  # noqa: B018 - the property loads the model
+
+    try:
+        await asyncio.to_thread(load)
+    except Exception:  # the first request that needs it will report the error
+        logger.exception("loading the embedding model failed")
 
 
 async def _watch_files(gateway: Gateway) -> None:

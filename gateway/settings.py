@@ -54,6 +54,9 @@ class GatewaySettings:
     compression_workers: int = 2
     embed_threads: int = 1
     embed_batch_window_ms: float = 3.0
+    # The embedding model in a child process: its Python would otherwise hold this process's GIL,
+    # which the engine thread re-takes between every op (a decode step 29 ms -> 2 s measured).
+    embed_process: bool = True
     # Embedding (and summary) cache shared by replicas and kept across restarts; None: in-process only.
     embed_cache_url: str | None = field(
         default_factory=lambda: os.environ.get("CTXGATE_EMBED_CACHE_URL") or os.environ.get("REDIS_URL") or None
