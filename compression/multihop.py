@@ -96,8 +96,33 @@ class SecondHop:
         return {"second_hop": self.triggered, "cues": self.cues, "bridges": sorted(set(self.bridges.values()))}
 
 
+def named_passages(question: str, passages: list[Passage]) -> list[int]:
+    """Passages whose title the question names: the entities the question starts from. Their text
+    is a first hop of its own, however the reranker placed them ("the city in which Kirton End is
+    located": the Kirton End passage names the city)."""
+    question_lower = question.lower()
+    named = []
+    for index, passage in enumerate(passages):
+        core = title_core(passage.title or "")
+        if len(core) >= MIN_TITLE_CHARS and len(content_words(core)) and mentions(question_lower, core):
+            named.append(index)
+    return named
+
+
+def entity_sentences(passages: list[Passage], indices: list[int]) -> list[tuple[int, int, str]]:
+    """(passage, sentence, text) of the live sentences of the passages at `indices`."""
+    found: list[tuple[int, int, str]] = []
+    for index in indices:
+        passage = passages[index]
+        sentences = passage.sentences or [passage.text]
+        found.extend(
+            (index, si, sentence) for si, sentence in enumerate(sentences) if si not in passage.removed_sentences
+        )
+    return found
+
+
 def linked_passages(
-    question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]]
+    question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]], limit: int = MAX_BRIDGES
 ) -> tuple[dict[int, str], dict[int, tuple[int, int]]]:
     """Passages (by index) whose title the first hop's sentences name and the question does not.
 
@@ -105,32 +130,42 @@ def linked_passages(
     first; a bridge named by a better sentence comes first."""
     question_lower = question.lower()
     question_words = content_words(question)
+    cores = []
+    for passage in passages:
+        core = title_core(passage.title or "")
+        usable = (
+            len(core) >= MIN_TITLE_CHARS
+            and not mentions(question_lower, core)
+            # every word of the title already in the question: no new entity
+            and not content_words(core) <= question_words
+        )
+        cores.append(core if usable else None)
     bridges: dict[int, str] = {}
     links: dict[int, tuple[int, int]] = {}
     for passage_index, sentence_index, text in first_hop:
         text_lower = text.lower()
-        for index, passage in enumerate(passages):
-            if index == passage_index or index in bridges:  # a passage naming itself bridges nothing
+        for index, core in enumerate(cores):
+            if core is None or index == passage_index or index in bridges:  # a passage naming itself bridges nothing
                 continue
-            core = title_core(passage.title or "")
-            if len(core) < MIN_TITLE_CHARS or mentions(question_lower, core):
-                continue
-            if content_words(core) <= question_words:
-                continue  # every word of the title is already in the question: no new entity
             if mentions(text_lower, core):
                 bridges[index] = core
                 links[index] = (passage_index, sentence_index)
-            if len(bridges) >= MAX_BRIDGES:
+            if len(bridges) >= limit:
                 return bridges, links
     return bridges, links
 
 
 def plan_second_hop(question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]]) -> SecondHop:
-    """The trigger: a bridge form in the question and a bridge entity in the first hop's findings."""
+    """The trigger: a bridge entity the first hop found. Two sources of first-hop sentences, best
+    first: the passages the question names by title (the entity it starts from), then the best
+    sentences of the first hop. The question's form is recorded (cues), not required: bridge
+    questions come in too many forms ("the Argentine PGA Championship record holder", "this food",
+    "a former Soviet statesman") for a pattern list, while a title named by the sentences that
+    answer the question best is a signal of its own."""
     cues = question_form_cues(question)
-    if not cues:
-        return SecondHop(triggered=False)
-    bridges, links = linked_passages(question, passages, first_hop)
+    named = named_passages(question, passages)
+    sources = entity_sentences(passages, named) + [item for item in first_hop if item[0] not in named]
+    bridges, links = linked_passages(question, passages, sources)
     return SecondHop(triggered=bool(bridges), cues=cues, bridges=bridges, links=links)
 
 
