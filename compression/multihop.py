@@ -19,6 +19,7 @@ Everything here is plain string work on the request's own titles and sentences: 
 
 from __future__ import annotations
 
+import html
 import re
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ _NOT_ROLES = frozenset(
 # most are followed (a second hop that follows everything keeps nothing).
 FIRST_HOP_SENTENCES = 3
 MAX_BRIDGES = 2
+CANDIDATE_BRIDGES = 6  # links collected before the best MAX_BRIDGES are chosen
 MIN_TITLE_CHARS = 3
 
 
@@ -71,14 +73,23 @@ def question_form_cues(question: str) -> list[str]:
     return cues
 
 
+def normalise(text: str) -> str:
+    """Lower-cased, HTML entities decoded, '&' read as 'and', curly quotes straight: the forms a
+    title and a sentence (or the question) use for the same name ("Tunnels &amp; Trolls", "Tunnels
+    and Trolls")."""
+    text = html.unescape(text).lower().replace("\u2019", "'").replace("\u2018", "'")
+    return re.sub(r"\s*&\s*", " and ", text) if "&" in text else text
+
+
 def title_core(title: str) -> str:
     """'Boston, Lincolnshire' -> 'boston'; 'Kiss and Tell (1945 film)' -> 'kiss and tell'."""
-    return title.split(" (")[0].split(", ")[0].strip().lower()
+    return normalise(html.unescape(title).split(" (")[0].split(", ")[0].strip())
 
 
 def mentions(text: str, phrase: str) -> bool:
-    """Whole-word, case-insensitive containment (`text` and `phrase` already lower-cased)."""
-    return re.search(rf"\b{re.escape(phrase)}\b", text) is not None
+    """Whole-word, case-insensitive containment of `phrase` (a title core) in `text`. A phrase may
+    end in punctuation ("The Thing of It Is..."), so the edges are 'no word character', not \\b."""
+    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", normalise(text)) is not None
 
 
 @dataclass
@@ -155,18 +166,53 @@ def linked_passages(
     return bridges, links
 
 
+def reverse_links(
+    question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]], limit: int
+) -> tuple[dict[int, str], dict[int, tuple[int, int]]]:
+    """Passages that name the passage of the best first-hop sentence, when the question does not
+    name it: the first hop found an entity the question only describes ("the ceremonial meeting
+    place of the Accession Council": St James's Palace), and the asked-about thing is described
+    by its relation to that entity ("Mark Masons' Hall ... opposite St James's Palace")."""
+    if not first_hop:
+        return {}, {}
+    source, sentence_index, _ = first_hop[0]
+    core = title_core(passages[source].title or "")
+    if len(core) < MIN_TITLE_CHARS or mentions(question, core) or content_words(core) <= content_words(question):
+        return {}, {}
+    bridges: dict[int, str] = {}
+    links: dict[int, tuple[int, int]] = {}
+    for index, passage in enumerate(passages):
+        if index != source and mentions(passage.text, core):
+            bridges[index] = title_core(passage.title or "") or core
+            links[index] = (source, sentence_index)
+            if len(bridges) >= limit:
+                break
+    return bridges, links
+
+
 def plan_second_hop(question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]]) -> SecondHop:
-    """The trigger: a bridge entity the first hop found. Two sources of first-hop sentences, best
-    first: the passages the question names by title (the entity it starts from), then the best
-    sentences of the first hop. The question's form is recorded (cues), not required: bridge
-    questions come in too many forms ("the Argentine PGA Championship record holder", "this food",
-    "a former Soviet statesman") for a pattern list, while a title named by the sentences that
-    answer the question best is a signal of its own."""
+    """The trigger: a bridge entity the first hop found. Two sources of first-hop sentences: the
+    passages the question names by title (the entity it starts from) and the best sentences of the
+    first hop; and, the other way round, passages naming the best first-hop passage. The question's
+    form is recorded (cues), not required: bridge questions come in too many forms ("the Argentine
+    PGA Championship record holder", "this food", "a former Soviet statesman") for a pattern list,
+    while a title named by the sentences that answer the question best is a signal of its own.
+    Of the candidates, the `MAX_BRIDGES` whose passages match the question best are followed."""
     cues = question_form_cues(question)
     named = named_passages(question, passages)
     sources = entity_sentences(passages, named) + [item for item in first_hop if item[0] not in named]
-    bridges, links = linked_passages(question, passages, sources)
-    return SecondHop(triggered=bool(bridges), cues=cues, bridges=bridges, links=links)
+    bridges, links = linked_passages(question, passages, sources, limit=CANDIDATE_BRIDGES)
+    back, back_links = reverse_links(question, passages, first_hop, limit=CANDIDATE_BRIDGES)
+    for index in back:
+        if index not in bridges:
+            bridges[index], links[index] = back[index], back_links[index]
+    best = sorted(bridges, key=lambda index: -passages[index].score)[:MAX_BRIDGES]
+    return SecondHop(
+        triggered=bool(best),
+        cues=cues,
+        bridges={index: bridges[index] for index in best},
+        links={index: links[index] for index in best},
+    )
 
 
 def first_hop_passage_sentences(passages: list[Passage], ranked: list[int], count: int) -> list[tuple[int, int, str]]:
