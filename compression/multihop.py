@@ -88,8 +88,13 @@ def title_core(title: str) -> str:
 
 def mentions(text: str, phrase: str) -> bool:
     """Whole-word, case-insensitive containment of `phrase` (a title core) in `text`. A phrase may
-    end in punctuation ("The Thing of It Is..."), so the edges are 'no word character', not \\b."""
-    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", normalise(text)) is not None
+    end in punctuation ("The Thing of It Is..."), so the edges are 'no word character', not \\b.
+    A plural counts: titles are mostly singular nouns ("Cranberry" is named by "cranberries")."""
+    if phrase.endswith("y") and len(phrase) > 3:
+        pattern = rf"(?<!\w){re.escape(phrase[:-1])}(?:y|ies)(?!\w)"
+    else:
+        pattern = rf"(?<!\w){re.escape(phrase)}(?:e?s)?(?!\w)"
+    return re.search(pattern, normalise(text)) is not None
 
 
 @dataclass
@@ -190,14 +195,16 @@ def reverse_links(
     return bridges, links
 
 
-def plan_second_hop(question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]]) -> SecondHop:
+def plan_second_hop(
+    question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]], max_bridges: int = MAX_BRIDGES
+) -> SecondHop:
     """The trigger: a bridge entity the first hop found. Two sources of first-hop sentences: the
     passages the question names by title (the entity it starts from) and the best sentences of the
     first hop; and, the other way round, passages naming the best first-hop passage. The question's
     form is recorded (cues), not required: bridge questions come in too many forms ("the Argentine
     PGA Championship record holder", "this food", "a former Soviet statesman") for a pattern list,
     while a title named by the sentences that answer the question best is a signal of its own.
-    Of the candidates, the `MAX_BRIDGES` whose passages match the question best are followed."""
+    Of the candidates, the `max_bridges` whose passages match the question best are followed."""
     cues = question_form_cues(question)
     named = named_passages(question, passages)
     sources = entity_sentences(passages, named) + [item for item in first_hop if item[0] not in named]
@@ -206,7 +213,7 @@ def plan_second_hop(question: str, passages: list[Passage], first_hop: list[tupl
     for index in back:
         if index not in bridges:
             bridges[index], links[index] = back[index], back_links[index]
-    best = sorted(bridges, key=lambda index: -passages[index].score)[:MAX_BRIDGES]
+    best = sorted(bridges, key=lambda index: -passages[index].score)[:max_bridges]
     return SecondHop(
         triggered=bool(best),
         cues=cues,
