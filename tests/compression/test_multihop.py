@@ -13,8 +13,10 @@ from compression.extraction import SentenceUnit, knapsack_items, second_hop, sel
 from compression.multihop import (
     first_hop_passage_sentences,
     linked_passages,
+    mentions,
     plan_second_hop,
     question_form_cues,
+    title_core,
 )
 from compression.state import Passage
 from compression.types import CompressionInput, Document
@@ -277,3 +279,42 @@ def test_a_chain_dearer_than_the_budget_sheds_members_instead_of_vanishing():
     select_sentences(units, passages, 22, WordCounter(), ExtractionPolicy())
     kept = {(pi, si) for pi, p in enumerate(passages) for si in p.kept_sentences or []}
     assert {(0, 0), (1, 0)} <= kept
+
+
+@pytest.mark.parametrize(
+    ("text", "title", "named"),
+    [
+        ('the adventure in "Tunnels and Trolls", a game', "Tunnels &amp; Trolls", True),
+        ("The author of The Thing of It Is... is what nationality?", "The Thing of It Is...", True),
+        ("the first to cultivate cranberries in bogs", "Cranberry", True),
+        ("He was born in Boston.", "Boston, Lincolnshire", True),
+        ("Bostonians call it the Hub.", "Boston, Lincolnshire", False),
+        ("He was kissing the bride.", "Kiss and Tell (1945 film)", False),
+    ],
+)
+def test_a_title_is_named_across_entities_ampersands_punctuation_and_plurals(text, title, named):
+    assert mentions(text, title_core(title)) is named
+
+
+MASONS_QUESTION = "What building is opposite the ceremonial meeting place of the Accession Council?"
+PALACE = passage("St James's Palace", "St James's Palace is the ceremonial meeting place of the Accession Council.", 0)
+MASONS = passage("Mark Masons' Hall, London", "Mark Masons' Hall is a building opposite St James's Palace.", 1)
+GARDEN = passage("Green Park", "Green Park is a park in the City of Westminster.", 2)
+
+
+def test_a_passage_naming_the_first_hop_is_a_bridge_too():
+    # The question only describes St James's Palace; the answer's passage names it.
+    passages = [PALACE, MASONS, GARDEN]
+    hop = plan_second_hop(MASONS_QUESTION, passages, [(0, 0, PALACE.text)])
+    assert hop.triggered and list(hop.bridges) == [1]
+    assert hop.links == {1: (0, 0)}
+
+
+def test_of_many_candidate_bridges_the_best_matching_are_followed():
+    # The first hop names three passages; the two the reranker scored highest are followed.
+    hub = passage("Hub", "Hub names Alpha One, Beta Two and Gamma Three.", 0)
+    others = [passage(name, f"{name} is a place.", i + 1) for i, name in enumerate(["Alpha One", "Beta Two", "Gamma Three"])]
+    for p, score in zip(others, (0.1, 0.9, 0.5), strict=True):
+        p.score = score
+    hop = plan_second_hop("Which place does the hub name?", [hub, *others], [(0, 0, hub.text)])
+    assert sorted(hop.bridges) == [2, 3]
