@@ -187,8 +187,11 @@ def reverse_links(
     bridges: dict[int, str] = {}
     links: dict[int, tuple[int, int]] = {}
     for index, passage in enumerate(passages):
+        own = title_core(passage.title or "")
+        if own and mentions(question, own):
+            continue  # the question names this passage: it is where the question starts, no bridge
         if index != source and mentions(passage.text, core):
-            bridges[index] = title_core(passage.title or "") or core
+            bridges[index] = own or core
             links[index] = (source, sentence_index)
             if len(bridges) >= limit:
                 break

@@ -310,6 +310,14 @@ def test_a_passage_naming_the_first_hop_is_a_bridge_too():
     assert hop.links == {1: (0, 0)}
 
 
+def test_a_passage_the_question_names_is_no_reverse_bridge():
+    # The Accession Council passage names the palace too, but the question names it: not new.
+    council = passage("Accession Council", "The Accession Council meets in St James's Palace.", 3)
+    council.score = 1.0
+    hop = plan_second_hop(MASONS_QUESTION, [PALACE, MASONS, GARDEN, council], [(0, 0, PALACE.text)])
+    assert 3 not in hop.bridges and 1 in hop.bridges
+
+
 def test_of_many_candidate_bridges_the_best_matching_are_followed():
     # The first hop names three passages; the two the reranker scored highest are followed.
     hub = passage("Hub", "Hub names Alpha One, Beta Two and Gamma Three.", 0)
