@@ -188,7 +188,10 @@ def second_hop(
     a bridge (compression.multihop) and, only then, follow it. Returns the decision."""
     if len(passages) < 2 or not units:
         return SecondHop(triggered=False)
-    hop = plan_second_hop(question, passages, best_units(units, FIRST_HOP_SENTENCES))
+    strength: dict[int, float] = {}
+    for unit in units:
+        strength[unit.passage_index] = max(strength.get(unit.passage_index, unit.score), unit.score)
+    hop = plan_second_hop(question, passages, best_units(units, FIRST_HOP_SENTENCES), strength=strength)
     if hop.triggered:
         follow_second_hop(question, hop, units, embed)
         store_sentence_scores(units, passages)

@@ -174,32 +174,39 @@ def linked_passages(
 def reverse_links(
     question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]], limit: int
 ) -> tuple[dict[int, str], dict[int, tuple[int, int]]]:
-    """Passages that name the passage of the best first-hop sentence, when the question does not
+    """Passages that name a passage of the best first-hop sentences, when the question does not
     name it: the first hop found an entity the question only describes ("the ceremonial meeting
     place of the Accession Council": St James's Palace), and the asked-about thing is described
     by its relation to that entity ("Mark Masons' Hall ... opposite St James's Palace")."""
-    if not first_hop:
-        return {}, {}
-    source, sentence_index, _ = first_hop[0]
-    core = title_core(passages[source].title or "")
-    if len(core) < MIN_TITLE_CHARS or mentions(question, core) or content_words(core) <= content_words(question):
-        return {}, {}
+    question_words = content_words(question)
     bridges: dict[int, str] = {}
     links: dict[int, tuple[int, int]] = {}
-    for index, passage in enumerate(passages):
-        own = title_core(passage.title or "")
-        if own and mentions(question, own):
-            continue  # the question names this passage: it is where the question starts, no bridge
-        if index != source and mentions(passage.text, core):
-            bridges[index] = own or core
-            links[index] = (source, sentence_index)
-            if len(bridges) >= limit:
-                break
+    seen: set[int] = set()
+    for source, sentence_index, _ in first_hop:
+        if source in seen:
+            continue
+        seen.add(source)
+        core = title_core(passages[source].title or "")
+        if len(core) < MIN_TITLE_CHARS or mentions(question, core) or content_words(core) <= question_words:
+            continue
+        for index, passage in enumerate(passages):
+            own = title_core(passage.title or "")
+            if index == source or index in bridges or (own and mentions(question, own)):
+                continue  # the question names this passage: it is where the question starts, no bridge
+            if mentions(passage.text, core):
+                bridges[index] = own or core
+                links[index] = (source, sentence_index)
+                if len(bridges) >= limit:
+                    return bridges, links
     return bridges, links
 
 
 def plan_second_hop(
-    question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]], max_bridges: int = MAX_BRIDGES
+    question: str,
+    passages: list[Passage],
+    first_hop: list[tuple[int, int, str]],
+    max_bridges: int = MAX_BRIDGES,
+    strength: dict[int, float] | None = None,
 ) -> SecondHop:
     """The trigger: a bridge entity the first hop found. Two sources of first-hop sentences: the
     passages the question names by title (the entity it starts from) and the best sentences of the
@@ -207,7 +214,9 @@ def plan_second_hop(
     form is recorded (cues), not required: bridge questions come in too many forms ("the Argentine
     PGA Championship record holder", "this food", "a former Soviet statesman") for a pattern list,
     while a title named by the sentences that answer the question best is a signal of its own.
-    Of the candidates, the `max_bridges` whose passages match the question best are followed."""
+    Of the candidates, the `max_bridges` whose passages match the question best are followed: by
+    `strength` (passage index -> its best sentence's first-hop score) where the sentences are
+    scored, else by the passage's rerank score."""
     cues = question_form_cues(question)
     named = named_passages(question, passages)
     sources = entity_sentences(passages, named) + [item for item in first_hop if item[0] not in named]
@@ -216,7 +225,10 @@ def plan_second_hop(
     for index in back:
         if index not in bridges:
             bridges[index], links[index] = back[index], back_links[index]
-    best = sorted(bridges, key=lambda index: -passages[index].score)[:max_bridges]
+    def match(index: int) -> float:
+        return strength.get(index, 0.0) if strength is not None else passages[index].score
+
+    best = sorted(bridges, key=lambda index: -match(index))[:max_bridges]
     return SecondHop(
         triggered=bool(best),
         cues=cues,
