@@ -41,7 +41,7 @@ BRIDGE_GAP = 0.05
 FEEDBACK_WEIGHT = 0.9  # a second-hop match counts a little less than a direct one
 # Triggered second hop (extraction.second_hop "auto"): how many sentences of each bridge passage
 # are lifted, chosen by their match with the question plus the bridge entity.
-HOP_SENTENCES = 2
+HOP_SENTENCES = 3
 
 
 def lexical_overlap(question: str, texts: list[str]) -> np.ndarray:
