@@ -42,6 +42,7 @@ FEEDBACK_WEIGHT = 0.9  # a second-hop match counts a little less than a direct o
 # Triggered second hop (extraction.second_hop "auto"): how many sentences of each bridge passage
 # are lifted, chosen by their match with the question plus the bridge entity.
 HOP_SENTENCES = 3
+WEAK_GAP = 5 * BRIDGE_GAP  # a weak bridge's sentences: value about 0.12 of the best sentence's
 
 
 def lexical_overlap(question: str, texts: list[str]) -> np.ndarray:
@@ -216,6 +217,13 @@ def follow_second_hop(
         sentence_vectors = embed(texts)
         hop_query = f"{question} {entity}"
         hop_scores = match_scores(hop_query, texts, sentence_vectors, embed)
+        if bridge_index in hop.weak:
+            # No bridge form and not reached from a passage the question names: offer the lead
+            # and the best hop sentence a little below the first hop, unchained.
+            lead = min(members, key=lambda i: units[i].sentence_index)
+            for i in dict.fromkeys((lead, members[int(np.argmax(hop_scores))])):
+                units[i].score = max(units[i].score, top_score - WEAK_GAP)
+            continue
         lifted = [members[j] for j in np.argsort(-hop_scores, kind="stable")[:HOP_SENTENCES]]
         for rank, i in enumerate(lifted):
             units[i].score = max(units[i].score, top_score - BRIDGE_GAP * (1 + rank))

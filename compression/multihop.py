@@ -107,6 +107,10 @@ class SecondHop:
     bridges: dict[int, str] = field(default_factory=dict)
     # bridge passage index -> the first-hop sentence that names it, as (passage, sentence) indices
     links: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Bridges found without a bridge form in the question and not through a passage it names:
+    # followed cheaply (their best sentences offered, no chain), since for a single-hop question
+    # such a link is mostly incidental.
+    weak: set[int] = field(default_factory=set)
 
     def details(self) -> dict[str, object]:
         return {"second_hop": self.triggered, "cues": self.cues, "bridges": sorted(set(self.bridges.values()))}
@@ -208,12 +212,18 @@ def plan_second_hop(
     max_bridges: int = MAX_BRIDGES,
     strength: dict[int, float] | None = None,
 ) -> SecondHop:
-    """The trigger: a bridge entity the first hop found. Two sources of first-hop sentences: the
-    passages the question names by title (the entity it starts from) and the best sentences of the
-    first hop; and, the other way round, passages naming the best first-hop passage. The question's
-    form is recorded (cues), not required: bridge questions come in too many forms ("the Argentine
-    PGA Championship record holder", "this food", "a former Soviet statesman") for a pattern list,
-    while a title named by the sentences that answer the question best is a signal of its own.
+    """The trigger: a bridge entity the first hop found.
+
+    - A passage the question names by title (the entity it starts from) that names another
+      passage: followed whatever the question's form, since bridge questions come in too many
+      forms for a pattern list ("the Argentine PGA Championship record holder", "this food"), and
+      a question naming an entity whose passage names another is rare for a single-hop question.
+    - The best first-hop sentences naming another passage, or another passage naming a best
+      first-hop passage: followed whole (chained) when the question has a bridge form (cues);
+      without one, only weakly (`SecondHop.weak`): such links are often incidental for a
+      single-hop question (its answer's passage names related articles), and a chain would spend
+      its budget on other passages.
+
     Of the candidates, the `max_bridges` whose passages match the question best are followed: by
     `strength` (passage index -> its best sentence's first-hop score) where the sentences are
     scored, else by the passage's rerank score."""
@@ -225,6 +235,7 @@ def plan_second_hop(
     for index in back:
         if index not in bridges:
             bridges[index], links[index] = back[index], back_links[index]
+    weak = set() if cues else set(bridges)
     def match(index: int) -> float:
         return strength.get(index, 0.0) if strength is not None else passages[index].score
 
@@ -234,6 +245,7 @@ def plan_second_hop(
         cues=cues,
         bridges={index: bridges[index] for index in best},
         links={index: links[index] for index in best},
+        weak={index for index in best if index in weak},
     )
 
 
