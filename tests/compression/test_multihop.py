@@ -9,7 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from compression.extraction import SentenceUnit, knapsack_items, second_hop, select_sentences
+from compression.extraction import WEAK_GAP, SentenceUnit, knapsack_items, second_hop, select_sentences
 from compression.multihop import (
     first_hop_passage_sentences,
     linked_passages,
@@ -326,3 +326,18 @@ def test_of_many_candidate_bridges_the_best_matching_are_followed():
         p.score = score
     hop = plan_second_hop("Which place does the hub name?", [hub, *others], [(0, 0, hub.text)])
     assert sorted(hop.bridges) == [2, 3]
+
+
+def test_a_bridge_without_a_bridge_form_is_followed_weakly():
+    # "The Kiss and Tell lead actress ..." has no bridge form: the Temple passage is offered just
+    # below the first hop, unchained; the bridge question's form gets the whole chain.
+    formless = "The Kiss and Tell lead actress later held which government post?"
+    passages = [passage(p.title or "", p.text, p.position) for p in (KISS, TEMPLE)]
+    units = scored_units(formless, passages, {(0, 0): 1.0})
+    hop = second_hop(formless, units, passages, fake_embed)
+    assert hop.triggered and hop.weak == {1}
+    assert all(u.chain is None for u in units)
+    bridge = [u.score for u in units if u.passage_index == 1]
+    assert max(bridge) == pytest.approx(1.0 - WEAK_GAP)
+    strong = plan_second_hop(BRIDGE_QUESTION, passages, first_hop_of(KISS, 0))
+    assert strong.triggered and strong.weak == set()
