@@ -6,13 +6,16 @@ film Kiss and Tell?" needs the Kiss and Tell passage (it names Shirley Temple) a
 Temple passage (it holds the answer). The second passage shares few words with the question, so a
 single-hop scorer ranks it low and a tight budget drops it.
 
-The decision is made from two signals, both needed, so single-hop questions pay nothing:
+The trigger is what the first hop found: a passage the question names by title, or the first
+hop's best sentences, name another passage of the request (by title) that the question does not
+name, or another passage names the best first-hop passage. That passage is the bridge. The
+question's form decides how hard it is followed:
 
-- the question's form: the asked-about thing is described through another one, by a relative
-  clause ("the woman who portrayed ...", "a university that ..."), a reduced relative ("a movie
-  starring ...", "a film based on ...") or a role of something else ("the director of ...");
-- what the first hop found: its best sentences name another passage of the request (by title)
-  that the question itself does not name. That passage is the bridge.
+- with a bridge form (the asked-about thing is described through another one: a relative clause
+  "the woman who portrayed ...", a reduced relative "a movie starring ...", a role "the director
+  of ..."), the chain link -> answer -> bridge lead sentence is kept whole;
+- without one, the bridge's best sentences are only offered, below the first hop's: a single-hop
+  question whose passage names related articles keeps its budget.
 
 Everything here is plain string work on the request's own titles and sentences: no model call.
 """
