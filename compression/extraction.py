@@ -41,7 +41,8 @@ BRIDGE_GAP = 0.05
 FEEDBACK_WEIGHT = 0.9  # a second-hop match counts a little less than a direct one
 # Triggered second hop (extraction.second_hop "auto"): how many sentences of each bridge passage
 # are lifted, chosen by their match with the question plus the bridge entity.
-HOP_SENTENCES = 2
+HOP_SENTENCES = 3
+WEAK_GAP = 5 * BRIDGE_GAP  # a weak bridge's sentences: value about 0.12 of the best sentence's
 
 
 def lexical_overlap(question: str, texts: list[str]) -> np.ndarray:
@@ -76,6 +77,9 @@ class SentenceUnit:
     # Units of one multi-hop chain (the first-hop sentence naming a bridge entity and the bridge
     # passage's best sentence) share a chain id: the knapsack keeps them together or not at all.
     chain: int | None = None
+    # Order inside the chain (0: the linking sentence); a chain too dear for the budget sheds its
+    # highest ranks first.
+    chain_rank: int = 0
 
 
 def score_sentences(
@@ -185,7 +189,10 @@ def second_hop(
     a bridge (compression.multihop) and, only then, follow it. Returns the decision."""
     if len(passages) < 2 or not units:
         return SecondHop(triggered=False)
-    hop = plan_second_hop(question, passages, best_units(units, FIRST_HOP_SENTENCES))
+    strength: dict[int, float] = {}
+    for unit in units:
+        strength[unit.passage_index] = max(strength.get(unit.passage_index, unit.score), unit.score)
+    hop = plan_second_hop(question, passages, best_units(units, FIRST_HOP_SENTENCES), strength=strength)
     if hop.triggered:
         follow_second_hop(question, hop, units, embed)
         store_sentence_scores(units, passages)
@@ -210,18 +217,37 @@ def follow_second_hop(
         sentence_vectors = embed(texts)
         hop_query = f"{question} {entity}"
         hop_scores = match_scores(hop_query, texts, sentence_vectors, embed)
+        if bridge_index in hop.weak:
+            # No bridge form and not reached from a passage the question names: offer the lead
+            # and the best hop sentence a little below the first hop, unchained.
+            lead = min(members, key=lambda i: units[i].sentence_index)
+            for i in dict.fromkeys((lead, members[int(np.argmax(hop_scores))])):
+                units[i].score = max(units[i].score, top_score - WEAK_GAP)
+            continue
         lifted = [members[j] for j in np.argsort(-hop_scores, kind="stable")[:HOP_SENTENCES]]
         for rank, i in enumerate(lifted):
             units[i].score = max(units[i].score, top_score - BRIDGE_GAP * (1 + rank))
         # The chained sentence answers what is left of the question once the entity is known: it
         # matches the question itself, not the entity's name (which every sentence about it has).
         answer = members[int(np.argmax(match_scores(question, texts, sentence_vectors, embed)))]
-        units[answer].score = max(units[answer].score, top_score - BRIDGE_GAP)
+        # The bridge passage's leading sentence names the entity and says what it is ("Shirley
+        # Temple Black ... was an American actress ... and diplomat"): where a bridge question's
+        # answer most often is, and what ties the answer sentence to the entity.
+        lead = min(members, key=lambda i: units[i].sentence_index)
+        for i in (answer, lead):
+            units[i].score = max(units[i].score, top_score - BRIDGE_GAP)
         link = position_of.get(hop.links[bridge_index])
-        if link is not None and units[link].chain is None:
-            units[link].chain = units[answer].chain = chain_id
-            chain_score = max(units[link].score, units[answer].score)
-            units[link].score = units[answer].score = chain_score
+        if link is None:
+            continue
+        # One chain per linking sentence: a sentence naming two bridges takes both whole.
+        chain_id = units[link].chain if units[link].chain is not None else chain_id
+        chain = [i for i in dict.fromkeys((link, answer, lead)) if units[i].chain in (None, chain_id)]
+        chain_score = max(units[i].score for i in chain)
+        base = max((u.chain_rank for u in units if u.chain == chain_id), default=0)
+        for rank, i in enumerate(chain):
+            if units[i].chain is None:
+                units[i].chain, units[i].chain_rank = chain_id, base + rank
+            units[i].score = chain_score
 
 
 def match_scores(
@@ -248,6 +274,23 @@ def knapsack_items(units: list[SentenceUnit]) -> list[list[int]]:
     return items
 
 
+def fit_chains(items: list[list[int]], units: list[SentenceUnit], headers: list[int], budget: int) -> list[list[int]]:
+    """A chain dearer than the whole budget (its passages' headers included) could never be taken,
+    and taking nothing of it loses the bridge: shed its members of highest chain rank (link, then
+    answer, then lead) until it fits; a shed member competes on its own."""
+    fitted: list[list[int]] = []
+    for item in items:
+        item = list(item)
+        while len(item) > 1 and (
+            sum(units[i].cost for i in item) + sum(headers[p] for p in {units[i].passage_index for i in item}) > budget
+        ):
+            last = max(item[1:], key=lambda i: units[i].chain_rank)
+            item.remove(last)
+            fitted.append([last])
+        fitted.append(item)
+    return fitted
+
+
 def select_sentences(
     units: list[SentenceUnit], passages: list[Passage], budget: int, counter: CachedCounter, policy: ExtractionPolicy
 ) -> None:
@@ -262,7 +305,7 @@ def select_sentences(
         unit.value, unit.cost = float(value), cost + 1  # +1: the joining space
     headers = [passage_header_cost(counter.count, min(i + 1, 99), p, policy.keep_titles) for i, p in enumerate(passages)]
 
-    items = knapsack_items(units)
+    items = fit_chains(knapsack_items(units), units, headers, budget)
     item_values = [sum(units[i].value for i in item) for item in items]
     item_costs = [sum(units[i].cost for i in item) for item in items]
     reserve = 0

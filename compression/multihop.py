@@ -6,19 +6,23 @@ film Kiss and Tell?" needs the Kiss and Tell passage (it names Shirley Temple) a
 Temple passage (it holds the answer). The second passage shares few words with the question, so a
 single-hop scorer ranks it low and a tight budget drops it.
 
-The decision is made from two signals, both needed, so single-hop questions pay nothing:
+The trigger is what the first hop found: a passage the question names by title, or the first
+hop's best sentences, name another passage of the request (by title) that the question does not
+name, or another passage names the best first-hop passage. That passage is the bridge. The
+question's form decides how hard it is followed:
 
-- the question's form: the asked-about thing is described through another one, by a relative
-  clause ("the woman who portrayed ...", "a university that ..."), a reduced relative ("a movie
-  starring ...", "a film based on ...") or a role of something else ("the director of ...");
-- what the first hop found: its best sentences name another passage of the request (by title)
-  that the question itself does not name. That passage is the bridge.
+- with a bridge form (the asked-about thing is described through another one: a relative clause
+  "the woman who portrayed ...", a reduced relative "a movie starring ...", a role "the director
+  of ..."), the chain link -> answer -> bridge lead sentence is kept whole;
+- without one, the bridge's best sentences are only offered, below the first hop's: a single-hop
+  question whose passage names related articles keeps its budget.
 
 Everything here is plain string work on the request's own titles and sentences: no model call.
 """
 
 from __future__ import annotations
 
+import html
 import re
 from dataclasses import dataclass, field
 
@@ -55,6 +59,7 @@ _NOT_ROLES = frozenset(
 # most are followed (a second hop that follows everything keeps nothing).
 FIRST_HOP_SENTENCES = 3
 MAX_BRIDGES = 2
+CANDIDATE_BRIDGES = 6  # links collected before the best MAX_BRIDGES are chosen
 MIN_TITLE_CHARS = 3
 
 
@@ -71,14 +76,28 @@ def question_form_cues(question: str) -> list[str]:
     return cues
 
 
+def normalise(text: str) -> str:
+    """Lower-cased, HTML entities decoded, '&' read as 'and', curly quotes straight: the forms a
+    title and a sentence (or the question) use for the same name ("Tunnels &amp; Trolls", "Tunnels
+    and Trolls")."""
+    text = html.unescape(text).lower().replace("\u2019", "'").replace("\u2018", "'")
+    return re.sub(r"\s*&\s*", " and ", text) if "&" in text else text
+
+
 def title_core(title: str) -> str:
     """'Boston, Lincolnshire' -> 'boston'; 'Kiss and Tell (1945 film)' -> 'kiss and tell'."""
-    return title.split(" (")[0].split(", ")[0].strip().lower()
+    return normalise(html.unescape(title).split(" (")[0].split(", ")[0].strip())
 
 
 def mentions(text: str, phrase: str) -> bool:
-    """Whole-word, case-insensitive containment (`text` and `phrase` already lower-cased)."""
-    return re.search(rf"\b{re.escape(phrase)}\b", text) is not None
+    """Whole-word, case-insensitive containment of `phrase` (a title core) in `text`. A phrase may
+    end in punctuation ("The Thing of It Is..."), so the edges are 'no word character', not \\b.
+    A plural counts: titles are mostly singular nouns ("Cranberry" is named by "cranberries")."""
+    if phrase.endswith("y") and len(phrase) > 3:
+        pattern = rf"(?<!\w){re.escape(phrase[:-1])}(?:y|ies)(?!\w)"
+    else:
+        pattern = rf"(?<!\w){re.escape(phrase)}(?:e?s)?(?!\w)"
+    return re.search(pattern, normalise(text)) is not None
 
 
 @dataclass
@@ -91,13 +110,42 @@ class SecondHop:
     bridges: dict[int, str] = field(default_factory=dict)
     # bridge passage index -> the first-hop sentence that names it, as (passage, sentence) indices
     links: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Bridges found without a bridge form in the question and not through a passage it names:
+    # followed cheaply (their best sentences offered, no chain), since for a single-hop question
+    # such a link is mostly incidental.
+    weak: set[int] = field(default_factory=set)
 
     def details(self) -> dict[str, object]:
         return {"second_hop": self.triggered, "cues": self.cues, "bridges": sorted(set(self.bridges.values()))}
 
 
+def named_passages(question: str, passages: list[Passage]) -> list[int]:
+    """Passages whose title the question names: the entities the question starts from. Their text
+    is a first hop of its own, however the reranker placed them ("the city in which Kirton End is
+    located": the Kirton End passage names the city)."""
+    question_lower = question.lower()
+    named = []
+    for index, passage in enumerate(passages):
+        core = title_core(passage.title or "")
+        if len(core) >= MIN_TITLE_CHARS and len(content_words(core)) and mentions(question_lower, core):
+            named.append(index)
+    return named
+
+
+def entity_sentences(passages: list[Passage], indices: list[int]) -> list[tuple[int, int, str]]:
+    """(passage, sentence, text) of the live sentences of the passages at `indices`."""
+    found: list[tuple[int, int, str]] = []
+    for index in indices:
+        passage = passages[index]
+        sentences = passage.sentences or [passage.text]
+        found.extend(
+            (index, si, sentence) for si, sentence in enumerate(sentences) if si not in passage.removed_sentences
+        )
+    return found
+
+
 def linked_passages(
-    question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]]
+    question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]], limit: int = MAX_BRIDGES
 ) -> tuple[dict[int, str], dict[int, tuple[int, int]]]:
     """Passages (by index) whose title the first hop's sentences name and the question does not.
 
@@ -105,33 +153,103 @@ def linked_passages(
     first; a bridge named by a better sentence comes first."""
     question_lower = question.lower()
     question_words = content_words(question)
+    cores = []
+    for passage in passages:
+        core = title_core(passage.title or "")
+        usable = (
+            len(core) >= MIN_TITLE_CHARS
+            and not mentions(question_lower, core)
+            # every word of the title already in the question: no new entity
+            and not content_words(core) <= question_words
+        )
+        cores.append(core if usable else None)
     bridges: dict[int, str] = {}
     links: dict[int, tuple[int, int]] = {}
     for passage_index, sentence_index, text in first_hop:
         text_lower = text.lower()
-        for index, passage in enumerate(passages):
-            if index == passage_index or index in bridges:  # a passage naming itself bridges nothing
+        for index, core in enumerate(cores):
+            if core is None or index == passage_index or index in bridges:  # a passage naming itself bridges nothing
                 continue
-            core = title_core(passage.title or "")
-            if len(core) < MIN_TITLE_CHARS or mentions(question_lower, core):
-                continue
-            if content_words(core) <= question_words:
-                continue  # every word of the title is already in the question: no new entity
             if mentions(text_lower, core):
                 bridges[index] = core
                 links[index] = (passage_index, sentence_index)
-            if len(bridges) >= MAX_BRIDGES:
+            if len(bridges) >= limit:
                 return bridges, links
     return bridges, links
 
 
-def plan_second_hop(question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]]) -> SecondHop:
-    """The trigger: a bridge form in the question and a bridge entity in the first hop's findings."""
+def reverse_links(
+    question: str, passages: list[Passage], first_hop: list[tuple[int, int, str]], limit: int
+) -> tuple[dict[int, str], dict[int, tuple[int, int]]]:
+    """Passages that name a passage of the best first-hop sentences, when the question does not
+    name it: the first hop found an entity the question only describes ("the ceremonial meeting
+    place of the Accession Council": St James's Palace), and the asked-about thing is described
+    by its relation to that entity ("Mark Masons' Hall ... opposite St James's Palace")."""
+    question_words = content_words(question)
+    bridges: dict[int, str] = {}
+    links: dict[int, tuple[int, int]] = {}
+    seen: set[int] = set()
+    for source, sentence_index, _ in first_hop:
+        if source in seen:
+            continue
+        seen.add(source)
+        core = title_core(passages[source].title or "")
+        if len(core) < MIN_TITLE_CHARS or mentions(question, core) or content_words(core) <= question_words:
+            continue
+        for index, passage in enumerate(passages):
+            own = title_core(passage.title or "")
+            if index == source or index in bridges or (own and mentions(question, own)):
+                continue  # the question names this passage: it is where the question starts, no bridge
+            if mentions(passage.text, core):
+                bridges[index] = own or core
+                links[index] = (source, sentence_index)
+                if len(bridges) >= limit:
+                    return bridges, links
+    return bridges, links
+
+
+def plan_second_hop(
+    question: str,
+    passages: list[Passage],
+    first_hop: list[tuple[int, int, str]],
+    max_bridges: int = MAX_BRIDGES,
+    strength: dict[int, float] | None = None,
+) -> SecondHop:
+    """The trigger: a bridge entity the first hop found.
+
+    - A passage the question names by title (the entity it starts from) that names another
+      passage: followed whatever the question's form, since bridge questions come in too many
+      forms for a pattern list ("the Argentine PGA Championship record holder", "this food"), and
+      a question naming an entity whose passage names another is rare for a single-hop question.
+    - The best first-hop sentences naming another passage, or another passage naming a best
+      first-hop passage: followed whole (chained) when the question has a bridge form (cues);
+      without one, only weakly (`SecondHop.weak`): such links are often incidental for a
+      single-hop question (its answer's passage names related articles), and a chain would spend
+      its budget on other passages.
+
+    Of the candidates, the `max_bridges` whose passages match the question best are followed: by
+    `strength` (passage index -> its best sentence's first-hop score) where the sentences are
+    scored, else by the passage's rerank score."""
     cues = question_form_cues(question)
-    if not cues:
-        return SecondHop(triggered=False)
-    bridges, links = linked_passages(question, passages, first_hop)
-    return SecondHop(triggered=bool(bridges), cues=cues, bridges=bridges, links=links)
+    named = named_passages(question, passages)
+    sources = entity_sentences(passages, named) + [item for item in first_hop if item[0] not in named]
+    bridges, links = linked_passages(question, passages, sources, limit=CANDIDATE_BRIDGES)
+    back, back_links = reverse_links(question, passages, first_hop, limit=CANDIDATE_BRIDGES)
+    for index in back:
+        if index not in bridges:
+            bridges[index], links[index] = back[index], back_links[index]
+    weak = set() if cues else set(bridges)
+    def match(index: int) -> float:
+        return strength.get(index, 0.0) if strength is not None else passages[index].score
+
+    best = sorted(bridges, key=lambda index: -match(index))[:max_bridges]
+    return SecondHop(
+        triggered=bool(best),
+        cues=cues,
+        bridges={index: bridges[index] for index in best},
+        links={index: links[index] for index in best},
+        weak={index for index in best if index in weak},
+    )
 
 
 def first_hop_passage_sentences(passages: list[Passage], ranked: list[int], count: int) -> list[tuple[int, int, str]]:

@@ -400,6 +400,9 @@ class RerankStage(Stage):
 
 # Passages read for bridge entities before sentence scores exist (the extraction decides for good).
 RERANK_HOP_PASSAGES = 2
+# Bridges kept past the cut: one more than the extraction follows (keeping a passage is cheap, and
+# the extraction's sentence scores choose better than the rerank's passage scores).
+RERANK_BRIDGES = 3
 
 
 def rerank_bridges(state: PipelineState, ctx: StageContext, ranked: list[Passage], limit: int) -> list[Passage]:
@@ -410,7 +413,8 @@ def rerank_bridges(state: PipelineState, ctx: StageContext, ranked: list[Passage
     ensure_sentences(ctx, ranked[:RERANK_HOP_PASSAGES])
     order = list(range(len(ranked)))
     hop = plan_second_hop(
-        state.question_text, ranked, first_hop_passage_sentences(ranked, order, RERANK_HOP_PASSAGES)
+        state.question_text, ranked, first_hop_passage_sentences(ranked, order, RERANK_HOP_PASSAGES),
+        max_bridges=RERANK_BRIDGES,
     )
     return [ranked[index] for index in hop.bridges if index >= limit] if hop.triggered else []
 

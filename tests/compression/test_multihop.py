@@ -9,8 +9,15 @@ import hashlib
 import numpy as np
 import pytest
 
-from compression.extraction import SentenceUnit, knapsack_items, second_hop, select_sentences
-from compression.multihop import linked_passages, plan_second_hop, question_form_cues
+from compression.extraction import WEAK_GAP, SentenceUnit, knapsack_items, second_hop, select_sentences
+from compression.multihop import (
+    first_hop_passage_sentences,
+    linked_passages,
+    mentions,
+    plan_second_hop,
+    question_form_cues,
+    title_core,
+)
 from compression.state import Passage
 from compression.types import CompressionInput, Document
 from policies.schema import ExtractionPolicy, Policy
@@ -83,15 +90,39 @@ def test_a_title_the_question_already_names_is_no_bridge():
     assert bridges == {}
 
 
-def test_trigger_needs_both_the_form_and_a_bridge():
+def test_trigger_needs_a_bridge_not_a_question_form():
     passages = [KISS, TEMPLE]
     assert plan_second_hop(BRIDGE_QUESTION, passages, first_hop_of(KISS, 0)).triggered
-    # Same passages, a single-hop form: no second hop however the passages link.
-    single = "when was kiss and tell released"
-    assert not plan_second_hop(single, passages, first_hop_of(KISS, 0)).triggered
-    # Bridge form, but the first hop names no other passage.
+    # No bridge form ("the <role> record holder" is none of the patterns), but the first hop names
+    # another passage: the second hop is taken.
+    formless = "The Kiss and Tell lead actress later held which government post?"
+    assert question_form_cues(formless) == []
+    assert plan_second_hop(formless, passages, first_hop_of(KISS, 0)).triggered
+    # Bridge form, but the first hop names no other passage: nothing to follow.
     unlinked = [KISS, passage("Chief of Protocol", "The Chief of Protocol advises the President.", 1)]
     assert not plan_second_hop(BRIDGE_QUESTION, unlinked, first_hop_of(KISS, 0)).triggered
+
+
+KIRTON_QUESTION = "According to the 2001 census, what was the population of the city in which Kirton End is located?"
+KIRTON = passage("Kirton End", "Kirton End is a hamlet in the civil parish of Kirton in the Boston district of Lincolnshire.", 0)
+BOSTON = passage("Boston, Lincolnshire", "Boston is a town in Lincolnshire. The 2001 census gave 35,124 people.", 1)
+SUFFOLK = passage("Kirton, Suffolk", "Kirton is a village in Suffolk. Its population at the 2001 census was 1,045.", 2)
+
+
+def test_a_passage_the_question_names_is_a_first_hop_of_its_own():
+    # The best first-hop sentence is a distractor's (it shares "population" and "2001 census"); the
+    # passage the question names (Kirton End) still leads to its bridge (Boston).
+    passages = [KIRTON, BOSTON, SUFFOLK]
+    hop = plan_second_hop(KIRTON_QUESTION, passages, [(2, 1, SUFFOLK.text)])
+    assert hop.triggered and hop.bridges == {1: "boston"}
+    assert hop.links == {1: (0, 0)}
+
+
+def test_the_rerank_cut_keeps_the_bridge_of_a_named_passage():
+    # Ranked below the cut (top 1): the named passage's bridge survives the rerank stage's rule.
+    passages = [SUFFOLK, KIRTON, BOSTON]
+    hop = plan_second_hop(KIRTON_QUESTION, passages, first_hop_passage_sentences(passages, [0, 1, 2], 1))
+    assert 2 in hop.bridges
 
 
 def fake_embed(texts: list[str]) -> np.ndarray:
@@ -122,11 +153,14 @@ def test_second_hop_lifts_and_chains_the_bridge_sentence():
     link = units[0]
     assert answer.score > 0.8  # lifted next to the best first-hop sentence
     assert answer.chain is not None and answer.chain == link.chain
-    assert [len(item) for item in knapsack_items(units) if len(item) > 1] == [2]
+    # The bridge passage's leading sentence (it says who the entity is) travels with the chain.
+    lead = next(u for u in units if u.passage_index == 1 and u.sentence_index == 0)
+    assert lead.chain == link.chain and lead.score == answer.score
+    assert [len(item) for item in knapsack_items(units) if len(item) > 1] == [3]
 
 
 def test_single_hop_question_takes_no_second_hop_and_keeps_its_scores():
-    passages = [passage(p.title or "", p.text, p.position) for p in (KISS, TEMPLE)]
+    passages = [passage(p.title or "", p.text, p.position) for p in (KISS, OTHER)]
     units = scored_units("when was kiss and tell released", passages, {(0, 0): 1.0})
     before = [u.score for u in units]
     hop = second_hop("when was kiss and tell released", units, passages, fake_embed)
@@ -222,8 +256,88 @@ def test_pipeline_keeps_the_bridge_passage_past_the_rerank_cut(make_pipeline):
 
 
 def test_pipeline_single_hop_question_does_not_trigger(make_pipeline):
-    result = asyncio.run(make_pipeline().run(hop_request("when was kiss and tell released"), hop_policy("auto")))
+    # Its first hop (Town 3) names no other passage: no second hop, nothing kept past the cut.
+    result = asyncio.run(make_pipeline().run(hop_request("how many churches does topic 3 have"), hop_policy("auto")))
     rerank = next(s for s in result.stages if s.name == "rerank")
     extraction = next(s for s in result.stages if s.name == "extraction")
     assert rerank.details["bridges_kept"] == 0
-    assert extraction.details.get("second_hop") is False
+    assert extraction.details.get("second_hop") is not True
+
+
+def test_a_chain_dearer_than_the_budget_sheds_members_instead_of_vanishing():
+    # Chain of three (link 5, answer 5, lead 9 words) plus two headers (4 + 4) = 27 > 22: whole, it
+    # never fits. It sheds its last member (the lead) and the link and the answer stay together.
+    passages = [passage("A", "x"), passage("B", "y", 1)]
+    passages[0].sentences = ["a1 link sentence here", "a2 filler words"]
+    passages[1].sentences = ["b1 answer sentence here", "b2 lead sentence that is long and dear"]
+    units = [
+        SentenceUnit(0, 0, passages[0].sentences[0], 1.0, chain=0, chain_rank=0),
+        SentenceUnit(0, 1, passages[0].sentences[1], 0.98),
+        SentenceUnit(1, 0, passages[1].sentences[0], 1.0, chain=0, chain_rank=1),  # answer
+        SentenceUnit(1, 1, passages[1].sentences[1], 1.0, chain=0, chain_rank=2),  # lead
+    ]
+    select_sentences(units, passages, 22, WordCounter(), ExtractionPolicy())
+    kept = {(pi, si) for pi, p in enumerate(passages) for si in p.kept_sentences or []}
+    assert {(0, 0), (1, 0)} <= kept
+
+
+@pytest.mark.parametrize(
+    ("text", "title", "named"),
+    [
+        ('the adventure in "Tunnels and Trolls", a game', "Tunnels &amp; Trolls", True),
+        ("The author of The Thing of It Is... is what nationality?", "The Thing of It Is...", True),
+        ("the first to cultivate cranberries in bogs", "Cranberry", True),
+        ("He was born in Boston.", "Boston, Lincolnshire", True),
+        ("Bostonians call it the Hub.", "Boston, Lincolnshire", False),
+        ("He was kissing the bride.", "Kiss and Tell (1945 film)", False),
+    ],
+)
+def test_a_title_is_named_across_entities_ampersands_punctuation_and_plurals(text, title, named):
+    assert mentions(text, title_core(title)) is named
+
+
+MASONS_QUESTION = "What building is opposite the ceremonial meeting place of the Accession Council?"
+PALACE = passage("St James's Palace", "St James's Palace is the ceremonial meeting place of the Accession Council.", 0)
+MASONS = passage("Mark Masons' Hall, London", "Mark Masons' Hall is a building opposite St James's Palace.", 1)
+GARDEN = passage("Green Park", "Green Park is a park in the City of Westminster.", 2)
+
+
+def test_a_passage_naming_the_first_hop_is_a_bridge_too():
+    # The question only describes St James's Palace; the answer's passage names it.
+    passages = [PALACE, MASONS, GARDEN]
+    hop = plan_second_hop(MASONS_QUESTION, passages, [(0, 0, PALACE.text)])
+    assert hop.triggered and list(hop.bridges) == [1]
+    assert hop.links == {1: (0, 0)}
+
+
+def test_a_passage_the_question_names_is_no_reverse_bridge():
+    # The Accession Council passage names the palace too, but the question names it: not new.
+    council = passage("Accession Council", "The Accession Council meets in St James's Palace.", 3)
+    council.score = 1.0
+    hop = plan_second_hop(MASONS_QUESTION, [PALACE, MASONS, GARDEN, council], [(0, 0, PALACE.text)])
+    assert 3 not in hop.bridges and 1 in hop.bridges
+
+
+def test_of_many_candidate_bridges_the_best_matching_are_followed():
+    # The first hop names three passages; the two the reranker scored highest are followed.
+    hub = passage("Hub", "Hub names Alpha One, Beta Two and Gamma Three.", 0)
+    others = [passage(name, f"{name} is a place.", i + 1) for i, name in enumerate(["Alpha One", "Beta Two", "Gamma Three"])]
+    for p, score in zip(others, (0.1, 0.9, 0.5), strict=True):
+        p.score = score
+    hop = plan_second_hop("Which place does the hub name?", [hub, *others], [(0, 0, hub.text)])
+    assert sorted(hop.bridges) == [2, 3]
+
+
+def test_a_bridge_without_a_bridge_form_is_followed_weakly():
+    # "The Kiss and Tell lead actress ..." has no bridge form: the Temple passage is offered just
+    # below the first hop, unchained; the bridge question's form gets the whole chain.
+    formless = "The Kiss and Tell lead actress later held which government post?"
+    passages = [passage(p.title or "", p.text, p.position) for p in (KISS, TEMPLE)]
+    units = scored_units(formless, passages, {(0, 0): 1.0})
+    hop = second_hop(formless, units, passages, fake_embed)
+    assert hop.triggered and hop.weak == {1}
+    assert all(u.chain is None for u in units)
+    bridge = [u.score for u in units if u.passage_index == 1]
+    assert max(bridge) == pytest.approx(1.0 - WEAK_GAP)
+    strong = plan_second_hop(BRIDGE_QUESTION, passages, first_hop_of(KISS, 0))
+    assert strong.triggered and strong.weak == set()
