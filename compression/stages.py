@@ -38,6 +38,7 @@ from compression.rendering import (
     render_context,
     render_messages,
     render_passage,
+    render_slots,
     summary_text,
 )
 from compression.rerank import (
@@ -154,14 +155,18 @@ class MessageContextStage(Stage):
 
     async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
         lifted = lift_context(state)
-        if lifted is None:
+        if not lifted:
             return StageReport(self.name, details={"passages_found": 0, "tokens_found": 0})
-        where, found = lifted
-        passages = state.passages[len(state.passages) - len(found.passages):]
-        return StageReport(self.name, details={
-            "message": where, "layout": found.layout, "passages_found": len(passages),
-            "tokens_found": passages_tokens(ctx.counter, passages),
-        })
+        passages = [p for p in state.passages if p.frame is not None]
+        details: dict[str, Any] = {
+            "message": ", ".join(dict.fromkeys(where for where, _ in lifted)),
+            "layout": ", ".join(dict.fromkeys(found.layout for _, found in lifted)),
+            "passages_found": len(passages), "tokens_found": passages_tokens(ctx.counter, passages),
+        }
+        if len(lifted) > 1:
+            details["blocks"] = [{"message": where, "layout": found.layout, "passages": len(found.passages)}
+                                 for where, found in lifted]
+        return StageReport(self.name, details=details)
 
 
 class CostCheckStage(Stage):
@@ -198,8 +203,10 @@ class CostCheckStage(Stage):
 
 def render_original(state: PipelineState, ctx: StageContext) -> RenderedPrompt:
     """Every document inline (request order, titles kept) and the full history."""
-    context_text = render_context(order_passages(state.passages, "original"))
-    messages = render_messages(state, context_text, list(state.history), None, ctx.policy.assembly)
+    passages = order_passages(state.passages, "original")
+    context_text = render_context(passages)
+    slot_texts = render_slots(passages) if state.context_slots else None
+    messages = render_messages(state, context_text, list(state.history), None, ctx.policy.assembly, slot_texts)
     return RenderedPrompt(messages, ctx.counter.count_chat(messages))
 
 
@@ -531,8 +538,10 @@ def cap_passages_block(state: PipelineState, ctx: StageContext) -> int:
 
 def render_sent(state: PipelineState, ctx: StageContext) -> RenderedPrompt:
     passages = [p for p in state.passages if not p.is_empty()]
-    context_text = render_context(passages, ctx.policy.extraction.keep_titles)
-    messages = render_messages(state, context_text, state.history, state.summary, ctx.policy.assembly)
+    keep_titles = ctx.policy.extraction.keep_titles
+    context_text = render_context(passages, keep_titles)
+    slot_texts = render_slots(passages, keep_titles) if state.context_slots else None
+    messages = render_messages(state, context_text, state.history, state.summary, ctx.policy.assembly, slot_texts)
     return RenderedPrompt(messages, ctx.counter.count_chat(messages))
 
 
