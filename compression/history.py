@@ -33,6 +33,34 @@ SUMMARIZER_SYSTEM_PROMPT = (
 )
 
 
+TOOL_ROLES = ("tool", "function")
+
+
+def calls_tools(message: dict[str, Any]) -> bool:
+    """An assistant turn that asks for tool calls (or a legacy function call)."""
+    return message.get("role") == "assistant" and bool(message.get("tool_calls") or message.get("function_call"))
+
+
+def turn_units(turns: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """The history as units that are kept, summarized or dropped whole, as [start, end) spans: an
+    assistant turn with `tool_calls` together with the `tool` replies after it (a reply without its
+    call, or a call without its replies, is a broken conversation: an OpenAI-style server refuses
+    it), every other turn on its own. A tool reply with no call before it stays with the turn
+    before it, so no cut ever makes it the first message."""
+    units: list[tuple[int, int]] = []
+    for index, turn in enumerate(turns):
+        if turn.get("role") in TOOL_ROLES and units:
+            units[-1] = (units[-1][0], index + 1)
+        else:
+            units.append((index, index + 1))
+    return units
+
+
+def is_tool_unit(turns: list[dict[str, Any]], unit: tuple[int, int]) -> bool:
+    """A unit holding a tool exchange: kept verbatim, never summarized."""
+    return any(calls_tools(turn) or turn.get("role") in TOOL_ROLES for turn in turns[unit[0]:unit[1]])
+
+
 def turns_key(tenant: str, turns: list[dict[str, Any]]) -> str:
     digest = hashlib.sha256()
     for turn in turns:

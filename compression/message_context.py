@@ -2,9 +2,11 @@
 
 LangChain's stuff-documents prompt, LlamaIndex's context chat and most hand-written RAG prompts put
 the retrieved passages into the system or user message instead of ctxgate's `documents` field. This
-module finds such a block, splits it into passages and records where it was, so the same stages
-(dedup, rerank, extraction, assembly) cut it and the renderer puts what is kept back in its place.
-The text around the block (the instructions, the question) is never touched.
+module finds such blocks (every one of them: context in the system message and more in the user
+message, or two "Context:" sections, are all lifted), splits them into passages and records where
+each was, so the same stages (dedup, rerank, extraction, assembly) cut them and the renderer puts
+what is kept of each block back in its place. The text around the blocks (the instructions, the
+question) is never touched.
 
 Layouts recognised, tried in this order on each system message and then on the question:
 
@@ -103,8 +105,15 @@ def find_context(text: str, system: bool) -> FoundContext | None:
 def _tagged(text: str) -> FoundContext | None:
     elements = list(_ELEMENT.finditer(text))
     if elements:
-        passages = [_element_passage(match) for match in elements]
-        return FoundContext("tagged", elements[0].start(), elements[-1].end(), passages)
+        # One block is a run of elements with only whitespace between them: text between two runs
+        # (an instruction, a second container's tags) is not context; the next search finds the next run.
+        run = elements[:1]
+        for element in elements[1:]:
+            if text[run[-1].end():element.start()].strip():
+                break
+            run.append(element)
+        passages = [_element_passage(match) for match in run]
+        return FoundContext("tagged", run[0].start(), run[-1].end(), passages)
     container = _CONTAINER.search(text)
     if container is None:
         return None
@@ -168,9 +177,12 @@ def _bare_paragraphs(text: str) -> FoundContext | None:
 
 
 def _block_end(text: str, from_index: int) -> int:
-    """Where a block starting before `from_index` ends: at a "Question:"-style line, before a final
-    paragraph that asks a question, or at the end of the text (trailing whitespace excluded)."""
-    terminator = _TERMINATOR.search(text, from_index)
+    """Where a block starting before `from_index` ends: at a "Question:"-style line or the next
+    "Context:"-style section (a block of its own), before a final paragraph that asks a question, or
+    at the end of the text (trailing whitespace excluded)."""
+    terminators = [match for match in (_TERMINATOR.search(text, from_index), _SECTION.search(text, from_index))
+                   if match is not None]
+    terminator = min(terminators, key=lambda match: match.start()) if terminators else None
     end = terminator.start() if terminator else len(text)
     paragraphs = list(_PARAGRAPH_BREAK.finditer(text, from_index, end))
     if terminator is None and paragraphs:
@@ -257,31 +269,60 @@ def _gap(block: str, frame_end: int, body: str) -> str:
     return after[: len(after) - len(after.lstrip())] if body else ""
 
 
-# -- lifting the block out of the request -------------------------------------------------------
-def lift_context(state: PipelineState) -> tuple[str, FoundContext] | None:
-    """Find the first block (system messages first, then the question), take it out of its message,
-    record the slot it goes back into and add its passages to `state.passages`."""
+# -- lifting the blocks out of the request -------------------------------------------------------
+def find_contexts(text: str, system: bool) -> list[FoundContext]:
+    """Every retrieved-context block in one message's text, in order (several "Context:" sections,
+    separate tagged containers...): after each block, the rest of the text is searched again."""
+    blocks: list[FoundContext] = []
+    position = 0
+    while position < len(text):
+        # The bare-paragraphs layout (instructions, then passages) only describes a whole message.
+        found = find_context(text[position:], system=system and not blocks)
+        if found is None:
+            break
+        found.start += position
+        found.end += position
+        blocks.append(found)
+        position = found.end
+    return blocks
+
+
+def lift_context(state: PipelineState) -> list[tuple[str, FoundContext]]:
+    """Find every block (system messages first, then the question), take them out of their
+    messages, record the slot each goes back into and add their passages to `state.passages`."""
     candidates = [("system", i, m) for i, m in enumerate(state.system_messages)] + [("question", 0, state.question)]
+    lifted_blocks: list[tuple[str, FoundContext]] = []
     for where, index, message in candidates:
         if not isinstance(message.get("content"), str):
             continue  # content parts: left as sent
         text = message_text(message)
-        found = find_context(text, system=where == "system")
-        if found is None:
+        blocks = find_contexts(text, system=where == "system")
+        if not blocks:
             continue
+        kept_text, removed = [], 0
+        previous_end = 0
+        for found in blocks:
+            kept_text.append(text[previous_end:found.start])
+            # The offset is into the message with every block removed.
+            offset = found.start - removed
+            removed += found.end - found.start
+            previous_end = found.end
+            slot = len(state.context_slots)
+            state.context_slots.append(ContextSlot(where=where, index=index, offset=offset, layout=found.layout))
+            first = len(state.passages)
+            for number, passage in enumerate(found.passages):
+                document = Document(text=passage.body, id=passage.id, title=passage.title)
+                state.passages.append(Passage(document=document, position=first + number, frame=passage.frame,
+                                              slot=slot))
+            lifted_blocks.append(((f"{where}[{index}]" if where == "system" else "question"), found))
+        kept_text.append(text[previous_end:])
         lifted = dict(message)
-        lifted["content"] = text[: found.start] + text[found.end:]
+        lifted["content"] = "".join(kept_text)
         if where == "system":
             state.system_messages[index] = lifted
         else:
             state.question = lifted
-        state.context_slot = ContextSlot(where=where, index=index, offset=found.start, layout=found.layout)
-        first = len(state.passages)
-        for number, passage in enumerate(found.passages):
-            document = Document(text=passage.body, id=passage.id, title=passage.title)
-            state.passages.append(Passage(document=document, position=first + number, frame=passage.frame))
-        return (f"{where}[{index}]" if where == "system" else "question"), found
-    return None
+    return lifted_blocks
 
 
 def report_kept(state: PipelineState, reports: list[StageReport], counter: CachedCounter) -> None:

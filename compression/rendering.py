@@ -93,27 +93,44 @@ def render_messages(
     history: list[dict[str, Any]],
     summary: str | None,
     assembly: AssemblyPolicy,
+    slot_texts: dict[int, str] | None = None,
 ) -> list[dict[str, Any]]:
     """The messages sent to the model: system prompt, context, summary, history, question, trailing.
-    Context found inside a message goes back where it was found instead of the assembly placement."""
-    slot = state.context_slot
+    Context found inside messages goes back where each block was found instead of the assembly
+    placement: `slot_texts` holds each block's text by slot index (see `render_slots`); without it,
+    `context_text` goes into the first block and the others stay empty."""
+    slots = state.context_slots
+    if slots and slot_texts is None:
+        slot_texts = {0: context_text}
     messages: list[dict[str, Any]] = [dict(m) for m in state.system_messages]
-    if slot is not None and slot.where == "system":
-        messages[slot.index] = in_slot(messages[slot.index], slot.offset, context_text)
-    elif slot is None and context_text and assembly.placement == "system":
+    question = dict(state.question)
+    # Last offset first, so the earlier offsets into the same message stay valid.
+    for number in sorted(range(len(slots)), key=lambda n: -slots[n].offset):
+        slot, text = slots[number], (slot_texts or {}).get(number, "")
+        if slot.where == "system":
+            messages[slot.index] = in_slot(messages[slot.index], slot.offset, text)
+        else:
+            question = in_slot(question, slot.offset, text)
+    if not slots and context_text and assembly.placement == "system":
         messages.append(context_message(context_text))
     if summary:
         messages.append({"role": "system", "content": summary_text(summary)})
     messages.extend(dict(m) for m in history)
-    question = dict(state.question)
-    if slot is not None and slot.where == "question":
-        question = in_slot(question, slot.offset, context_text)
-    elif slot is None and context_text and assembly.placement == "user":
+    if not slots and context_text and assembly.placement == "user":
         # The question text itself is untouched: the context goes before it in the same turn.
         question["content"] = question_with_context(context_text, message_text(state.question))
     messages.append(question)
     messages.extend(dict(m) for m in state.trailing)
     return messages
+
+
+def render_slots(passages: list[Passage], keep_titles: bool = True) -> dict[int, str]:
+    """Each found block's text by slot index: its passages in the given order. Passages that came
+    without a block (the `documents` field) join the first block."""
+    by_slot: dict[int, list[Passage]] = {}
+    for passage in passages:
+        by_slot.setdefault(passage.slot or 0, []).append(passage)
+    return {slot: render_context(members, keep_titles) for slot, members in by_slot.items()}
 
 
 def in_slot(message: dict[str, Any], offset: int, context_text: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ pay (or the policy disables it), the compressing stages stand aside and the fit 
 
 from __future__ import annotations
 
+import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from compression.extraction import (
     trim_block_to_budget,
     values_from_scores,
 )
+from compression.history import is_tool_unit, turn_units
 from compression.knapsack import knapsack
 from compression.message_context import lift_context
 from compression.multihop import first_hop_passage_sentences, plan_second_hop
@@ -38,6 +40,7 @@ from compression.rendering import (
     render_context,
     render_messages,
     render_passage,
+    render_slots,
     summary_text,
 )
 from compression.rerank import (
@@ -73,7 +76,11 @@ class StageContext:
 
 
 def turn_cost(counter: CachedCounter, message: dict[str, Any]) -> int:
-    return counter.count(message_text(message)) + MESSAGE_FRAMING_TOKENS
+    cost = counter.count(message_text(message)) + MESSAGE_FRAMING_TOKENS
+    calls = message.get("tool_calls") or message.get("function_call")
+    if calls:  # the call's name and arguments are sent too
+        cost += counter.count(json.dumps(calls, ensure_ascii=False))
+    return cost
 
 
 def history_tokens(counter: CachedCounter, state: PipelineState) -> int:
@@ -154,14 +161,18 @@ class MessageContextStage(Stage):
 
     async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
         lifted = lift_context(state)
-        if lifted is None:
+        if not lifted:
             return StageReport(self.name, details={"passages_found": 0, "tokens_found": 0})
-        where, found = lifted
-        passages = state.passages[len(state.passages) - len(found.passages):]
-        return StageReport(self.name, details={
-            "message": where, "layout": found.layout, "passages_found": len(passages),
-            "tokens_found": passages_tokens(ctx.counter, passages),
-        })
+        passages = [p for p in state.passages if p.frame is not None]
+        details: dict[str, Any] = {
+            "message": ", ".join(dict.fromkeys(where for where, _ in lifted)),
+            "layout": ", ".join(dict.fromkeys(found.layout for _, found in lifted)),
+            "passages_found": len(passages), "tokens_found": passages_tokens(ctx.counter, passages),
+        }
+        if len(lifted) > 1:
+            details["blocks"] = [{"message": where, "layout": found.layout, "passages": len(found.passages)}
+                                 for where, found in lifted]
+        return StageReport(self.name, details=details)
 
 
 class CostCheckStage(Stage):
@@ -198,8 +209,10 @@ class CostCheckStage(Stage):
 
 def render_original(state: PipelineState, ctx: StageContext) -> RenderedPrompt:
     """Every document inline (request order, titles kept) and the full history."""
-    context_text = render_context(order_passages(state.passages, "original"))
-    messages = render_messages(state, context_text, list(state.history), None, ctx.policy.assembly)
+    passages = order_passages(state.passages, "original")
+    context_text = render_context(passages)
+    slot_texts = render_slots(passages) if state.context_slots else None
+    messages = render_messages(state, context_text, list(state.history), None, ctx.policy.assembly, slot_texts)
     return RenderedPrompt(messages, ctx.counter.count_chat(messages))
 
 
@@ -235,7 +248,14 @@ def forced_saving(state: PipelineState, ctx: StageContext) -> int:
 
 
 class HistoryStage(Stage):
-    """Older turns over the history budget are summarized (or dropped); the last ones stay verbatim."""
+    """Older turns over the history budget are summarized (or dropped); the last ones stay verbatim.
+
+    A tool exchange (an assistant turn with `tool_calls` and its `tool` replies) is one unit, kept
+    verbatim or dropped whole, never summarized or split: a summary cannot stand in for the calls
+    and results a model (or the client's agent loop) refers back to, and a call without its replies
+    (or replies without their call) is a conversation an OpenAI-style server refuses. Older tool
+    exchanges are kept before the summary gets any room; one that cannot fit is dropped whole and
+    counted in the report (`tool_exchanges_dropped`)."""
 
     name = "history"
 
@@ -249,26 +269,53 @@ class HistoryStage(Stage):
         if before <= budget:
             return report
         costs = [turn_cost(ctx.counter, m) for m in state.history]
+        units = turn_units(state.history)
+        unit_costs = [sum(costs[start:end]) for start, end in units]
         if ctx.policy.history.strategy == "truncate":
-            keep_from = oldest_kept_turn(costs, budget)
-            report.details["dropped_turns"] = keep_from
-            state.history = state.history[keep_from:]
+            keep_from = oldest_kept_turn(unit_costs, budget)
+            kept = set(range(keep_from, len(units)))
+            report.details["dropped_turns"] = units[keep_from][0] if keep_from < len(units) else len(state.history)
         else:
-            await self.summarize_older_turns(state, ctx, costs, report)
+            kept = await self.summarize_older_turns(state, ctx, units, unit_costs, report)
+        tool_units = [u for u, unit in enumerate(units) if is_tool_unit(state.history, unit)]
+        if tool_units:
+            report.details["tool_exchanges_kept"] = sum(u in kept for u in tool_units)
+            report.details["tool_exchanges_dropped"] = sum(u not in kept for u in tool_units)
+        state.history = [m for u in sorted(kept) for m in state.history[units[u][0]:units[u][1]]]
         report.saved_tokens = before - history_tokens(ctx.counter, state)
         return report
 
     async def summarize_older_turns(
-        self, state: PipelineState, ctx: StageContext, costs: list[int], report: StageReport
-    ) -> None:
+        self,
+        state: PipelineState,
+        ctx: StageContext,
+        units: list[tuple[int, int]],
+        unit_costs: list[int],
+        report: StageReport,
+    ) -> set[int]:
+        """Summarize the older plain turns into `state.summary`; return the units kept verbatim."""
         policy = ctx.policy.history
         budget = state.history_budget
-        verbatim_start = max(0, len(state.history) - policy.keep_last_turns)
-        while verbatim_start < len(costs) and sum(costs[verbatim_start:]) > budget:
-            verbatim_start += 1  # even the kept turns must fit the promise
-        older = state.history[:verbatim_start]
+        # The last `keep_last_turns` turns stay verbatim (widened to whole units)...
+        tail_start = max(0, len(state.history) - policy.keep_last_turns)
+        tail = next((u for u, (_, end) in enumerate(units) if end > tail_start), len(units))
+        while tail < len(units) and sum(unit_costs[tail:]) > budget:
+            tail += 1  # even the kept turns must fit the promise
+        kept = set(range(tail, len(units)))
+        spent = sum(unit_costs[tail:])
+        # ...and so do the older tool exchanges, newest first, while they fit.
+        for u in reversed(range(tail)):
+            if is_tool_unit(state.history, units[u]) and spent + unit_costs[u] <= budget:
+                kept.add(u)
+                spent += unit_costs[u]
+        older = [
+            message
+            for u in range(tail)
+            if u not in kept and not is_tool_unit(state.history, units[u])
+            for message in state.history[units[u][0]:units[u][1]]
+        ]
         summary_overhead = ctx.counter.count(SUMMARY_HEADER) + MESSAGE_FRAMING_TOKENS + 1
-        summary_budget = min(policy.summary_max_tokens, budget - sum(costs[verbatim_start:]) - summary_overhead)
+        summary_budget = min(policy.summary_max_tokens, budget - spent - summary_overhead)
         summary = None
         if older and summary_budget >= MIN_SUMMARY_TOKENS:
             outcome = await ctx.services.summarizer.summarize(
@@ -283,8 +330,8 @@ class HistoryStage(Stage):
             report.details.update(
                 summary_source=outcome.source, engine_calls=outcome.engine_calls, summarized_turns=len(older)
             )
-        state.history = state.history[verbatim_start:]
         state.summary = summary
+        return kept
 
 
 def oldest_kept_turn(costs: list[int], budget: int) -> int:
@@ -535,18 +582,20 @@ def cap_passages_block(state: PipelineState, ctx: StageContext) -> int:
 
 def render_sent(state: PipelineState, ctx: StageContext) -> RenderedPrompt:
     passages = [p for p in state.passages if not p.is_empty()]
-    context_text = render_context(passages, ctx.policy.extraction.keep_titles)
-    messages = render_messages(state, context_text, state.history, state.summary, ctx.policy.assembly)
+    keep_titles = ctx.policy.extraction.keep_titles
+    context_text = render_context(passages, keep_titles)
+    slot_texts = render_slots(passages, keep_titles) if state.context_slots else None
+    messages = render_messages(state, context_text, state.history, state.summary, ctx.policy.assembly, slot_texts)
     return RenderedPrompt(messages, ctx.counter.count_chat(messages))
 
 
 def drop_least_valuable_unit(state: PipelineState, counter: CachedCounter) -> int | None:
     """Remove one unit and return its estimated tokens (None: nothing left to cut). History over its
-    budget loses its oldest turn, otherwise the lowest-scored passage sentence goes, then the
+    budget loses its oldest turn (a tool exchange goes whole), otherwise the lowest-scored passage sentence goes, then the
     summary, then the oldest turns."""
     over_history = history_tokens(counter, state) > state.history_budget
     if over_history and state.history:
-        return turn_cost(counter, state.history.pop(0))
+        return drop_oldest_turns(state, counter)
     if over_history and state.summary:
         return drop_summary(state, counter)
     dropped = drop_lowest_sentence(state.passages)
@@ -555,8 +604,16 @@ def drop_least_valuable_unit(state: PipelineState, counter: CachedCounter) -> in
     if state.summary:
         return drop_summary(state, counter)
     if state.history:
-        return turn_cost(counter, state.history.pop(0))
+        return drop_oldest_turns(state, counter)
     return None
+
+
+def drop_oldest_turns(state: PipelineState, counter: CachedCounter) -> int:
+    """Remove the oldest history unit (a turn, or a tool call with its replies: never half of one);
+    return its estimated tokens."""
+    _, end = turn_units(state.history)[0]
+    dropped, state.history = state.history[:end], state.history[end:]
+    return sum(turn_cost(counter, m) for m in dropped)
 
 
 def drop_summary(state: PipelineState, counter: CachedCounter) -> int:

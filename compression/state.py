@@ -34,8 +34,10 @@ class Passage:
     # Lexical pre-filter: the sentences worth an embedding (None: all of them).
     embed_sentences: set[int] | None = None
     # Found inside a message (compression.message_context): the passage's own markup (header, tags)
-    # before and after its body, rendered back verbatim around whatever of the body is kept.
+    # before and after its body, rendered back verbatim around whatever of the body is kept, and the
+    # index of its block in `PipelineState.context_slots`.
     frame: tuple[str, str] | None = None
+    slot: int | None = None
 
     @property
     def text(self) -> str:
@@ -98,8 +100,8 @@ class PipelineState:
     skip_reason: str | None = None  # compression would not pay: the original is sent as it is
     # The lexical pre-filter has chosen which sentences get embedded (it runs once, before the first).
     prefiltered: bool = False
-    # Retrieved context found inside a message: where its passages go back (None: none found).
-    context_slot: ContextSlot | None = None
+    # Retrieved context found inside messages: where each block's passages go back (empty: none found).
+    context_slots: list[ContextSlot] = field(default_factory=list)
     # Set by the fit stage: exactly what is sent.
     sent: RenderedPrompt | None = None
     trimmed_units: int = 0  # units the fit dropped after the stages' estimates

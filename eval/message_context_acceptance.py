@@ -2,6 +2,7 @@
 stuff-documents prompt (no `ctxgate` extension field), sent through `/v1/ctxgate/compress`.
 
     python -m eval.message_context_acceptance --limit 100
+    python -m eval.message_context_acceptance --offset 100 --limit 100   # questions 100-199 (held out)
 
 Checks, per the issue: prompt_tokens <= the policy budget for every request, no 413, answer retention
 (a gold answer still in the sent prompt, among questions whose original prompt had one) >= 0.95, at
@@ -40,6 +41,7 @@ class Acceptance:
     retained: int
     retention: float
     passages_found_mean: float
+    lost: list[str]  # ids of answerable questions whose sent prompt lost every gold answer
 
     @property
     def passed(self) -> bool:
@@ -64,7 +66,7 @@ def langchain_messages(question: str, passages: list[dict[str, Any]],
 
 
 def measure(dataset: Path, limit: int, policy: str = "rag-default",
-            document_template: str = "{page_content}") -> Acceptance:
+            document_template: str = "{page_content}", offset: int = 0) -> Acceptance:
     from fastapi.testclient import TestClient
 
     from backend.model_prepare import prepare_default_model
@@ -74,8 +76,10 @@ def measure(dataset: Path, limit: int, policy: str = "rag-default",
 
     settings = GatewaySettings(upstreams=["http://127.0.0.1:9"], upstream_model="m", served_model_name="m",
                                tokenizer=str(prepare_default_model()), default_policy=policy)
-    examples = [json.loads(line) for line in dataset.read_text().splitlines()[:limit] if line.strip()]
+    examples = [json.loads(line) for line in dataset.read_text().splitlines()[offset:offset + limit]
+                if line.strip()]
     refused = over = original = sent = answerable = retained = found = 0
+    lost: list[str] = []
     with TestClient(create_app(settings)) as client:
         budget = next(p["effective"]["max_input_tokens"] for p in client.get("/v1/ctxgate/policies").json()[
             "policies"] if p["name"] == policy)
@@ -94,26 +98,32 @@ def measure(dataset: Path, limit: int, policy: str = "rag-default",
             original_text = "\n".join(m["content"] for m in messages)
             if answer_in_text(original_text, example["answers"]):
                 answerable += 1
-                retained += answer_in_text("\n".join(m["content"] for m in body["messages"]), example["answers"])
+                kept = answer_in_text("\n".join(m["content"] for m in body["messages"]), example["answers"])
+                retained += kept
+                if not kept:
+                    lost.append(example.get("id", str(len(lost))))
     done = len(examples) - refused
     return Acceptance(
         requests=len(examples), refused=refused, over_budget=over, budget=budget, original_tokens=original,
         sent_tokens=sent, reduction=round(original / sent, 2) if sent else 0.0, answerable=answerable,
         retained=retained, retention=round(retained / answerable, 4) if answerable else 0.0,
-        passages_found_mean=round(found / done, 2) if done else 0.0,
+        passages_found_mean=round(found / done, 2) if done else 0.0, lost=lost,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", type=Path, default=DEFAULT_DATASET, help="NQ-style JSONL (default: the NQ dev set)")
+    parser.add_argument("--offset", type=int, default=0,
+                        help="skip this many questions first (e.g. --offset 100: questions held out from tuning)")
     parser.add_argument("--limit", type=int, default=100)
     parser.add_argument("--policy", default="rag-default")
     parser.add_argument("--document-prompt", default="{page_content}",
                         help="LangChain document prompt (create_stuff_documents_chain's default: {page_content}; "
                         "'{title}\\n{page_content}' shows each passage's title)")
     args = parser.parse_args(argv)
-    result = measure(args.input, args.limit, args.policy, args.document_prompt.replace("\\n", "\n"))
+    result = measure(args.input, args.limit, args.policy, args.document_prompt.replace("\\n", "\n"),
+                     args.offset)
     print(json.dumps(asdict(result) | {"passed": result.passed}, indent=2))
     return 0 if result.passed else 1
 

@@ -130,3 +130,64 @@ async def test_duplicates_inside_messages_are_removed(make_pipeline):
     dedup = next(stage for stage in result.stages if stage.name == "dedup")
     assert dedup.details["passages_removed"] == 3
     assert result.messages[-1]["content"].count("Mara Quist") == 1
+
+
+# -- several blocks in one request ----------------------------------------------------------------
+MORE = [
+    ("Gorse", "Town Gorse has a population of 640. It lies on the river Brae. Its mayor is Lio Tamm."),
+    ("Harrow", "Town Harrow has a population of 9100. It lies on the river Fen. Its mayor is Kara Voss."),
+]
+
+
+def test_two_context_sections_in_one_message_are_two_blocks():
+    text = ("Context:\n" + "\n\n".join(TEXTS[:3]) + "\n\nContext:\n" + "\n\n".join(text for _, text in MORE)
+            + f"\n\nQuestion: {QUESTION}")
+    from compression.message_context import find_contexts
+
+    blocks = find_contexts(text, system=False)
+    assert [[p.body for p in block.passages] for block in blocks] == [TEXTS[:3], [text for _, text in MORE]]
+    outside = text[: blocks[0].start] + text[blocks[0].end:blocks[1].start] + text[blocks[1].end:]
+    assert outside == f"Context:\n\n\nContext:\n\n\nQuestion: {QUESTION}"  # headers and question stay
+
+
+def test_tagged_runs_separated_by_text_are_separate_blocks():
+    first = "\n".join(f"<document>{text}</document>" for text in TEXTS[:3])
+    second = "\n".join(f"<document>{text}</document>" for _, text in MORE)
+    text = f"{first}\n\nPrefer the newest figures below.\n\n{second}\n\n{QUESTION}"
+    from compression.message_context import find_contexts
+
+    blocks = find_contexts(text, system=False)
+    assert [len(block.passages) for block in blocks] == [3, 2]
+    assert "Prefer the newest figures below." in text[blocks[0].end:blocks[1].start]
+
+
+async def test_context_in_system_and_user_message_is_all_lifted(make_pipeline, tokenizer):
+    system = LAYOUTS["langchain-stuff"][0]
+    user = ("Context:\n" + "\n\n".join(text for _, text in MORE) + "\n\nQuestion: Who is the mayor of Harrow?")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    result = await make_pipeline().run(CompressionInput(messages=messages), _policy(max_tokens=50))
+    report = result.message_context
+    assert report["passages_found"] == len(TEXTS) + len(MORE)
+    assert report["message"] == "system[0], question"
+    assert [block["message"] for block in report["blocks"]] == ["system[0]", "question"]
+    sent_system, sent_user = (m["content"] for m in result.messages)
+    assert sent_system.startswith(INSTRUCTIONS + "\n\n")
+    assert sent_user.startswith("Context:\n") and sent_user.endswith("\n\nQuestion: Who is the mayor of Harrow?")
+    assert "Kara Voss" in sent_user  # the answer stays in its own block, in the user message
+    kept = sent_system[len(INSTRUCTIONS):] + sent_user
+    assert sum(text in kept for text in TEXTS + [t for _, t in MORE]) < len(TEXTS) + len(MORE)  # something was cut
+    assert result.prompt_tokens == tokenizer.count_chat(result.messages) <= 600
+
+
+async def test_several_blocks_uncut_render_back_exactly(make_pipeline):
+    # (Passages go back joined by a blank line, the renderer's separator, so the original uses one too.)
+    system = "Answer from the documents.\n\n<documents>\n" + "\n\n".join(
+        f"<document>{text}</document>" for text in TEXTS[:3]) + "\n</documents>"
+    user = "Context:\n" + "\n\n".join(text for _, text in MORE) + f"\n\nQuestion: {QUESTION}"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    policy = Policy(name="p", max_input_tokens=2000, documents={"max_tokens": 1000, "from_messages": True},
+                    rerank={"enabled": False}, dedup={"enabled": False}, assembly={"order": "original"},
+                    min_saving_ms=0)
+    result = await make_pipeline().run(CompressionInput(messages=messages), policy)
+    assert result.message_context["passages_found"] == 5
+    assert result.messages == messages

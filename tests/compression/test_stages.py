@@ -161,3 +161,94 @@ async def test_fit_refuses_an_original_over_budget_when_compression_is_skipped(t
     await CostCheckStage().run(state, ctx)
     with pytest.raises(BudgetExceededError, match="disables compression"):
         await FitStage().run(state, ctx)
+
+
+# -- tool exchanges in the history ------------------------------------------------------------------
+def _tool_exchange(turn: int) -> list[dict]:
+    call_id = f"call_{turn}"
+    return [
+        # Content "" as the gateway passes it (m.text() of a null content).
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": call_id, "type": "function",
+            "function": {"name": "river_length", "arguments": f'{{"river": "Rhone", "turn": {turn}}}'}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": f"The Rhone is 813 km long (lookup {turn})."},
+    ]
+
+
+def _assert_no_broken_exchange(history: list[dict]) -> None:
+    """Every tool reply follows its call, every call keeps all its replies."""
+    open_calls: set[str] = set()
+    for message in history:
+        if message["role"] == "tool":
+            assert message["tool_call_id"] in open_calls, history
+            open_calls.discard(message["tool_call_id"])
+        else:
+            assert not open_calls, history  # a call lost its reply
+            open_calls = {call["id"] for call in message.get("tool_calls") or []}
+    assert not open_calls
+
+
+def test_turn_units_keep_a_tool_call_with_its_replies():
+    from compression.history import is_tool_unit, turn_units
+
+    history = [_history(1)[0], *_tool_exchange(0), _history(1)[1]]
+    history.insert(3, {"role": "tool", "tool_call_id": "call_0", "content": "A second reply."})
+    units = turn_units(history)
+    assert units == [(0, 1), (1, 4), (4, 5)]
+    assert [is_tool_unit(history, unit) for unit in units] == [False, True, False]
+
+
+@pytest.mark.parametrize("strategy", ["extractive", "truncate"])
+async def test_history_keeps_tool_exchanges_whole_and_verbatim(tokenizer, strategy):
+    policy = Policy(name="p", history={"strategy": strategy, "keep_last_turns": 2, "summary_max_tokens": 40})
+    exchange = _tool_exchange(0)
+    # The tool exchange is old (outside the last turns), the plain turns around it are long.
+    history = _history(3) + exchange + _history(3)
+    state, ctx = _setup(tokenizer, policy, messages=[SYSTEM, *history, QUESTION])
+    state.history_budget = 260
+    report = await HistoryStage().run(state, ctx)
+    _assert_no_broken_exchange(state.history)
+    assert history_tokens(ctx.counter, state) <= 260
+    if strategy == "extractive":
+        # Summarized around, never into the summary: the exchange is sent as it was.
+        assert report.details["tool_exchanges_kept"] == 1
+        assert all(message in state.history for message in exchange)
+        assert "813 km" not in (state.summary or "") and state.summary
+        assert state.history[-2:] == history[-2:]
+    else:
+        assert report.details["tool_exchanges_kept"] + report.details["tool_exchanges_dropped"] == 1
+
+
+async def test_history_never_splits_a_tool_exchange_at_the_verbatim_edge(tokenizer):
+    # keep_last_turns=1 would keep only the tool reply: the call before it is kept with it.
+    policy = Policy(name="p", history={"strategy": "extractive", "keep_last_turns": 1})
+    history = _history(4) + _tool_exchange(0)
+    state, ctx = _setup(tokenizer, policy, messages=[SYSTEM, *history, QUESTION])
+    state.history_budget = 150
+    await HistoryStage().run(state, ctx)
+    assert state.history[-2:] == history[-2:]
+    _assert_no_broken_exchange(state.history)
+
+
+async def test_history_drops_a_tool_exchange_that_cannot_fit_whole(tokenizer):
+    policy = Policy(name="p", history={"strategy": "extractive", "keep_last_turns": 2})
+    history = _history(2) + _tool_exchange(0) + _history(1)
+    state, ctx = _setup(tokenizer, policy, messages=[SYSTEM, *history, QUESTION])
+    state.history_budget = 70  # the last two turns fit, the exchange beside them does not
+    report = await HistoryStage().run(state, ctx)
+    assert report.details["tool_exchanges_dropped"] == 1
+    assert not any(m["role"] == "tool" or m.get("tool_calls") for m in state.history)
+    assert history_tokens(ctx.counter, state) <= 70
+
+
+async def test_fit_drops_a_tool_exchange_whole_and_never_leaves_a_reply_alone(tokenizer):
+    # History off: only the fit stage cuts, oldest unit first.
+    policy = Policy(name="p", max_input_tokens=180, history={"enabled": False}, documents={"max_tokens": 50})
+    history = _tool_exchange(0) + _history(3)
+    state, ctx = _setup(tokenizer, policy, messages=[SYSTEM, *history, QUESTION])
+    await CostCheckStage().run(state, ctx)
+    await FitStage().run(state, ctx)
+    assert state.sent.tokens == tokenizer.count_chat(state.sent.messages) <= 180
+    assert state.history == history[len(history) - len(state.history):]
+    _assert_no_broken_exchange(state.history)
+    assert state.history[0]["role"] != "tool"
