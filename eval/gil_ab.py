@@ -1,0 +1,93 @@
+"""Why the gateway keeps Python work away from the engine thread: decode-step time with and without
+one busy Python thread in the same process, at CPython's default GIL switch interval and at the
+engine's (backend/async_engine.py), each arm in a fresh child process.
+
+    python -m eval.gil_ab [--rounds 3] [--out DIR]
+
+The busy thread splits sentences in a loop (the pure-Python part of compression). The engine thread
+re-takes the GIL between every op of a forward pass, and each re-take can wait a whole switch
+interval while the other thread runs bytecode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ARMS = {
+    "alone, 5 ms switch interval": {"busy": False, "switch_s": 0.005},
+    "beside a Python thread, 5 ms": {"busy": True, "switch_s": 0.005},
+    "beside a Python thread, 0.5 ms": {"busy": True, "switch_s": 0.0005},
+}
+
+
+def _busy_python(stop: threading.Event) -> None:
+    from compression.text import default_splitter
+
+    splitter = default_splitter()
+    text = "Dr. Smith went to Washington. He arrived on Jan. 5th at 3 p.m. and met Mr. Jones. " * 20
+    index = 0
+    while not stop.is_set():
+        splitter.split(f"{text}{index}")
+        index += 1
+
+
+def measure_arm(busy: bool, switch_s: float, rounds: int) -> dict[str, float]:
+    """Median decode step (ms) at batch 1 and batch 4 in this process."""
+    from backend import openmp
+    from backend.config import EngineConfig
+    from backend.llm_engine import LLMEngine
+    from eval.cpu_paths_ab import _run_requests
+
+    engine = LLMEngine(EngineConfig(dtype="auto", kv_cache_memory_mb=256))
+    openmp.hand_cores_to_engine()
+    _run_requests(engine, 1, 64, 4, "warm-up")
+    sys.setswitchinterval(switch_s)
+    stop = threading.Event()
+    thread = threading.Thread(target=_busy_python, args=(stop,), daemon=True)
+    if busy:
+        thread.start()
+    batch1, batch4 = [], []
+    for round_index in range(rounds):
+        batch1.append(_run_requests(engine, 1, 256, 24, f"b1-{round_index}")[1] * 1e3)
+        batch4.append(_run_requests(engine, 4, 128, 24, f"b4-{round_index}")[1] * 1e3)
+    stop.set()
+    if busy:
+        thread.join()
+    return {"decode_step_ms_batch1": statistics.median(batch1), "decode_step_ms_batch4": statistics.median(batch4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.gil_ab", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write gil_ab.json into this folder")
+    parser.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # a child runs one arm
+    args = parser.parse_args(argv)
+    if args.arm is not None:
+        print(json.dumps(measure_arm(**ARMS[args.arm], rounds=args.rounds)))
+        return 0
+    from eval.report import cpu_path_line
+
+    results: dict[str, dict[str, float]] = {}
+    for name in ARMS:
+        started = time.perf_counter()
+        child = subprocess.run([sys.executable, "-m", "eval.gil_ab", "--arm", name, "--rounds", str(args.rounds)],
+                               capture_output=True, text=True, check=True, env=os.environ.copy())
+        results[name] = json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"{name}: {results[name]} ({time.perf_counter() - started:.0f} s)", flush=True)
+    report = {"cpu_path": cpu_path_line(), "rounds": args.rounds, "arms": results}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gil_ab.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
