@@ -9,7 +9,7 @@ over a pipe and sleeps (GIL released) until the vectors come back.
 
 The child loads the same model at the same precision (compression/embeddings.py) with its own
 OpenMP budget, answers one request at a time, and exits when the pipe closes (the parent died or
-closed it). A child that died is started again on the next call.
+closed it). A child that died is started again, and the call that found it dead is asked again.
 """
 
 from __future__ import annotations
@@ -126,19 +126,26 @@ class EmbedProcess:
         logger.info("embedding model in process %s (%s, %d OpenMP threads)", process.pid, self.precision, self.threads)
 
     def encode(self, texts: list[str]) -> np.ndarray:
+        """Rows for `texts`; a child found dead (before or during the call) is started again and
+        asked once more, so a crash costs a restart, not the request."""
+        request = json.dumps(list(texts)).encode()
         with self._lock:
-            if self._process is None or self._process.poll() is not None:
-                logger.warning("the embedding process is gone; starting it again")
-                self._start()
-            process = self._process
-            assert process is not None and process.stdin is not None and process.stdout is not None
-            try:
-                write_frame(process.stdin, OK, json.dumps(list(texts)).encode())
-                status, payload = read_frame(process.stdout)
-            except (EOFError, OSError) as exc:
-                process.kill()
-                self._process = None  # the next call starts a new one
-                raise EmbedProcessError(f"the embedding process died: {exc}") from exc
+            for attempt in (1, 2):
+                if self._process is None or self._process.poll() is not None:
+                    logger.warning("the embedding process is gone; starting it again")
+                    self._start()
+                process = self._process
+                assert process is not None and process.stdin is not None and process.stdout is not None
+                try:
+                    write_frame(process.stdin, OK, request)
+                    status, payload = read_frame(process.stdout)
+                    break
+                except (EOFError, OSError) as exc:
+                    process.kill()
+                    process.wait()
+                    self._process = None
+                    if attempt == 2:
+                        raise EmbedProcessError(f"the embedding process died twice on one call: {exc}") from exc
         if status != OK:
             raise EmbedProcessError(f"the embedding process failed: {payload.decode(errors='replace')}")
         return np.frombuffer(payload, dtype=np.float32).reshape(len(texts), self.dimension).copy()

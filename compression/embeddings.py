@@ -39,15 +39,16 @@ PRECISION_ENV = "CTXGATE_EMBED_PRECISION"
 PRECISIONS = ("bfloat16", "int8", "float32")
 
 
-def choose_precision(native_bf16_gemm: bool, requested: str | None = None) -> str:
-    """How the embedding model multiplies; the matrix multiplies are nearly all of the cold-cache
-    compression time. Where the CPU has a native bf16 GEMM (AVX-512 BF16 / AMX through oneDNN),
-    bfloat16 is the fastest and stays within ~0.002 of float32's cosines; elsewhere bf16 would be
-    emulated, and int8 dynamic quantization (fbgemm, AVX2) is ~2x faster than float32, at the cost
-    of noisier vectors (cosine to float32's as low as ~0.86 on single sentences)."""
+def choose_precision(kernel_isa: str, requested: str | None = None) -> str:
+    """How the embedding model multiplies, by the CPU path (backend/cpu_features.py); the matrix
+    multiplies are nearly all of the cold-cache compression time. avx512_bf16: bfloat16 through
+    oneDNN's native bf16 GEMM (AMX), the fastest and within ~0.002 of float32's cosines. avx2: int8
+    dynamic quantization (fbgemm), ~2x faster than float32 but noisier (cosine to float32's as low
+    as ~0.86 on single sentences), where bf16 would be emulated. portable: float32 (fbgemm needs AVX2)."""
     requested = (requested or "auto").strip().lower()
+    native_bf16_gemm = kernel_isa == "avx512_bf16"
     if requested in ("", "auto"):
-        return "bfloat16" if native_bf16_gemm else "int8"
+        return {"avx512_bf16": "bfloat16", "avx2": "int8"}.get(kernel_isa, "float32")
     if requested not in PRECISIONS:
         raise ValueError(f"{PRECISION_ENV} must be auto or one of {', '.join(PRECISIONS)}, not {requested!r}")
     if requested == "bfloat16" and not native_bf16_gemm:
@@ -58,7 +59,7 @@ def choose_precision(native_bf16_gemm: bool, requested: str | None = None) -> st
 def precision_for_this_cpu() -> str:
     from backend.cpu_features import cpu_path
 
-    return choose_precision(cpu_path().prefill_matmul == "onednn_bf16", os.environ.get(PRECISION_ENV))
+    return choose_precision(cpu_path().kernel_isa, os.environ.get(PRECISION_ENV))
 
 
 def quantize_linear_layers(model: Any) -> None:

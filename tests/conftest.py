@@ -23,3 +23,14 @@ def tokenizer(model_dir):
     from backend.tokenizer import load_tokenizer
 
     return load_tokenizer(str(model_dir))
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free port, in this test's temporary folder."""
+    from tests.gateway.conftest import RedisServer
+
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

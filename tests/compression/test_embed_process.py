@@ -33,6 +33,15 @@ def test_a_child_that_died_is_started_again(process):
     assert process.starts == before + 1
 
 
+def test_a_call_to_a_child_dying_unseen_is_answered_by_its_successor(process):
+    # Killed but not reaped: the parent may still see it running, write, and read EOF; either way
+    # the call is answered by a new child rather than failing.
+    before = process.starts
+    process._process.kill()
+    assert process.encode(TEXTS).shape == (3, process.dimension)
+    assert process.starts == before + 1
+
+
 def test_closing_ends_the_child(embedder):
     child = EmbedProcess(embedder.model_path, embedder.precision, threads=1)
     popen = child._process

@@ -10,7 +10,7 @@ from backend.cpu_features import cpu_path
 from compression.cache import LRUBytesCache
 from compression.embeddings import Embedder, choose_precision
 
-NATIVE_BF16 = cpu_path().prefill_matmul == "onednn_bf16"
+NATIVE_BF16 = cpu_path().kernel_isa == "avx512_bf16"
 SENTENCES = [
     "Paris is the capital and most populous city of France.",
     "The Eiffel Tower was completed in 1889 for the World's Fair.",
@@ -20,26 +20,27 @@ SENTENCES = [
 
 
 @pytest.mark.parametrize(
-    ("native_bf16_gemm", "requested", "expected"),
+    ("kernel_isa", "requested", "expected"),
     [
-        (True, None, "bfloat16"),
-        (True, "auto", "bfloat16"),
-        (False, None, "int8"),
-        (False, "", "int8"),
-        (True, "int8", "int8"),
-        (False, "float32", "float32"),
-        (True, " Float32 ", "float32"),
+        ("avx512_bf16", None, "bfloat16"),
+        ("avx512_bf16", "auto", "bfloat16"),
+        ("avx2", None, "int8"),
+        ("avx2", "", "int8"),
+        ("portable", None, "float32"),
+        ("avx512_bf16", "int8", "int8"),
+        ("avx2", "float32", "float32"),
+        ("avx512_bf16", " Float32 ", "float32"),
     ],
 )
-def test_precision_follows_the_cpu_unless_asked(native_bf16_gemm, requested, expected):
-    assert choose_precision(native_bf16_gemm, requested) == expected
+def test_precision_follows_the_cpu_unless_asked(kernel_isa, requested, expected):
+    assert choose_precision(kernel_isa, requested) == expected
 
 
 def test_bf16_without_a_native_gemm_and_unknown_names_are_refused_by_name():
     with pytest.raises(ValueError, match="CTXGATE_EMBED_PRECISION=bfloat16 needs"):
-        choose_precision(False, "bfloat16")
+        choose_precision("avx2", "bfloat16")
     with pytest.raises(ValueError, match="not 'fp8'"):
-        choose_precision(True, "fp8")
+        choose_precision("avx512_bf16", "fp8")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,9 @@ def float32_embedder():
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])
 def test_each_precision_gives_unit_vectors_close_to_float32(precision, float32_embedder):
     if precision == "bfloat16" and not NATIVE_BF16:
-        pytest.skip("this CPU has no native bf16 GEMM (AVX-512 BF16 / AMX)")
+        pytest.skip("this CPU has no native bf16 GEMM (avx512_bf16 / amx_bf16)")
+    if precision == "int8" and cpu_path().kernel_isa == "portable":
+        pytest.skip("fbgemm's int8 kernels need avx2")
     embedder = Embedder(precision=precision)
     vectors = embedder.embed(SENTENCES)
     reference = float32_embedder.embed(SENTENCES)

@@ -8,17 +8,11 @@ import pytest
 from compression.message_context import find_context
 from compression.types import CompressionInput
 from policies.schema import Policy
+from tests.town_facts import TOWN_FACTS, TOWN_QUESTION
 
-FACTS = [
-    ("Arlen", "Town Arlen has a population of 1200. It lies on the river Vey. Its mayor is Ida Holm."),
-    ("Brisk", "Town Brisk has a population of 5400. It lies on the river Orn. Its mayor is Tomas Veld."),
-    ("Cirra", "Town Cirra has a population of 870. It lies on the river Lune. Its mayor is Mara Quist."),
-    ("Dovel", "Town Dovel has a population of 23000. It lies on the river Sarn. Its mayor is Pell Ochs."),
-    ("Esker", "Town Esker has a population of 310. It lies on the river Tay. Its mayor is Una Brack."),
-    ("Fallow", "Town Fallow has a population of 4100. It lies on the river Wend. Its mayor is Rolf Jansk."),
-]
+FACTS = TOWN_FACTS[:6]
 TEXTS = [text for _, text in FACTS]
-QUESTION = "Who is the mayor of Cirra?"
+QUESTION = TOWN_QUESTION
 INSTRUCTIONS = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
                 "to answer the question. If you don't know the answer, say that you don't know.")
 # Each layout as the framework (or a hand-written prompt) renders it: (name, message text, is system).

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from compression.redis_cache import CircuitBreaker, RedisBytesCache
-from tests.gateway.conftest import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -42,14 +41,6 @@ def test_breaker_opens_after_consecutive_failures_and_lets_one_trial_through_aft
     assert breaker.allow()
     breaker.succeeded()
     assert breaker.state == "closed" and breaker.allow()
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

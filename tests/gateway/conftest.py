@@ -107,14 +107,6 @@ class RedisServer:
             self.process = None
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
-
-
 def write_policy(directory: Path, name: str, text: str) -> Path:
     path = directory / f"{name}.yaml"
     tmp = directory / f".{name}.tmp"
