@@ -18,6 +18,8 @@ import numpy as np
 
 from compression.batching import EmbedBatcher
 from compression.cache import BytesCache
+from compression.packed_encoder import PackedEncoder
+from compression.packed_encoder import supports as packed_supports
 from compression.text import content_hash
 
 if TYPE_CHECKING:
@@ -102,6 +104,8 @@ class Embedder:
             import torch
 
             self._model.to(torch.bfloat16)
+        # Padding-free forward (compression/packed_encoder.py): ~half the time of the padded batches.
+        self._packed = PackedEncoder(self._model, self._model.max_seq_length) if packed_supports(self._model) else None
         self._cache = cache
         self._batcher: EmbedBatcher | None = None
         self._process: EmbedProcess | None = None
@@ -110,7 +114,11 @@ class Embedder:
         self._max_local = max_local_entries
         self._lock = threading.Lock()
         # Vectors of different precisions differ, so they never share cache entries.
+        # int8's per-call activation scales depend on the batch, and packed batches hold no padding:
+        # packed int8 vectors are as close to float32's as padded ones, but not equal to them.
         suffix = {"int8": ":int8", "bfloat16": ":bf16", "float32": ""}[self.precision]
+        if self.precision == "int8" and self._packed is not None:
+            suffix = ":int8p"
         self._key_prefix = f"emb:{self.model_path.name}{suffix}:"
         self.encoded_texts = 0  # texts that actually went through the model (cache misses)
 
@@ -210,11 +218,14 @@ class Embedder:
         process = self._process
         if process is not None:
             return process.encode(texts)
-        encoded = self._model.encode(
-            texts, batch_size=batch_size, convert_to_tensor=True, show_progress_bar=show_progress_bar
-        )
+        if self._packed is not None:
+            vectors = self._packed.encode(texts)
+        else:
+            encoded = self._model.encode(
+                texts, batch_size=batch_size, convert_to_tensor=True, show_progress_bar=show_progress_bar
+            )
+            vectors = encoded.float().numpy()
         # Normalized in float32: a bf16 model's own normalization leaves norms ~0.3% off 1.
-        vectors = encoded.float().numpy()
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
         return (vectors / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
 

@@ -9,6 +9,8 @@ import threading
 import unicodedata
 from collections import OrderedDict
 
+from sentencex import segment
+
 _WORD_RE = re.compile(r"\w+", re.UNICODE)
 
 # Function words carry no evidence; lexical overlap ignores them.
@@ -48,12 +50,14 @@ def content_words(text: str) -> set[str]:
 
 
 class SentenceSplitter:
-    """pysbd segmentation (rule-based, maintained) memoized by content: it is the slow part."""
+    """Rule-based segmentation (Wikimedia's sentencex, compiled Rust) memoized by content.
+
+    sentencex splits as well as pysbd on retrieved passages (90%+ of NQ passages split identically,
+    the rest differ both ways) at ~1/300 of the time: pysbd took ~100 ms per 20-passage request, a
+    third of the cold compression time."""
 
     def __init__(self, language: str = "en", max_entries: int = 20_000):
-        import pysbd
-
-        self._segmenter = pysbd.Segmenter(language=language, clean=False)
+        self._language = language
         self._cache: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         self._max_entries = max_entries
         self._lock = threading.Lock()
@@ -66,7 +70,7 @@ class SentenceSplitter:
                 self._cache.move_to_end(key)
                 return list(cached)
         sentences = tuple(
-            cleaned for cleaned in (sentence.strip() for sentence in self._segmenter.segment(text)) if cleaned
+            cleaned for cleaned in (sentence.strip() for sentence in segment(self._language, text)) if cleaned
         )
         with self._lock:
             self._cache[key] = sentences
