@@ -66,6 +66,16 @@ def live_sentences(passage: Passage) -> list[str]:
     return [sentences[i] for i in indices]
 
 
+def embedded_sentences(passage: Passage) -> list[str]:
+    """The texts that stand for a passage in its vector (its title is added separately)."""
+    return live_sentences(passage) or ([] if passage.title else [passage.text])
+
+
+def passage_embedding_texts(passages: list[Passage]) -> list[str]:
+    """Every text `passage_vectors` embeds, in one list."""
+    return [s for p in passages for s in embedded_sentences(p)] + [p.title for p in passages if p.title]
+
+
 def combine_vectors(sentence_vectors: np.ndarray, title_vector: np.ndarray | None) -> np.ndarray:
     """A passage's vector: the normalized sum of its sentences' (and its title's) vectors.
 
@@ -83,7 +93,7 @@ def passage_vectors(embedder: Embedder, passages: list[Passage]) -> np.ndarray:
     """(len(passages), dim); passages must already be split into sentences."""
     if not passages:
         return np.zeros((0, embedder.dimension), dtype=np.float32)
-    per_passage = [live_sentences(p) or ([] if p.title else [p.text]) for p in passages]
+    per_passage = [embedded_sentences(p) for p in passages]
     titles = [p.title for p in passages if p.title]
     flat = [s for sentences in per_passage for s in sentences]
     vectors = embedder.embed(flat + titles)

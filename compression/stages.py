@@ -49,6 +49,7 @@ from compression.rerank import (
     EmbeddingReranker,
     FusedReranker,
     Reranker,
+    passage_embedding_texts,
     passage_text_for_scoring,
     passage_vectors,
 )
@@ -113,6 +114,17 @@ def ensure_candidates(ctx: StageContext, state: PipelineState) -> None:
     state.prefiltered = True
     ensure_sentences(ctx, state.passages)
     mark_embedding_candidates(state.question_text, state.passages, documents_budget(state, ctx))
+
+
+def embed_with_question(ctx: StageContext, state: PipelineState, texts: list[str]) -> None:
+    """Embed `texts` and the question in one model call (later calls find them in the embedder's
+    cache): every call has a fixed cost, ~10 ms for the question alone, and in the gateway each is
+    a round trip to the embedding process."""
+    if state.question_vector is not None:
+        ctx.services.embedder.embed(texts)
+        return
+    vectors = ctx.services.embedder.embed([*texts, state.question_text])
+    state.question_vector = vectors[-1]
 
 
 class Stage(ABC):
@@ -362,6 +374,7 @@ class DedupStage(Stage):
         vectors = None
         if embedder is not None:
             ensure_candidates(ctx, state)
+            embed_with_question(ctx, state, passage_embedding_texts(state.passages))
             vectors = passage_vectors(embedder, state.passages)
         priority = [p.document.score if p.document.score is not None else 0.0 for p in state.passages]
         dropped = duplicate_indices(texts, vectors, policy.exact, near, priority)

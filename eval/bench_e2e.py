@@ -84,6 +84,7 @@ class Sample:
     cached_prompt_tokens: int = 0
     prefill_ms: float | None = None
     compression_ms: float | None = None
+    compression_stage_ms: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
     @property
@@ -187,6 +188,7 @@ def sample_of(arm: str, pass_name: str, concurrency: int, example: EvalExample, 
                                  (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
         prefill_ms=extra.get("prefill_ms"),
         compression_ms=sum(float(v) for v in compression.values()) if isinstance(compression, dict) else None,
+        compression_stage_ms={k: float(v) for k, v in compression.items()} if isinstance(compression, dict) else {},
     )
 
 
@@ -324,11 +326,20 @@ def summarize_arm(runs: list[ArmRun]) -> dict[str, Any]:
         "e2e_ms": latency([s.e2e_ms for s in samples]),
         "prefill_ms": latency([s.prefill_ms for s in samples if s.prefill_ms is not None]),
         "compression_ms": latency([s.compression_ms for s in samples if s.compression_ms is not None]),
+        "compression_stage_ms": stage_latencies(samples),
         "cached_prompt_tokens_mean": round(statistics.fmean(s.cached_prompt_tokens for s in samples), 2)
         if samples else None,
         "others_cpu_frac_max": round(max((run.others_cpu_frac for run in runs), default=0.0), 3),
         "others_cpu_frac_mean": round(statistics.fmean(run.others_cpu_frac for run in runs), 3) if runs else None,
     }
+
+
+def stage_latencies(samples: list[Sample]) -> dict[str, dict[str, float | None]]:
+    """Where compression time goes, per stage (stages that took >= 1 ms at P95 in the arm)."""
+    names = sorted({name for s in samples for name in s.compression_stage_ms})
+    stages = {name: latency([s.compression_stage_ms[name] for s in samples if name in s.compression_stage_ms])
+              for name in names}
+    return {name: value for name, value in stages.items() if (value["p95"] or 0.0) >= 1.0}
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -448,8 +459,12 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"mean {_f(payback['prefill_ms_saved']['mean'], 0)}; compression ms P50 / P95 "
                 f"{_pair(payback['compression_ms'], 1)}; compression / saving P95 "
                 f"{_f(payback['compression_share_of_saving_p95'], 3)}",
-                "",
             ]
+            stages = (summary["arms"].get("compressed") or {}).get("compression_stage_ms") or {}
+            if stages:
+                lines.append("- compressed arm, compression ms by stage (P50 / P95): " + ", ".join(
+                    f"{name} {_pair(value, 1)}" for name, value in stages.items()))
+            lines.append("")
         lines += [f"### Acceptance at concurrency {concurrency}", "", "| check | value | bar | met |",
                   "| --- | --- | --- | --- |"]
         for check in level["acceptance"]:

@@ -120,3 +120,27 @@ async def test_stable_assembly_gives_requests_with_the_same_kept_passages_the_sa
     forward = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), policy)
     backward = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS[::-1]), policy)
     assert forward.messages == backward.messages
+
+
+async def test_first_sight_embeds_question_and_candidates_in_one_model_call(make_pipeline, embedder):
+    # Every model call has a fixed cost (and in the gateway a round trip to the embedding process),
+    # so the question rides with the candidate sentences instead of going alone.
+    documents = [Document(text=d.text.replace("Town", "Village"), title=d.title.replace("Town", "Hamlet"))
+                 for d in DOCUMENTS]  # texts this session's embedder has not cached
+    policy = Policy(name="p", max_input_tokens=400, documents={"max_tokens": 60}, rerank={"top_k": 3})
+    calls: list[int] = []
+    encode_now = embedder._encode_now
+
+    def counting(texts, *args, **kwargs):
+        calls.append(len(texts))
+        return encode_now(texts, *args, **kwargs)
+
+    embedder._encode_now = counting
+    try:
+        question = {"role": "user", "content": "Who is the mayor of the village of Cirra, please?"}
+        result = await make_pipeline().run(CompressionInput(messages=[MESSAGES[0], question], documents=documents),
+                                           policy)
+    finally:
+        del embedder._encode_now
+    assert "Mara Quist" in result.context_text
+    assert len(calls) == 1 and calls[0] > len(documents)

@@ -52,6 +52,16 @@ def test_arm_summary_counts_requests_over_summed_wall_time_and_skips_errors():
     assert row["others_cpu_frac_max"] == pytest.approx(0.3)
 
 
+def test_arm_summary_breaks_compression_time_down_by_stage():
+    samples = [sample("compressed", q, 100.0) for q in "abc"]
+    for index, one in enumerate(samples):
+        one.compression_stage_ms = {"dedup": 100.0 * (index + 1), "rerank": 20.0, "history": 0.01}
+    stages = summarize_arm([ArmRun("compressed", samples, 1.0, 0.0)])["compression_stage_ms"]
+    assert stages["dedup"]["p50"] == pytest.approx(200.0)
+    assert stages["rerank"]["p95"] == pytest.approx(20.0)
+    assert "history" not in stages  # stages that cost nothing are left out of the report
+
+
 def test_payback_pairs_each_question_full_against_compressed():
     samples = [
         sample("full", "a", 1000.0), sample("compressed", "a", 200.0, compression_ms=40.0),
@@ -95,6 +105,7 @@ def test_bench_e2e_command_runs_every_arm_on_the_same_questions(tmp_path):
     assert abs(arms["engine"]["prompt_tokens_mean"] - arms["ideal"]["prompt_tokens_mean"]) <= 8
     assert arms["full"]["prompt_tokens_mean"] > 2 * arms["compressed"]["prompt_tokens_mean"]
     assert arms["compressed"]["compression_ms"]["p50"] > 0
+    assert "dedup" in arms["compressed"]["compression_stage_ms"]  # where the embedding happens
     markdown = (out / "bench_e2e.md").read_text()
     assert "CPU path: cpu path" in markdown and "Acceptance at concurrency 1" in markdown
     assert (out / "bench_e2e.png").stat().st_size > 0
