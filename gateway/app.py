@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -221,10 +222,34 @@ async def _load_embedder(gateway: Gateway) -> None:
         openmp.limit_calling_thread(1)  # no OpenMP team beside the engine's (backend/openmp.py)
         services.embedder  # noqa: B018 - the property loads the model
 
+    # A daemon thread, not asyncio.to_thread: shutdown must not wait for a load still in progress
+    # (the default executor's threads are joined at exit; on a busy 2-core machine loading the model
+    # and starting its process can take longer than a supervisor's stop timeout).
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def run() -> None:
+        try:
+            load()
+        except Exception as exc:  # the first request that needs it will report the error too
+            loop.call_soon_threadsafe(_settle, done, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, done, None)
+
+    threading.Thread(target=run, name="ctxgate-embedder-load", daemon=True).start()
     try:
-        await asyncio.to_thread(load)
-    except Exception:  # the first request that needs it will report the error
+        await done
+    except Exception:
         logger.exception("loading the embedding model failed")
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # cancelled at shutdown
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 async def _watch_files(gateway: Gateway) -> None:
