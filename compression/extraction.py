@@ -19,7 +19,7 @@ from compression.multihop import FIRST_HOP_SENTENCES, SecondHop, mentions, plan_
 from compression.rendering import passage_header_cost, render_context
 from compression.rerank import minmax
 from compression.state import Passage
-from compression.text import content_words
+from compression.text import STOPWORDS, content_words, words
 from policies.schema import ExtractionPolicy
 
 # Relevance fusion weights (tuned on nq-multidoc-dev, see the README's eval section).
@@ -43,6 +43,9 @@ FEEDBACK_WEIGHT = 0.9  # a second-hop match counts a little less than a direct o
 # are lifted, chosen by their match with the question plus the bridge entity.
 HOP_SENTENCES = 3
 WEAK_GAP = 5 * BRIDGE_GAP  # a weak bridge's sentences: value about 0.12 of the best sentence's
+# How much the residual question (its words the linking sentence lacks) adds when the bridge
+# passage's answer sentence is chosen.
+RESIDUAL_WEIGHT = LEXICAL_WEIGHT
 
 
 def lexical_overlap(question: str, texts: list[str]) -> np.ndarray:
@@ -217,26 +220,32 @@ def follow_second_hop(
         sentence_vectors = embed(texts)
         hop_query = f"{question} {entity}"
         hop_scores = match_scores(hop_query, texts, sentence_vectors, embed)
+        link = position_of.get(hop.links[bridge_index])
+        # The answer sentence answers what is left of the question once the entity is known: it
+        # matches the question itself, not the entity's name (which every sentence about it has),
+        # and above all the words the linking sentence does not already hold ("a suburb of a city
+        # with a population of what in 2010": the link says "suburb", the answer "2010 census").
+        residual = residual_question(question, units[link].text if link is not None else "", entity)
+        answer_scores = match_scores(question, texts, sentence_vectors, embed)
+        if residual:
+            answer_scores = answer_scores + RESIDUAL_WEIGHT * lexical_overlap(residual, texts)
+        answer = members[int(np.argmax(answer_scores))]
         if bridge_index in hop.weak:
             # No bridge form and not reached from a passage the question names: offer the lead
-            # and the best hop sentence a little below the first hop, unchained.
+            # and the answer sentence a little below the first hop, unchained.
             lead = min(members, key=lambda i: units[i].sentence_index)
-            for i in dict.fromkeys((lead, members[int(np.argmax(hop_scores))])):
+            for i in dict.fromkeys((lead, answer)):
                 units[i].score = max(units[i].score, top_score - WEAK_GAP)
             continue
         lifted = [members[j] for j in np.argsort(-hop_scores, kind="stable")[:HOP_SENTENCES]]
         for rank, i in enumerate(lifted):
             units[i].score = max(units[i].score, top_score - BRIDGE_GAP * (1 + rank))
-        # The chained sentence answers what is left of the question once the entity is known: it
-        # matches the question itself, not the entity's name (which every sentence about it has).
-        answer = members[int(np.argmax(match_scores(question, texts, sentence_vectors, embed)))]
         # The bridge passage's leading sentence names the entity and says what it is ("Shirley
         # Temple Black ... was an American actress ... and diplomat"): where a bridge question's
         # answer most often is, and what ties the answer sentence to the entity.
         lead = min(members, key=lambda i: units[i].sentence_index)
         for i in (answer, lead):
             units[i].score = max(units[i].score, top_score - BRIDGE_GAP)
-        link = position_of.get(hop.links[bridge_index])
         if link is None:
             continue
         # One chain per linking sentence: a sentence naming two bridges takes both whole.
@@ -248,6 +257,13 @@ def follow_second_hop(
             if units[i].chain is None:
                 units[i].chain, units[i].chain_rank = chain_id, base + rank
             units[i].score = chain_score
+
+
+def residual_question(question: str, link_text: str, entity: str) -> str:
+    """The question's content words that neither the linking sentence nor the bridge entity holds,
+    in question order: what the bridge passage must still answer."""
+    covered = content_words(link_text) | content_words(entity)
+    return " ".join(dict.fromkeys(word for word in words(question) if word not in STOPWORDS and word not in covered))
 
 
 def match_scores(
