@@ -46,6 +46,10 @@ WEAK_GAP = 5 * BRIDGE_GAP  # a weak bridge's sentences: value about 0.12 of the 
 # How much the residual question (its words the linking sentence lacks) adds when the bridge
 # passage's answer sentence is chosen.
 RESIDUAL_WEIGHT = LEXICAL_WEIGHT
+# Third hop: how many other passages naming a followed bridge entity get their best sentence
+# offered, and how far below the best first-hop sentence (value about 0.44 of the best's).
+THIRD_HOP_PASSAGES = 2
+THIRD_HOP_GAP = 2 * BRIDGE_GAP
 
 
 def lexical_overlap(question: str, texts: list[str]) -> np.ndarray:
@@ -231,10 +235,10 @@ def follow_second_hop(
             answer_scores = answer_scores + RESIDUAL_WEIGHT * lexical_overlap(residual, texts)
         answer = members[int(np.argmax(answer_scores))]
         if bridge_index in hop.weak:
-            # No bridge form and not reached from a passage the question names: offer the lead
-            # and the answer sentence a little below the first hop, unchained.
+            # No bridge form: offer the lead and the best hop sentence a little below the first
+            # hop, unchained (mostly one sentence: a single-hop question keeps its budget).
             lead = min(members, key=lambda i: units[i].sentence_index)
-            for i in dict.fromkeys((lead, answer)):
+            for i in dict.fromkeys((lead, members[int(np.argmax(hop_scores))])):
                 units[i].score = max(units[i].score, top_score - WEAK_GAP)
             continue
         lifted = [members[j] for j in np.argsort(-hop_scores, kind="stable")[:HOP_SENTENCES]]
@@ -257,6 +261,39 @@ def follow_second_hop(
             if units[i].chain is None:
                 units[i].chain, units[i].chain_rank = chain_id, base + rank
             units[i].score = chain_score
+    lift_third_hop(question, hop, units, embed, top_score)
+
+
+def lift_third_hop(
+    question: str,
+    hop: SecondHop,
+    units: list[SentenceUnit],
+    embed: Callable[[list[str]], np.ndarray],
+    top_score: float,
+) -> None:
+    """A chain can go one passage further: the question may describe its answer by the bridge
+    entity ("the 2009 film starring the actor who played Dexter Morgan": the Dexter passage names
+    Michael C. Hall, and the answer's passage names him too). Of the other passages naming a
+    followed (chained) bridge entity, the best question-matching sentence of the best
+    THIRD_HOP_PASSAGES is offered below the chain, unchained."""
+    strong = {index: entity for index, entity in hop.bridges.items() if index not in hop.weak}
+    if not strong:
+        return
+    sources = {link[0] for link in hop.links.values()}
+    naming: dict[int, list[int]] = {}
+    for position, unit in enumerate(units):
+        if unit.passage_index not in hop.bridges and unit.passage_index not in sources:
+            naming.setdefault(unit.passage_index, []).append(position)
+    candidates: list[tuple[float, int]] = []
+    for members in naming.values():
+        texts = [units[i].text for i in members]
+        if not any(mentions(text, entity) for text in texts for entity in strong.values()):
+            continue
+        scores = match_scores(question, texts, embed(texts), embed)
+        best = int(np.argmax(scores))
+        candidates.append((float(scores[best]), members[best]))
+    for _, position in sorted(candidates, reverse=True)[:THIRD_HOP_PASSAGES]:
+        units[position].score = max(units[position].score, top_score - THIRD_HOP_GAP)
 
 
 def residual_question(question: str, link_text: str, entity: str) -> str:
