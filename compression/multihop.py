@@ -283,7 +283,7 @@ def plan_second_hop(
 
     Of the candidates, the `max_bridges` whose passages match the question best are followed: by
     `strength` (passage index -> its best sentence's first-hop score) where the sentences are
-    scored, else by the passage's rerank score."""
+    scored, else by the passage's rerank score; links from a passage the question names first."""
     cues = question_form_cues(question)
     named = named_passages(question, passages)
     sources = entity_sentences(passages, named) + [item for item in first_hop if item[0] not in named]
@@ -296,7 +296,9 @@ def plan_second_hop(
     def match(index: int) -> float:
         return strength.get(index, 0.0) if strength is not None else passages[index].score
 
-    best = sorted(bridges, key=lambda index: -match(index))[:max_bridges]
+    # A link from a passage the question names comes first: the question starts there, whereas a
+    # best first-hop passage may be a near miss (a hub article that six season articles name).
+    best = sorted(bridges, key=lambda index: (links[index][0] not in named, -match(index)))[:max_bridges]
     return SecondHop(
         triggered=bool(best),
         cues=cues,
