@@ -49,6 +49,7 @@ RESIDUAL_WEIGHT = LEXICAL_WEIGHT
 # Third hop: how many other passages naming a followed bridge entity get their best sentence
 # offered, and how far below the best first-hop sentence (value about 0.44 of the best's).
 THIRD_HOP_PASSAGES = 2
+LINK_LEAD_RANK = 1000  # chain rank of a link passage's lead: above every other member's
 THIRD_HOP_GAP = 2 * BRIDGE_GAP
 
 
@@ -254,12 +255,21 @@ def follow_second_hop(
             continue
         # One chain per linking sentence: a sentence naming two bridges takes both whole.
         chain_id = units[link].chain if units[link].chain is not None else chain_id
-        chain = [i for i in dict.fromkeys((link, answer, lead)) if units[i].chain in (None, chain_id)]
+        # The linking passage's own leading sentence says whom its "he" / "the team" is ("He served
+        # as Chamberlain ... of King Kalākaua": "Colonel Charles Hastings Judd ... was ..."): when the
+        # link is a later sentence, the lead travels with the chain too (shed first).
+        link_lead = min(
+            (i for i, unit in enumerate(units) if unit.passage_index == units[link].passage_index),
+            key=lambda i: units[i].sentence_index,
+        )
+        chain = [i for i in dict.fromkeys((link, answer, lead, link_lead)) if units[i].chain in (None, chain_id)]
         chain_score = max(units[i].score for i in chain)
-        base = max((u.chain_rank for u in units if u.chain == chain_id), default=0)
+        base = max((u.chain_rank for u in units if u.chain == chain_id and u.chain_rank < LINK_LEAD_RANK), default=0)
         for rank, i in enumerate(chain):
             if units[i].chain is None:
-                units[i].chain, units[i].chain_rank = chain_id, base + rank
+                units[i].chain = chain_id
+                # The link passage's lead is shed before any bridge's members.
+                units[i].chain_rank = LINK_LEAD_RANK + rank if i == link_lead and i != link else base + rank
             units[i].score = chain_score
     lift_third_hop(question, hop, units, embed, top_score)
 
