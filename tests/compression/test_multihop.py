@@ -429,3 +429,57 @@ def test_the_third_hop_offers_the_passage_naming_the_bridge_entity():
     directed = next(u for u in units if "directed by" in u.text)
     assert directed.score == pytest.approx(1.0 - THIRD_HOP_GAP)
     assert all(u.score == pytest.approx(0.1) for u in units if u.passage_index == 3)
+
+
+def test_a_link_from_a_passage_the_question_names_is_followed_first():
+    # The best first-hop passage is a near miss (basketball, not soccer) that many season passages
+    # name; those reverse links score better than the conference passage, yet the link from the
+    # passage the question names (soccer -> conference) is followed first.
+    question = "The Vermont Catamounts men's soccer team competes in a conference formerly known as what?"
+    soccer = passage("Vermont Catamounts men's soccer", "The team competes in the America East Conference.")
+    basketball = passage("Vermont Catamounts men's basketball", "The basketball team plays in Burlington.", 1)
+    seasons = [
+        passage(f"201{i}–1{i + 1} Vermont Catamounts men's basketball team",
+                f"The season of the Vermont Catamounts men's basketball under coach number {i}.", 2 + i)
+        for i in range(3)
+    ]
+    conference = passage("America East Conference", "It was known as the North Atlantic Conference.", 5)
+    passages = [soccer, basketball, *seasons, conference]
+    for p, score in zip(passages, (0.9, 0.6, 0.45, 0.45, 0.45, 0.3), strict=True):
+        p.score = score
+    hop = plan_second_hop(question, passages, [(1, 0, basketball.text)])
+    assert 5 in hop.bridges and hop.links[5] == (0, 0)
+
+
+def test_the_link_passage_lead_travels_with_the_chain_and_is_shed_first():
+    question = "Who was Chamberlain of the military staff of the Merrie Monarch?"
+    judd = passage(
+        "Charles Judd", "Colonel Charles Judd was a courtier of Hawaii. He served as Chamberlain of King Kalakaua."
+    )
+    king = passage("Kalakaua", "Kalakaua was the last king of Hawaii. He was called the Merrie Monarch.", 1)
+    town = passage("Hilo", "Hilo is a town on the island of Hawaii.", 2)
+    passages = [judd, king, town]
+    units = scored_units(question, passages, {(0, 1): 1.0, (0, 0): 0.6, (2, 0): 0.5})
+    hop = second_hop(question, units, passages, fake_embed)
+    assert hop.bridges == {1: "kalakaua"} and hop.links == {1: (0, 1)}
+    link, judd_lead = units[1], units[0]
+    assert judd_lead.chain is not None and judd_lead.chain == link.chain
+    assert judd_lead.chain_rank == max(u.chain_rank for u in units if u.chain == link.chain)
+
+
+def test_the_rerank_cut_keeps_a_passage_the_question_names():
+    from types import SimpleNamespace
+
+    from compression.stages import rerank_bridges
+
+    question = "What year did Guns N Roses perform a promo for a movie starring Arnold Schwarzenegger?"
+    ranked = [
+        passage("Arnold Schwarzenegger filmography", "Arnold Schwarzenegger has appeared in over 30 films."),
+        passage("Last Action Hero", "Last Action Hero is a film starring Arnold Schwarzenegger.", 1),
+        passage("Steven Adler", "Steven Adler is a drummer.", 2),
+        passage("Oh My God (Guns N' Roses song)", "Oh My God is a song released in 1999.", 3),
+    ]
+    for p in ranked:
+        p.sentences = [p.text]
+    kept = rerank_bridges(SimpleNamespace(question_text=question), SimpleNamespace(), ranked, 2)
+    assert [p.title for p in kept] == ["Oh My God (Guns N' Roses song)"]
