@@ -1,12 +1,25 @@
-"""Exact (normalized hash) and near-duplicate (embedding cosine) removal."""
+"""Exact (normalized hash) and near-duplicate (embedding cosine) removal.
+
+Two units that state different numbers are never near-duplicates, however close their vectors: "It
+has a Roud Folk Song Index number of 821." and "... of 5040." embed almost alike, yet each is the
+only place its fact is stated (the other passage's rhyme has another number).
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
 
 from compression.text import content_hash, normalize_for_dedup
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def numbers_in(text: str) -> frozenset[str]:
+    """The numbers a text states ("1,045", "2001", "3.5"), as written."""
+    return frozenset(_NUMBER.findall(text))
 
 
 def duplicate_indices(
@@ -36,7 +49,10 @@ def duplicate_indices(
             seen_hashes.add(key)
         if near_cosine is not None and vectors is not None and kept:
             similarities = vectors[kept] @ vectors[index]
-            if float(similarities.max()) >= near_cosine:
+            if float(similarities.max()) >= near_cosine and any(
+                numbers_in(texts[kept[k]]) == numbers_in(texts[index])
+                for k in np.flatnonzero(similarities >= near_cosine)
+            ):
                 dropped.add(index)
                 continue
         kept.append(index)

@@ -19,7 +19,7 @@ from compression.multihop import FIRST_HOP_SENTENCES, SecondHop, mentions, plan_
 from compression.rendering import passage_header_cost, render_context
 from compression.rerank import minmax
 from compression.state import Passage
-from compression.text import content_words
+from compression.text import STOPWORDS, content_words, words
 from policies.schema import ExtractionPolicy
 
 # Relevance fusion weights (tuned on nq-multidoc-dev, see the README's eval section).
@@ -43,6 +43,14 @@ FEEDBACK_WEIGHT = 0.9  # a second-hop match counts a little less than a direct o
 # are lifted, chosen by their match with the question plus the bridge entity.
 HOP_SENTENCES = 3
 WEAK_GAP = 5 * BRIDGE_GAP  # a weak bridge's sentences: value about 0.12 of the best sentence's
+# How much the residual question (its words the linking sentence lacks) adds when the bridge
+# passage's answer sentence is chosen.
+RESIDUAL_WEIGHT = LEXICAL_WEIGHT
+# Third hop: how many other passages naming a followed bridge entity get their best sentence
+# offered, and how far below the best first-hop sentence (value about 0.44 of the best's).
+THIRD_HOP_PASSAGES = 2
+LINK_LEAD_RANK = 1000  # chain rank of a link passage's lead: above every other member's
+THIRD_HOP_GAP = 2 * BRIDGE_GAP
 
 
 def lexical_overlap(question: str, texts: list[str]) -> np.ndarray:
@@ -217,9 +225,19 @@ def follow_second_hop(
         sentence_vectors = embed(texts)
         hop_query = f"{question} {entity}"
         hop_scores = match_scores(hop_query, texts, sentence_vectors, embed)
+        link = position_of.get(hop.links[bridge_index])
+        # The answer sentence answers what is left of the question once the entity is known: it
+        # matches the question itself, not the entity's name (which every sentence about it has),
+        # and above all the words the linking sentence does not already hold ("a suburb of a city
+        # with a population of what in 2010": the link says "suburb", the answer "2010 census").
+        residual = residual_question(question, units[link].text if link is not None else "", entity)
+        answer_scores = match_scores(question, texts, sentence_vectors, embed)
+        if residual:
+            answer_scores = answer_scores + RESIDUAL_WEIGHT * lexical_overlap(residual, texts)
+        answer = members[int(np.argmax(answer_scores))]
         if bridge_index in hop.weak:
-            # No bridge form and not reached from a passage the question names: offer the lead
-            # and the best hop sentence a little below the first hop, unchained.
+            # No bridge form: offer the lead and the best hop sentence a little below the first
+            # hop, unchained (mostly one sentence: a single-hop question keeps its budget).
             lead = min(members, key=lambda i: units[i].sentence_index)
             for i in dict.fromkeys((lead, members[int(np.argmax(hop_scores))])):
                 units[i].score = max(units[i].score, top_score - WEAK_GAP)
@@ -227,27 +245,72 @@ def follow_second_hop(
         lifted = [members[j] for j in np.argsort(-hop_scores, kind="stable")[:HOP_SENTENCES]]
         for rank, i in enumerate(lifted):
             units[i].score = max(units[i].score, top_score - BRIDGE_GAP * (1 + rank))
-        # The chained sentence answers what is left of the question once the entity is known: it
-        # matches the question itself, not the entity's name (which every sentence about it has).
-        answer = members[int(np.argmax(match_scores(question, texts, sentence_vectors, embed)))]
         # The bridge passage's leading sentence names the entity and says what it is ("Shirley
         # Temple Black ... was an American actress ... and diplomat"): where a bridge question's
         # answer most often is, and what ties the answer sentence to the entity.
         lead = min(members, key=lambda i: units[i].sentence_index)
         for i in (answer, lead):
             units[i].score = max(units[i].score, top_score - BRIDGE_GAP)
-        link = position_of.get(hop.links[bridge_index])
         if link is None:
             continue
         # One chain per linking sentence: a sentence naming two bridges takes both whole.
         chain_id = units[link].chain if units[link].chain is not None else chain_id
-        chain = [i for i in dict.fromkeys((link, answer, lead)) if units[i].chain in (None, chain_id)]
+        # The linking passage's own leading sentence says whom its "he" / "the team" is ("He served
+        # as Chamberlain ... of King Kalākaua": "Colonel Charles Hastings Judd ... was ..."): when the
+        # link is a later sentence, the lead travels with the chain too (shed first).
+        link_lead = min(
+            (i for i, unit in enumerate(units) if unit.passage_index == units[link].passage_index),
+            key=lambda i: units[i].sentence_index,
+        )
+        chain = [i for i in dict.fromkeys((link, answer, lead, link_lead)) if units[i].chain in (None, chain_id)]
         chain_score = max(units[i].score for i in chain)
-        base = max((u.chain_rank for u in units if u.chain == chain_id), default=0)
+        base = max((u.chain_rank for u in units if u.chain == chain_id and u.chain_rank < LINK_LEAD_RANK), default=0)
         for rank, i in enumerate(chain):
             if units[i].chain is None:
-                units[i].chain, units[i].chain_rank = chain_id, base + rank
+                units[i].chain = chain_id
+                # The link passage's lead is shed before any bridge's members.
+                units[i].chain_rank = LINK_LEAD_RANK + rank if i == link_lead and i != link else base + rank
             units[i].score = chain_score
+    lift_third_hop(question, hop, units, embed, top_score)
+
+
+def lift_third_hop(
+    question: str,
+    hop: SecondHop,
+    units: list[SentenceUnit],
+    embed: Callable[[list[str]], np.ndarray],
+    top_score: float,
+) -> None:
+    """A chain can go one passage further: the question may describe its answer by the bridge
+    entity ("the 2009 film starring the actor who played Dexter Morgan": the Dexter passage names
+    Michael C. Hall, and the answer's passage names him too). Of the other passages naming a
+    followed (chained) bridge entity, the best question-matching sentence of the best
+    THIRD_HOP_PASSAGES is offered below the chain, unchained."""
+    strong = {index: entity for index, entity in hop.bridges.items() if index not in hop.weak}
+    if not strong:
+        return
+    sources = {link[0] for link in hop.links.values()}
+    naming: dict[int, list[int]] = {}
+    for position, unit in enumerate(units):
+        if unit.passage_index not in hop.bridges and unit.passage_index not in sources:
+            naming.setdefault(unit.passage_index, []).append(position)
+    candidates: list[tuple[float, int]] = []
+    for members in naming.values():
+        texts = [units[i].text for i in members]
+        if not any(mentions(text, entity) for text in texts for entity in strong.values()):
+            continue
+        scores = match_scores(question, texts, embed(texts), embed)
+        best = int(np.argmax(scores))
+        candidates.append((float(scores[best]), members[best]))
+    for _, position in sorted(candidates, reverse=True)[:THIRD_HOP_PASSAGES]:
+        units[position].score = max(units[position].score, top_score - THIRD_HOP_GAP)
+
+
+def residual_question(question: str, link_text: str, entity: str) -> str:
+    """The question's content words that neither the linking sentence nor the bridge entity holds,
+    in question order: what the bridge passage must still answer."""
+    covered = content_words(link_text) | content_words(entity)
+    return " ".join(dict.fromkeys(word for word in words(question) if word not in STOPWORDS and word not in covered))
 
 
 def match_scores(

@@ -46,6 +46,12 @@ _REDUCED_RELATIVE = re.compile(
     rf"\b(?:the|a|an)\s+(?:[\w'-]+\s+){{0,4}}?(?:{_PARTICIPLES})\s+(?:by|in|on|at|from|as|after|for|with|\w+)",
     re.IGNORECASE,
 )
+# "this food", "this first round draft pick": the asked-about entity is only described, by what the
+# rest of the question says about it (a demonstrative, not "this is" / "this year").
+_DEMONSTRATIVE = re.compile(
+    r"\bthis\s+(?!(?:is|was|are|were|has|had|will|can|could|would|year|week|month|time|day|morning)\b)[a-z][\w'-]*",
+    re.IGNORECASE,
+)
 # "the director of X", "the father of X": a role held relative to another entity.
 _ROLE_OF = re.compile(r"\bthe\s+(?:[\w'-]+\s+){0,2}?(?P<role>[\w'-]+)\s+of\s+\S", re.IGNORECASE)
 # Words so general that "the <word> of" names no role ("the name of", "the end of").
@@ -73,6 +79,8 @@ def question_form_cues(question: str) -> list[str]:
         cues.append("reduced-relative")
     if any(match.group("role").lower() not in _NOT_ROLES for match in _ROLE_OF.finditer(body)):
         cues.append("role-of")
+    if _DEMONSTRATIVE.search(body):
+        cues.append("demonstrative")
     return cues
 
 
@@ -81,6 +89,8 @@ def normalise(text: str) -> str:
     title and a sentence (or the question) use for the same name ("Tunnels &amp; Trolls", "Tunnels
     and Trolls")."""
     text = html.unescape(text).lower().replace("\u2019", "'").replace("\u2018", "'")
+    if "'" in text:  # "Guns N' Roses" / "Guns N Roses", "James's" / "James'": one form
+        text = re.sub(r"(?<=\w)'(?:s\b)?|'(?=\w)|(?<= )'(?= )", "", text)
     return re.sub(r"\s*&\s*", " and ", text) if "&" in text else text
 
 
@@ -119,17 +129,58 @@ class SecondHop:
         return {"second_hop": self.triggered, "cues": self.cues, "bridges": sorted(set(self.bridges.values()))}
 
 
+# A recording's disambiguator names its artist: "Oh My God (Guns N' Roses song)", "Halo (Beyoncé
+# song)". The question naming the artist names the passage's subject through it ("a promo Guns N
+# Roses performed"). Only recordings: a film's or a series' disambiguator is mostly a year or a
+# nationality ("(1945 film)", "(American TV series)").
+_WORK_KINDS = "song|single|album|ep|soundtrack|mixtape"
+_DISAMBIGUATOR = re.compile(rf"\((?P<owner>[^()]*?)\s+(?:{_WORK_KINDS})\)\s*$", re.IGNORECASE)
+
+
+def title_owner(title: str) -> str:
+    """'Oh My God (Guns N' Roses song)' -> "guns n roses"; '' when the disambiguator names no owner
+    ('Kiss and Tell (1945 film)': a year is no entity)."""
+    match = _DISAMBIGUATOR.search(html.unescape(title))
+    if match is None:
+        return ""
+    owner = normalise(match.group("owner").strip())
+    return owner if len(owner) >= MIN_TITLE_CHARS and any(not w.isdigit() for w in content_words(owner)) else ""
+
+
 def named_passages(question: str, passages: list[Passage]) -> list[int]:
     """Passages whose title the question names: the entities the question starts from. Their text
     is a first hop of its own, however the reranker placed them ("the city in which Kirton End is
-    located": the Kirton End passage names the city)."""
+    located": the Kirton End passage names the city). A title's owner counts ("Guns N Roses" names
+    'Oh My God (Guns N' Roses song)')."""
     question_lower = question.lower()
     named = []
     for index, passage in enumerate(passages):
         core = title_core(passage.title or "")
-        if len(core) >= MIN_TITLE_CHARS and len(content_words(core)) and mentions(question_lower, core):
+        owner = title_owner(passage.title or "")
+        if (len(core) >= MIN_TITLE_CHARS and len(content_words(core)) and mentions(question_lower, core)) or (
+            owner and mentions(question_lower, owner)
+        ):
             named.append(index)
     return named
+
+
+# "2013 Sugar Bowl", "1992–93 Charlotte Hornets season": a leading year only dates the entity, and a
+# text names it without ("invited to the Sugar Bowl").
+_LEADING_YEAR = re.compile(r"^\d{4}(?:[–-]\d{2,4})?\s+")
+
+
+def undated_cores(cores: list[str | None]) -> list[str | None]:
+    """Each usable title core without its leading year, where that form is still a name (two
+    content words or more) and no other title of the request shares it."""
+    stripped = [_LEADING_YEAR.sub("", core) if core else None for core in cores]
+    counts: dict[str, int] = {}
+    for core in stripped:
+        if core:
+            counts[core] = counts.get(core, 0) + 1
+    return [
+        short if short and core and short != core and counts[short] == 1 and len(content_words(short)) >= 2 else None
+        for core, short in zip(cores, stripped, strict=True)
+    ]
 
 
 def entity_sentences(passages: list[Passage], indices: list[int]) -> list[tuple[int, int, str]]:
@@ -163,6 +214,9 @@ def linked_passages(
             and not content_words(core) <= question_words
         )
         cores.append(core if usable else None)
+    undated = [
+        short if short and not mentions(question_lower, short) else None for short in undated_cores(cores)
+    ]
     bridges: dict[int, str] = {}
     links: dict[int, tuple[int, int]] = {}
     for passage_index, sentence_index, text in first_hop:
@@ -170,7 +224,7 @@ def linked_passages(
         for index, core in enumerate(cores):
             if core is None or index == passage_index or index in bridges:  # a passage naming itself bridges nothing
                 continue
-            if mentions(text_lower, core):
+            if mentions(text_lower, core) or (undated[index] is not None and mentions(text_lower, undated[index])):
                 bridges[index] = core
                 links[index] = (passage_index, sentence_index)
             if len(bridges) >= limit:
@@ -229,7 +283,7 @@ def plan_second_hop(
 
     Of the candidates, the `max_bridges` whose passages match the question best are followed: by
     `strength` (passage index -> its best sentence's first-hop score) where the sentences are
-    scored, else by the passage's rerank score."""
+    scored, else by the passage's rerank score; links from a passage the question names first."""
     cues = question_form_cues(question)
     named = named_passages(question, passages)
     sources = entity_sentences(passages, named) + [item for item in first_hop if item[0] not in named]
@@ -242,7 +296,9 @@ def plan_second_hop(
     def match(index: int) -> float:
         return strength.get(index, 0.0) if strength is not None else passages[index].score
 
-    best = sorted(bridges, key=lambda index: -match(index))[:max_bridges]
+    # A link from a passage the question names comes first: the question starts there, whereas a
+    # best first-hop passage may be a near miss (a hub article that six season articles name).
+    best = sorted(bridges, key=lambda index: (links[index][0] not in named, -match(index)))[:max_bridges]
     return SecondHop(
         triggered=bool(best),
         cues=cues,

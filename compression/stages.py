@@ -32,7 +32,7 @@ from compression.extraction import (
 from compression.history import is_tool_unit, turn_units
 from compression.knapsack import knapsack
 from compression.message_context import lift_context
-from compression.multihop import first_hop_passage_sentences, plan_second_hop
+from compression.multihop import first_hop_passage_sentences, named_passages, plan_second_hop
 from compression.prefilter import mark_embedding_candidates
 from compression.rendering import (
     SUMMARY_HEADER,
@@ -463,6 +463,8 @@ RERANK_HOP_PASSAGES = 2
 # Bridges kept past the cut: one more than the extraction follows (keeping a passage is cheap, and
 # the extraction's sentence scores choose better than the rerank's passage scores).
 RERANK_BRIDGES = 3
+# Passages the question names kept past the cut, at most.
+RERANK_NAMED = 1
 
 
 def rerank_bridges(state: PipelineState, ctx: StageContext, ranked: list[Passage], limit: int) -> list[Passage]:
@@ -476,7 +478,11 @@ def rerank_bridges(state: PipelineState, ctx: StageContext, ranked: list[Passage
         state.question_text, ranked, first_hop_passage_sentences(ranked, order, RERANK_HOP_PASSAGES),
         max_bridges=RERANK_BRIDGES,
     )
-    return [ranked[index] for index in hop.bridges if index >= limit] if hop.triggered else []
+    bridges = [ranked[index] for index in hop.bridges if index >= limit] if hop.triggered else []
+    # A passage the question names by title is where the question starts (a first hop of its own,
+    # compression.multihop.named_passages), however little else of the question it shares.
+    named = [ranked[index] for index in named_passages(state.question_text, ranked) if index >= limit]
+    return bridges + [p for p in named[:RERANK_NAMED] if p not in bridges]
 
 
 class ExtractionStage(Stage):

@@ -57,3 +57,14 @@ async def test_pipeline_removes_duplicate_passages_and_sentences(make_pipeline, 
     assert result.context_text.lower().count("champ de mars") == 1
     assert "Paris hosted the 1889 World's Fair." in result.context_text
     assert result.prompt_tokens == tokenizer.count_chat(result.messages)
+
+
+def test_near_duplicates_stating_different_numbers_are_both_kept():
+    # Embedded alike (here: the same vector), yet each states its own fact.
+    texts = [
+        "It has a Roud Folk Song Index number of 5040.",
+        "It has a Roud Folk Song Index number of 821.",
+        "It has a Roud Folk Song Index number of 5040 .",
+    ]
+    vectors = np.tile(np.array([[1.0, 0.0, 0.0, 0.0]], dtype=np.float32), (3, 1))
+    assert duplicate_indices(texts, vectors, exact=False, near_cosine=0.92) == {2}

@@ -9,11 +9,20 @@ import hashlib
 import numpy as np
 import pytest
 
-from compression.extraction import WEAK_GAP, SentenceUnit, knapsack_items, second_hop, select_sentences
+from compression.extraction import (
+    THIRD_HOP_GAP,
+    WEAK_GAP,
+    SentenceUnit,
+    knapsack_items,
+    residual_question,
+    second_hop,
+    select_sentences,
+)
 from compression.multihop import (
     first_hop_passage_sentences,
     linked_passages,
     mentions,
+    named_passages,
     plan_second_hop,
     question_form_cues,
     title_core,
@@ -341,3 +350,136 @@ def test_a_bridge_without_a_bridge_form_is_followed_weakly():
     assert max(bridge) == pytest.approx(1.0 - WEAK_GAP)
     strong = plan_second_hop(BRIDGE_QUESTION, passages, first_hop_of(KISS, 0))
     assert strong.triggered and strong.weak == set()
+
+
+# Round 3 (issue 16): the residual question, the demonstrative cue, title forms, the third hop.
+
+def test_a_demonstrative_is_a_bridge_form():
+    question = "Henry Hall was the first to cultivate this food found in what type of bogs?"
+    assert "demonstrative" in question_form_cues(question)
+    for single in ("who sang this is us theme", "what happened this year in the nba", "who wrote ain't living long like this"):
+        assert "demonstrative" not in question_form_cues(single)
+
+
+def test_a_title_is_named_with_or_without_its_apostrophes():
+    assert mentions("What year did Guns N Roses perform a promo?", title_core("Guns N' Roses"))
+    assert mentions("opposite St James Palace", title_core("St James's Palace"))
+
+
+def test_a_recording_is_named_through_its_artist():
+    song = passage("Oh My God (Guns N' Roses song)", 'Oh My God is a song released on the soundtrack to "End of Days".')
+    film = passage("End of Days (film)", "End of Days is a 1999 American film starring Arnold Schwarzenegger.", 1)
+    dated = passage("Kiss and Tell (1945 film)", "Kiss and Tell is a 1945 comedy.", 2)
+    question = "What year did Guns N Roses perform a promo for a movie starring Arnold Schwarzenegger?"
+    assert named_passages(question, [song, film, dated]) == [0]
+    hop = plan_second_hop(question, [song, film, dated], [(1, 0, film.text)])
+    # The song's passage is a first hop of its own: its sentence links the film.
+    assert hop.triggered and hop.bridges[1] == "end of days" and hop.links[1] == (0, 0)
+    assert named_passages("What was released in 1945?", [dated]) == []
+
+
+def test_a_dated_title_is_named_without_its_year_when_that_is_unambiguous():
+    team = passage("2012 Louisville Cardinals football team", "They were invited to the Sugar Bowl where they won.")
+    bowl = passage("2013 Sugar Bowl", "The 2013 Sugar Bowl was played at the Mercedes-Benz Superdome.", 1)
+    question = "At what venue was the January 2, 2013 game featuring the University of Louisville team?"
+    bridges, _ = linked_passages(question, [team, bowl], [(0, 0, team.text)])
+    assert bridges == {1: "2013 sugar bowl"}
+    other = passage("2008 Sugar Bowl", "The 2008 Sugar Bowl was played in New Orleans.", 2)
+    bridges, _ = linked_passages(question, [team, bowl, other], [(0, 0, team.text)])
+    assert bridges == {}  # "the Sugar Bowl" could be either
+
+
+HUSTLE_QUESTION = "The Memphis Hustle are based in a suburb of a city with a population of what in 2010?"
+
+
+def test_the_bridge_answer_sentence_answers_what_the_link_leaves_open():
+    hustle = passage("Memphis Hustle", "Based in the Memphis suburb of Southaven, the team plays at the Landers Center.")
+    southaven = passage(
+        "Southaven, Mississippi",
+        "Southaven is a city in DeSoto County. It is a suburb of Memphis. The 2010 census reported a population of 48,982.",
+        1,
+    )
+    passages = [hustle, southaven]
+    units = scored_units(HUSTLE_QUESTION, passages, {(0, 0): 1.0})
+    hop = second_hop(HUSTLE_QUESTION, units, passages, fake_embed)
+    assert hop.triggered and hop.weak == set()
+    link = units[0]
+    census = next(u for u in units if "48,982" in u.text)
+    assert census.chain is not None and census.chain == link.chain
+    assert residual_question(HUSTLE_QUESTION, link.text, "southaven") == "hustle city population 2010"
+
+
+def test_the_third_hop_offers_the_passage_naming_the_bridge_entity():
+    question = "Who directed the 2009 science fiction film starring the actor who played Dexter Morgan?"
+    dexter = passage(
+        "Dexter (TV series)",
+        "The series centers on Dexter Morgan, played by Michael Hall. It aired on Showtime. It ran eight seasons.",
+    )
+    hall = passage("Michael Hall", "Michael Hall is an American actor. He was born in 1971.", 1)
+    gamer = passage(
+        "Gamer (film)",
+        "Gamer is a 2009 science fiction film directed by Mark Neveldine. It stars Michael Hall.",
+        2,
+    )
+    unrelated = passage("Miami", "Miami is a city in Florida. It is known for its beaches.", 3)
+    passages = [dexter, hall, gamer, unrelated]
+    units = scored_units(question, passages, {(0, 0): 1.0, (0, 1): 0.9, (0, 2): 0.8})
+    hop = second_hop(question, units, passages, fake_embed)
+    assert hop.bridges == {1: "michael hall"}
+    directed = next(u for u in units if "directed by" in u.text)
+    assert directed.score == pytest.approx(1.0 - THIRD_HOP_GAP)
+    assert all(u.score == pytest.approx(0.1) for u in units if u.passage_index == 3)
+
+
+def test_a_link_from_a_passage_the_question_names_is_followed_first():
+    # The best first-hop passage is a near miss (basketball, not soccer) that many season passages
+    # name; those reverse links score better than the conference passage, yet the link from the
+    # passage the question names (soccer -> conference) is followed first.
+    question = "The Vermont Catamounts men's soccer team competes in a conference formerly known as what?"
+    soccer = passage("Vermont Catamounts men's soccer", "The team competes in the America East Conference.")
+    basketball = passage("Vermont Catamounts men's basketball", "The basketball team plays in Burlington.", 1)
+    seasons = [
+        passage(f"201{i}–1{i + 1} Vermont Catamounts men's basketball team",
+                f"The season of the Vermont Catamounts men's basketball under coach number {i}.", 2 + i)
+        for i in range(3)
+    ]
+    conference = passage("America East Conference", "It was known as the North Atlantic Conference.", 5)
+    passages = [soccer, basketball, *seasons, conference]
+    for p, score in zip(passages, (0.9, 0.6, 0.45, 0.45, 0.45, 0.3), strict=True):
+        p.score = score
+    hop = plan_second_hop(question, passages, [(1, 0, basketball.text)])
+    assert 5 in hop.bridges and hop.links[5] == (0, 0)
+
+
+def test_the_link_passage_lead_travels_with_the_chain_and_is_shed_first():
+    question = "Who was Chamberlain of the military staff of the Merrie Monarch?"
+    judd = passage(
+        "Charles Judd", "Colonel Charles Judd was a courtier of Hawaii. He served as Chamberlain of King Kalakaua."
+    )
+    king = passage("Kalakaua", "Kalakaua was the last king of Hawaii. He was called the Merrie Monarch.", 1)
+    town = passage("Hilo", "Hilo is a town on the island of Hawaii.", 2)
+    passages = [judd, king, town]
+    units = scored_units(question, passages, {(0, 1): 1.0, (0, 0): 0.6, (2, 0): 0.5})
+    hop = second_hop(question, units, passages, fake_embed)
+    assert hop.bridges == {1: "kalakaua"} and hop.links == {1: (0, 1)}
+    link, judd_lead = units[1], units[0]
+    assert judd_lead.chain is not None and judd_lead.chain == link.chain
+    assert judd_lead.chain_rank == max(u.chain_rank for u in units if u.chain == link.chain)
+
+
+def test_the_rerank_cut_keeps_a_passage_the_question_names():
+    from types import SimpleNamespace
+
+    from compression.stages import rerank_bridges
+
+    question = "What year did Guns N Roses perform a promo for a movie starring Arnold Schwarzenegger?"
+    ranked = [
+        passage("Arnold Schwarzenegger filmography", "Arnold Schwarzenegger has appeared in over 30 films."),
+        passage("Last Action Hero", "Last Action Hero is a film starring Arnold Schwarzenegger.", 1),
+        passage("Steven Adler", "Steven Adler is a drummer.", 2),
+        passage("Oh My God (Guns N' Roses song)", "Oh My God is a song released in 1999.", 3),
+    ]
+    for p in ranked:
+        p.sentences = [p.text]
+    kept = rerank_bridges(SimpleNamespace(question_text=question), SimpleNamespace(), ranked, 2)
+    assert [p.title for p in kept] == ["Oh My God (Guns N' Roses song)"]
