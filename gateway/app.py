@@ -229,12 +229,13 @@ async def _load_embedder(gateway: Gateway) -> None:
     done: asyncio.Future[None] = loop.create_future()
 
     def run() -> None:
+        error: BaseException | None = None
         try:
             load()
         except Exception as exc:  # the first request that needs it will report the error too
-            loop.call_soon_threadsafe(_settle, done, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, done, None)
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
+            loop.call_soon_threadsafe(_settle, done, error)
 
     threading.Thread(target=run, name="ctxgate-embedder-load", daemon=True).start()
     try:
