@@ -130,6 +130,39 @@ class FusedReranker:
         return (1 - self.bm25_weight) * semantic + self.bm25_weight * lexical
 
 
+# Second stage for untitled passages: this many times the rerank cut is scored again with every
+# sentence embedded.
+UNTITLED_CANDIDATES_FACTOR = 2
+
+
+def refine_untitled(reranker: Reranker, question: str, passages: list[Passage], scores: np.ndarray,
+                    keep: int) -> np.ndarray:
+    """Second rerank stage for passages without a title, for the embedding rerankers.
+
+    A passage's vector is built from the sentences the lexical pre-filter chose to embed (see
+    `passage_vectors`); with a title, the title's vector (and the title's words in BM25 and the
+    pre-filter) carries the passage's topic. Without one (LangChain's default "{page_content}"
+    document prompt drops it) a passage from the article the question is about may share no word with
+    the question, so its vector stands on a sentence or two that matched by chance and it falls below
+    the cut. The passages near the cut (`UNTITLED_CANDIDATES_FACTOR` x `keep`, by the first scores)
+    are therefore scored again among themselves with every sentence of the untitled ones embedded;
+    they rank above the rest, which keep their first-stage order. Passages with titles alone (or
+    a cut that keeps every candidate) are left as scored."""
+    if not isinstance(reranker, (EmbeddingReranker, FusedReranker)) or keep >= len(passages):
+        return scores
+    order = sorted(range(len(passages)), key=lambda i: (-scores[i], passages[i].position))
+    candidates = order[: UNTITLED_CANDIDATES_FACTOR * keep]
+    if all(passages[i].title for i in candidates):
+        return scores
+    for i in candidates:
+        if not passages[i].title:
+            passages[i].embed_sentences = None  # every sentence: extraction then scores them all too
+    refined = np.asarray(reranker.score(question, [passages[i] for i in candidates]), dtype=np.float64)
+    result = np.asarray(scores, dtype=np.float64) - 1.0 - float(np.max(scores)) + float(refined.min())
+    result[candidates] = refined
+    return result
+
+
 _cross_encoders: dict[str, object] = {}
 _cross_encoder_lock = threading.Lock()
 
