@@ -146,8 +146,8 @@ def refine_untitled(reranker: Reranker, question: str, passages: list[Passage], 
     the question, so its vector stands on a sentence or two that matched by chance and it falls below
     the cut. The passages near the cut (`UNTITLED_CANDIDATES_FACTOR` x `keep`, by the first scores)
     are therefore scored again among themselves with every sentence of the untitled ones embedded;
-    they rank above the rest, which keep their first-stage order. Passages with titles alone (or
-    a cut that keeps every candidate) are left as scored."""
+    they rank above the rest, which keep their first-stage scores. Passages with titles alone (or a
+    cut that keeps every passage) are left as scored."""
     if not isinstance(reranker, (EmbeddingReranker, FusedReranker)) or keep >= len(passages):
         return scores
     order = sorted(range(len(passages)), key=lambda i: (-scores[i], passages[i].position))
@@ -157,9 +157,15 @@ def refine_untitled(reranker: Reranker, question: str, passages: list[Passage], 
     for i in candidates:
         if not passages[i].title:
             passages[i].embed_sentences = None  # every sentence: extraction then scores them all too
-    refined = np.asarray(reranker.score(question, [passages[i] for i in candidates]), dtype=np.float64)
-    result = np.asarray(scores, dtype=np.float64) - 1.0 - float(np.max(scores)) + float(refined.min())
-    result[candidates] = refined
+    refined = minmax(np.asarray(reranker.score(question, [passages[i] for i in candidates]), dtype=np.float64))
+    # Scores stay on the first stage's scale (a policy's min_score means what it meant): the
+    # candidates spread over the range they had, the rest stay below them.
+    result = np.asarray(scores, dtype=np.float64).copy()
+    low, high = float(result[candidates].min()), float(result[candidates].max())
+    others = np.ones(len(passages), dtype=bool)
+    others[candidates] = False
+    result[others] = np.minimum(result[others], np.nextafter(low, -np.inf))
+    result[candidates] = low + max(high - low, 1e-6) * refined
     return result
 
 

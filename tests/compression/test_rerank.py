@@ -165,5 +165,9 @@ def test_second_stage_ranks_candidates_above_the_rest(embedder):
     candidates = set(np.argsort(-first, kind="stable")[:2].tolist())
     others = [i for i in range(len(passages)) if i not in candidates]
     assert min(refined[list(candidates)]) > max(refined[others])
+    # On the first stage's scale: the candidates over the range they had, the rest unchanged.
+    assert min(refined[list(candidates)]) == pytest.approx(min(first[list(candidates)]))
+    assert max(refined[list(candidates)]) == pytest.approx(max(first[list(candidates)]))
+    assert refined[others].tolist() == pytest.approx(first[others].tolist())
     # The rest keep their first-stage order.
     assert np.argsort(-refined[others]).tolist() == np.argsort(-first[others]).tolist()
