@@ -140,6 +140,45 @@ class FusedReranker:
         return (1 - self.bm25_weight) * semantic + self.bm25_weight * lexical
 
 
+# Second stage for untitled passages: this many times the rerank cut is scored again with every
+# sentence embedded.
+UNTITLED_CANDIDATES_FACTOR = 2
+
+
+def refine_untitled(reranker: Reranker, question: str, passages: list[Passage], scores: np.ndarray,
+                    keep: int) -> np.ndarray:
+    """Second rerank stage for passages without a title, for the embedding rerankers.
+
+    A passage's vector is built from the sentences the lexical pre-filter chose to embed (see
+    `passage_vectors`); with a title, the title's vector (and the title's words in BM25 and the
+    pre-filter) carries the passage's topic. Without one (LangChain's default "{page_content}"
+    document prompt drops it) a passage from the article the question is about may share no word with
+    the question, so its vector stands on a sentence or two that matched by chance and it falls below
+    the cut. The passages near the cut (`UNTITLED_CANDIDATES_FACTOR` x `keep`, by the first scores)
+    are therefore scored again among themselves with every sentence of the untitled ones embedded;
+    they rank above the rest, which keep their first-stage scores. Passages with titles alone (or a
+    cut that keeps every passage) are left as scored."""
+    if not isinstance(reranker, (EmbeddingReranker, FusedReranker)) or keep >= len(passages):
+        return scores
+    order = sorted(range(len(passages)), key=lambda i: (-scores[i], passages[i].position))
+    candidates = order[: UNTITLED_CANDIDATES_FACTOR * keep]
+    if all(passages[i].title for i in candidates):
+        return scores
+    for i in candidates:
+        if not passages[i].title:
+            passages[i].embed_sentences = None  # every sentence: extraction then scores them all too
+    refined = minmax(np.asarray(reranker.score(question, [passages[i] for i in candidates]), dtype=np.float64))
+    # Scores stay on the first stage's scale (a policy's min_score means what it meant): the
+    # candidates spread over the range they had, the rest stay below them.
+    result = np.asarray(scores, dtype=np.float64).copy()
+    low, high = float(result[candidates].min()), float(result[candidates].max())
+    others = np.ones(len(passages), dtype=bool)
+    others[candidates] = False
+    result[others] = np.minimum(result[others], np.nextafter(low, -np.inf))
+    result[candidates] = low + max(high - low, 1e-6) * refined
+    return result
+
+
 _cross_encoders: dict[str, object] = {}
 _cross_encoder_lock = threading.Lock()
 

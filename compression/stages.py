@@ -52,6 +52,7 @@ from compression.rerank import (
     passage_embedding_texts,
     passage_text_for_scoring,
     passage_vectors,
+    refine_untitled,
 )
 from compression.services import Services
 from compression.state import Passage, PipelineState, RenderedPrompt, message_text
@@ -440,13 +441,16 @@ class RerankStage(Stage):
             return report
         before = passages_tokens(ctx.counter, state.passages)
         ensure_candidates(ctx, state)
-        scores = self.reranker(ctx).score(state.question_text, state.passages)
+        reranker = self.reranker(ctx)
+        scores = reranker.score(state.question_text, state.passages)
+        limit = min(policy.top_k or len(state.passages), ctx.policy.documents.max_documents or len(state.passages))
+        scores = refine_untitled(reranker, state.question_text, state.passages, scores, limit)
         for passage, score in zip(state.passages, scores, strict=True):
             passage.score = float(score)
         ranked = sorted(state.passages, key=lambda p: (-p.score, p.position))
         if policy.min_score is not None:
             ranked = [p for p in ranked if p.score >= policy.min_score]
-        limit = min(policy.top_k or len(ranked), ctx.policy.documents.max_documents or len(ranked))
+        limit = min(limit, len(ranked))
         kept = {id(p) for p in ranked[:limit]}
         if ctx.policy.extraction.second_hop == "auto":
             bridges = rerank_bridges(state, ctx, ranked, limit)

@@ -97,3 +97,77 @@ def test_llm_reranker_scores_the_answering_passage_highest(tokenizer):
     scores = LLMReranker.score(reranker, "What is the capital of France?", as_passages(documents))
     assert scores.shape == (3,)
     assert int(np.argmax(scores)) == 1
+
+
+# Untitled passages (LangChain's default "{page_content}" document prompt drops the title): the
+# pre-filter embedded only the first passage's weak sentence, so its vector misses what it is about.
+UNTITLED_QUESTION = "Which bridge crosses the entrance to San Francisco Bay?"
+UNTITLED = [
+    ["The deck was closed to traffic for a day in 1987.",
+     "The Golden Gate Bridge is a suspension bridge spanning the strait at the entrance to San Francisco Bay.",
+     "It links the city of San Francisco to Marin County."],
+    ["Ferries cross San Francisco Bay every day from the Ferry Building."],
+    ["The entrance to the harbour is guarded by a lighthouse."],
+    ["Sea lions crowd the piers of the waterfront."],
+]
+
+
+def _untitled_state(tokenizer, embedder, titled: bool):
+    from compression.pipeline import CompressionPipeline
+    from compression.stages import StageContext
+    from compression.state import split_messages
+
+    documents = [Document(text=" ".join(sentences), title=f"Title {i}" if titled else None)
+                 for i, sentences in enumerate(UNTITLED)]
+    policy = Policy(name="p", rerank={"method": "embedding-bm25", "top_k": 1},
+                    extraction={"second_hop": "off"})
+    pipeline = CompressionPipeline(tokenizer)
+    pipeline.services._embedder = embedder
+    state = split_messages(CompressionInput(messages=[{"role": "user", "content": UNTITLED_QUESTION}],
+                                            documents=documents), budget_tokens=policy.max_input_tokens)
+    state.prefiltered = True  # the pre-filter's choice, set by hand below
+    for passage, sentences in zip(state.passages, UNTITLED, strict=True):
+        passage.sentences = list(sentences)
+    state.passages[0].embed_sentences = {0}
+    return state, StageContext(policy=policy, counter=pipeline.counter, services=pipeline.services)
+
+
+async def test_untitled_passage_whose_topic_sentences_were_not_embedded_survives_the_cut(tokenizer, embedder):
+    from compression.stages import RerankStage
+
+    state, ctx = _untitled_state(tokenizer, embedder, titled=False)
+    first_stage = FusedReranker(embedder, 0.3).score(UNTITLED_QUESTION, state.passages)
+    assert int(np.argmax(first_stage)) != 0  # on its pre-filtered sentence alone it loses the cut
+    await RerankStage().run(state, ctx)
+    assert [p.position for p in state.passages] == [0]
+    assert state.passages[0].embed_sentences is None  # extraction scores all its sentences too
+
+
+def test_second_stage_leaves_titled_passages_as_scored(tokenizer, embedder):
+    from compression.rerank import refine_untitled
+
+    state, _ = _untitled_state(tokenizer, embedder, titled=True)
+    reranker = FusedReranker(embedder, 0.3)
+    scores = reranker.score(UNTITLED_QUESTION, state.passages)
+    assert refine_untitled(reranker, UNTITLED_QUESTION, state.passages, scores, keep=1) is scores
+    assert state.passages[0].embed_sentences == {0}
+
+
+def test_second_stage_ranks_candidates_above_the_rest(embedder):
+    from compression.rerank import refine_untitled
+
+    passages = as_passages([Document(text=" ".join(s)) for s in UNTITLED])
+    for passage, sentences in zip(passages, UNTITLED, strict=True):
+        passage.sentences = list(sentences)
+    reranker = FusedReranker(embedder, 0.3)
+    first = reranker.score(UNTITLED_QUESTION, passages)
+    refined = refine_untitled(reranker, UNTITLED_QUESTION, passages, first, keep=1)
+    candidates = set(np.argsort(-first, kind="stable")[:2].tolist())
+    others = [i for i in range(len(passages)) if i not in candidates]
+    assert min(refined[list(candidates)]) > max(refined[others])
+    # On the first stage's scale: the candidates over the range they had, the rest unchanged.
+    assert min(refined[list(candidates)]) == pytest.approx(min(first[list(candidates)]))
+    assert max(refined[list(candidates)]) == pytest.approx(max(first[list(candidates)]))
+    assert refined[others].tolist() == pytest.approx(first[others].tolist())
+    # The rest keep their first-stage order.
+    assert np.argsort(-refined[others]).tolist() == np.argsort(-first[others]).tolist()
