@@ -167,7 +167,14 @@ def main(argv: list[str] | None = None) -> int:
                 out["stopped_by_time_box"] = True
                 break
             if index < len(examples):
-                rows = [compress_one(compressor, examples[index], ratio) for ratio in ratios]
+                try:
+                    rows = [compress_one(compressor, examples[index], ratio) for ratio in ratios]
+                except Exception as exc:  # llmlingua asserts on some inputs; one question must not end the run
+                    out.setdefault("failed", []).append(
+                        {"dataset": name, "id": examples[index].id, "error": f"{type(exc).__name__}: {exc}"})
+                    write(out, args.out)
+                    print(f"{name} {index + 1}/{len(examples)} failed: {type(exc).__name__}", flush=True)
+                    continue
                 out["datasets"][name].extend(rows)
                 write(out, args.out)
                 print(f"{name} {index + 1}/{len(examples)}", flush=True)
