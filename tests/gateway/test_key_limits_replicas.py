@@ -120,10 +120,18 @@ def setup(redis_module, upstream, prompt_tokens, tmp_path_factory):
             wait_http(f"{url}/health", timeout_s=60)
         yield urls, keys_file
     finally:
-        for process, log in processes:
+        for process, _ in processes:
             process.terminate()
-            process.wait(timeout=15)
+        hung = []
+        for process, log in processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:  # still a failure, but no orphaned gateway left running
+                process.kill()
+                process.wait()
+                hung.append(process.args)
             log.close()
+        assert not hung, f"gateways did not stop within 15 s of SIGTERM: {hung}"
 
 
 def _compress(url: str, key: str, model: str = MODEL) -> httpx.Response:
