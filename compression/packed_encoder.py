@@ -14,7 +14,7 @@ sentence-transformers' mean pooling over the same tokens (cosine >= 0.999 in bf1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -116,15 +116,10 @@ class PackedEncoder:
         query, key, value = module.query(hidden), module.key(hidden), module.value(hidden)
         context = torch.empty_like(query)
         for bucket in buckets:
-            shape = (bucket.num_sentences, bucket.padded_length, self.num_heads, self.head_dim)
-
-            def padded(rows: Any, shape: tuple[int, ...] = shape, bucket: AttentionBucket = bucket) -> Any:
-                out = rows.new_zeros(shape[0] * shape[1], rows.shape[-1])
-                out[bucket.padded_index] = rows[bucket.token_index]
-                return out.view(shape).transpose(1, 2)
-
+            heads = (self.num_heads, self.head_dim)
             out = functional.scaled_dot_product_attention(
-                padded(query), padded(key), padded(value), attn_mask=bucket.mask(query.dtype)
+                bucket.pad(query, heads), bucket.pad(key, heads), bucket.pad(value, heads),
+                attn_mask=bucket.mask(query.dtype),
             )
             out = out.transpose(1, 2).reshape(-1, self.hidden)
             context[bucket.token_index] = out[bucket.padded_index]
@@ -139,20 +134,29 @@ class AttentionBucket:
     padded_index: Any  # where each of those rows sits in the (sentences * padded_length) layout
     lengths: list[int]
     padded_length: int
+    _masks: dict[Any, Any] = field(default_factory=dict, repr=False)  # by dtype: built once, used per layer
 
     @property
     def num_sentences(self) -> int:
         return len(self.lengths)
 
+    def pad(self, rows: Any, heads: tuple[int, int]) -> Any:
+        """The bucket's packed rows as (sentences, heads, padded_length, head_dim), zeros in the padding."""
+        out = rows.new_zeros(self.num_sentences * self.padded_length, rows.shape[-1])
+        out[self.padded_index] = rows[self.token_index]
+        return out.view(self.num_sentences, self.padded_length, *heads).transpose(1, 2)
+
     def mask(self, dtype: Any) -> Any:
         """Additive key mask (sentences, 1, 1, padded_length): padding is never attended to."""
         import torch
 
-        positions = torch.arange(self.padded_length)
-        valid = positions[None, :] < torch.tensor(self.lengths)[:, None]
-        mask = torch.zeros(valid.shape, dtype=dtype)
-        mask.masked_fill_(~valid, torch.finfo(dtype).min)
-        return mask[:, None, None, :]
+        if dtype not in self._masks:
+            positions = torch.arange(self.padded_length)
+            valid = positions[None, :] < torch.tensor(self.lengths)[:, None]
+            mask = torch.zeros(valid.shape, dtype=dtype)
+            mask.masked_fill_(~valid, torch.finfo(dtype).min)
+            self._masks[dtype] = mask[:, None, None, :]
+        return self._masks[dtype]
 
 
 def attention_buckets(lengths: list[int], max_padding_ratio: float = MAX_PADDING_RATIO) -> list[AttentionBucket]:
@@ -198,11 +202,3 @@ def mean_pool(hidden: Any, lengths: list[int]) -> Any:
     sums = hidden.float().new_zeros(len(lengths), hidden.shape[-1])
     sums.index_add_(0, segment, hidden.float())
     return sums / torch.tensor(lengths, dtype=torch.float32)[:, None]
-
-
-def padding_ratio(lengths: list[int]) -> float:
-    """Padded / real tokens of one batch padded to its longest sentence (what sentence-transformers does)."""
-    return (max(lengths) * len(lengths)) / max(1, sum(lengths)) if lengths else 1.0
-
-
-__all__ = ["PackedEncoder", "attention_buckets", "mean_pool", "padding_ratio", "supports"]

@@ -8,6 +8,7 @@ it in-process. Without an engine it starts the in-process engine, or the HTTP up
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -225,32 +226,21 @@ async def _load_embedder(gateway: Gateway) -> None:
     # A daemon thread, not asyncio.to_thread: shutdown must not wait for a load still in progress
     # (the default executor's threads are joined at exit; on a busy 2-core machine loading the model
     # and starting its process can take longer than a supervisor's stop timeout).
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
+    loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def run() -> None:
-        error: BaseException | None = None
         try:
             load()
         except Exception as exc:  # the first request that needs it will report the error too
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
-            loop.call_soon_threadsafe(_settle, done, error)
+            loaded.set_exception(exc)
+        else:
+            loaded.set_result(None)
 
     threading.Thread(target=run, name="ctxgate-embedder-load", daemon=True).start()
     try:
-        await done
+        await asyncio.wrap_future(loaded)
     except Exception:
         logger.exception("loading the embedding model failed")
-
-
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():  # cancelled at shutdown
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
 
 
 async def _watch_files(gateway: Gateway) -> None:
