@@ -229,6 +229,9 @@ async def _load_embedder(gateway: Gateway) -> None:
     loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def run() -> None:
+        # Running from here on: cancelling the awaiting task at shutdown no longer cancels `loaded`,
+        # so setting its result below cannot fail.
+        loaded.set_running_or_notify_cancel()
         try:
             load()
         except Exception as exc:  # the first request that needs it will report the error too
