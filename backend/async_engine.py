@@ -15,8 +15,9 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from backend.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
@@ -50,6 +51,17 @@ class _Abort:
     request_id: str
     # Explicit aborts (not the consumer leaving) tell the consumer with a final "abort" delta.
     notify: bool
+
+
+_WAKE = object()  # a command that only wakes an idle engine thread (a job is queued)
+
+
+@dataclass
+class _Job:
+    """CPU work (the compression embedder's forward pass) run on the engine thread between steps."""
+
+    fn: Callable[[], Any]
+    future: Future[Any] = field(default_factory=Future)
 
 
 @dataclass
@@ -146,11 +158,13 @@ class AsyncEngine:
         self.path_info: dict[str, object] = engine.path_info()
         self.metrics.set_path_info(self.path_info)
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()  # run_between_steps work
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._stopped = False
         self._fatal_error: BaseException | None = None
         self._live: dict[str, _StreamState] = {}  # owned by the engine thread
+        self.jobs_run = 0  # run_between_steps jobs the engine thread ran (observability, tests)
         self._stats: EngineStats = engine.stats()
         self.metrics.update_from_stats(self._stats)
 
@@ -186,8 +200,9 @@ class AsyncEngine:
         with self._start_lock:
             self._stopped = True
             thread = self._thread
+            if thread is not None:
+                self._commands.put(_Stop())
         if thread is not None:
-            self._commands.put(_Stop())
             thread.join(timeout)
 
     async def stop(self) -> None:
@@ -256,6 +271,44 @@ class AsyncEngine:
         """Abort a request; its consumer receives a final delta with finish_reason "abort"."""
         self._submit(_Abort(request_id, notify=True))
 
+    @property
+    def runs_on_cpu(self) -> bool:
+        return getattr(getattr(self.engine, "device", None), "type", "cpu") == "cpu"
+
+    def run_between_steps(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn()` on the engine thread, between two steps, with the engine's CPU threads.
+
+        For CPU work the gateway must do anyway (embedding the sentences of a first-sight
+        compression): beside a running engine it would be a third busy thread on two cores, slowed
+        by the engine and slowing it (OpenMP teams waiting on a descheduled member). Between steps it
+        has the cores to itself and delays the next step by its own run time only. Jobs queued at a
+        step boundary all run before the next step. Raises `EngineError` (503) once the engine is shut
+        down; a job still queued then fails with it.
+        """
+        self.start()
+        job = _Job(fn)
+        # Under the lock that `shutdown` queues its stop under and the engine thread's last drain
+        # takes: a job is either queued before them (and runs, or fails with the engine) or refused
+        # here, never left unanswered.
+        with self._start_lock:
+            if self._stopped:
+                raise EngineError("the engine has been shut down", 503)
+            if self._fatal_error is not None or not self.is_ready():
+                raise EngineError(f"the engine failed: {self._fatal_error}", 503)
+            self._jobs.put(job)
+            self._submit(_WAKE)  # an idle engine thread sleeps on the command queue
+        return job.future
+
+    def _run_jobs(self) -> None:
+        """Run the queued jobs, on the engine thread (between steps, or between a step's layers)."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            _run_job(job)
+            self.jobs_run += 1
+
     def _open(self, request: GenerationRequest) -> RequestStream:
         if self._stopped:
             raise EngineError("the engine has been shut down", 503)
@@ -274,12 +327,16 @@ class AsyncEngine:
         import torch
 
         torch.set_num_threads(self.engine.num_threads)
+        model = getattr(self.engine, "model", None)
+        if model is not None and self.runs_on_cpu:
+            model.between_layers = self._run_jobs
         try:
             while True:
                 # Idle: block until a command arrives instead of spinning.
                 block = not self.engine.has_unfinished_requests()
                 if not self._apply_commands(block=block):
                     break
+                self._run_jobs()
                 if not self.engine.has_unfinished_requests():
                     continue
                 try:
@@ -296,6 +353,7 @@ class AsyncEngine:
             self._fatal_error = exc
         finally:
             self._fail_all(EngineError("the engine has been shut down", 503))
+            self._fail_jobs(EngineError("the engine has been shut down", 503))
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every pending command; returns False when the thread must stop."""
@@ -411,10 +469,32 @@ class AsyncEngine:
                 self._send(command.stream, error)
         self._refresh_stats()
 
+    def _fail_jobs(self, error: EngineError) -> None:
+        """The thread is ending: queued jobs will never run."""
+        with self._start_lock:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if job.future.set_running_or_notify_cancel():
+                    job.future.set_exception(error)
+
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()
         self._stats = stats
         self.metrics.update_from_stats(stats)
+
+
+def _run_job(job: _Job) -> None:
+    if not job.future.set_running_or_notify_cancel():
+        return  # its caller gave up before the engine got to it
+    try:
+        result = job.fn()
+    except BaseException as exc:  # the job's error is its caller's, never the engine thread's
+        job.future.set_exception(exc)
+    else:
+        job.future.set_result(result)
 
 
 def _deliver_all(items: list[tuple[RequestStream, GenerationDelta]]) -> None:

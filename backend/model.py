@@ -21,6 +21,8 @@ from backend.model_config import ModelArchConfig
 from backend.rope import RotaryTable, apply_rotary
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from backend.attention import AttentionBackend, AttentionMetadata
     from backend.kv_cache import KVCache
 
@@ -122,6 +124,9 @@ class LlamaModel(nn.Module):
         self.rotary: RotaryTable | None = None
         self.use_fused_layers = False  # the C++ elementwise kernels (bfloat16 on CPU)
         self.matmul_plan: MatmulPlan | None = None  # set by backend.model_loader
+        # Called between two decoder layers: a long prefill step lets side work queued meanwhile
+        # (AsyncEngine.run_between_steps) start within one layer's time instead of the whole step's.
+        self.between_layers: Callable[[], None] | None = None
 
     def linears(self) -> list[Linear]:
         return [module for module in self.modules() if isinstance(module, Linear)]
@@ -151,10 +156,14 @@ class LlamaModel(nn.Module):
             delta: torch.Tensor | None = None
             for layer in self.layers:
                 hidden, delta = layer.forward_fused(hidden, delta, cos, sin, attention, kv_cache, metadata)
+                if self.between_layers is not None:
+                    self.between_layers()
             if delta is not None:
                 hidden = hidden + delta
         else:
             for layer in self.layers:
                 hidden = layer(hidden, cos, sin, attention, kv_cache, metadata)
+                if self.between_layers is not None:
+                    self.between_layers()
         last = self.norm(hidden.index_select(0, logits_indices))
         return self.lm_head(last).float()

@@ -11,6 +11,8 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+# Runs a forward pass somewhere else and hands back its result (AsyncEngine.run_between_steps).
+Runner = Callable[[Callable[[], np.ndarray]], Future]
 
 
 def default_model_path() -> Path:
@@ -109,6 +114,7 @@ class Embedder:
         self._cache = cache
         self._batcher: EmbedBatcher | None = None
         self._process: EmbedProcess | None = None
+        self._runner: Runner | None = None
         self._batcher_lock = threading.Lock()
         self._local: OrderedDict[str, np.ndarray] = OrderedDict()
         self._max_local = max_local_entries
@@ -214,10 +220,35 @@ class Embedder:
             return self._batcher.encode(texts)
         return self._encode_now(texts, batch_size, show_progress_bar)
 
+    def use_runner(self, runner: Runner) -> None:
+        """From now on the model's forward passes run through `runner(fn) -> Future` (the
+        in-process engine's `run_between_steps`: on its thread, between its steps). The last call
+        wins: a gateway built later (tests build many in one process) takes the shared model over."""
+        with self._batcher_lock:
+            self._runner = runner
+
+    def release_runner(self, runner: Runner) -> None:
+        with self._batcher_lock:
+            if self._runner is runner:
+                self._runner = None
+
     def _encode_now(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
+        runner = self._runner
+        if runner is not None:
+            from backend.api import EngineError
+
+            try:
+                # The forward pass never raises EngineError itself: this one says the engine is gone.
+                return runner(lambda: self._encode_here(texts, batch_size, show_progress_bar)).result()
+            except EngineError as exc:
+                logger.warning("embedding off the engine thread from now on: %s", exc)
+                self.release_runner(runner)
         process = self._process
         if process is not None:
             return process.encode(texts)
+        return self._encode_here(texts, batch_size, show_progress_bar)
+
+    def _encode_here(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
         if self._packed is not None:
             vectors = self._packed.encode(texts)
         else:

@@ -44,13 +44,16 @@ class CompressionPipeline:
         embed_batch_window_ms: float | None = None,
         embed_threads: int = 1,
         embed_process: bool = False,
+        embed_runner: Any = None,
     ):
         """`workers` > 0: compressing runs in that many threads of its own, off the caller's event
         loop (the loop keeps streaming other requests' tokens meanwhile); requests whose policy
         disables compression never queue behind them. `embed_batch_window_ms`: concurrent requests'
         embeddings are coalesced by one batching thread with `embed_threads` OpenMP threads.
         `embed_process`: the embedding model runs in a child process, off this process's GIL
-        (compression/embed_process.py), which an engine thread in this process needs."""
+        (compression/embed_process.py), which an engine thread in this process needs.
+        `embed_runner`: the model's forward passes run through it instead (the in-process CPU
+        engine's `run_between_steps`), which takes precedence over `embed_process`."""
         self.tokenizer = tokenizer
         self.counter = CachedCounter(tokenizer)
         self.cache = cache if cache is not None else LRUBytesCache()
@@ -60,6 +63,7 @@ class CompressionPipeline:
         if embed_batch_window_ms is not None:
             self.services.embed_batching = (embed_batch_window_ms, embed_threads)
         self.services.embed_process = embed_process
+        self.services.embed_runner = embed_runner
         self._executor = (
             ThreadPoolExecutor(workers, thread_name_prefix="ctxgate-compress", initializer=_limit_openmp)
             if workers > 0 else None
@@ -88,6 +92,7 @@ class CompressionPipeline:
         return await asyncio.wrap_future(future)
 
     def close(self) -> None:
+        self.services.release()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -69,6 +69,8 @@ class Services:
         self.embed_batching: tuple[float, int] | None = None
         # Run the embedding model in a child process (compression/embed_process.py).
         self.embed_process = False
+        # Run the model's forward passes through this (the in-process engine's run_between_steps).
+        self.embed_runner: Any = None
         self._llm_reranker = None
         self._lock = threading.Lock()
 
@@ -80,12 +82,19 @@ class Services:
                     from compression.embeddings import shared_embedder
 
                     embedder = shared_embedder(self.cache)
-                    if self.embed_process:
+                    if self.embed_runner is not None:
+                        embedder.use_runner(self.embed_runner)
+                    elif self.embed_process:
                         embedder.use_process(self.embed_batching[1] if self.embed_batching else 1)
                     if self.embed_batching is not None:
                         embedder.use_batcher(*self.embed_batching)
                     self._embedder = embedder
         return self._embedder
+
+    def release(self) -> None:
+        """Hand the shared embedding model back from this pipeline's engine (it is shutting down)."""
+        if self._embedder is not None and self.embed_runner is not None:
+            self._embedder.release_runner(self.embed_runner)
 
     def llm_reranker(self) -> Any:
         if self._llm_reranker is None:

@@ -66,6 +66,7 @@ class E2EOptions:
     policy_dir: str | None = None
     progress: bool = True
     engine_server: bool = False
+    embed_on: str = "engine"  # the gateway's `serve --embed-on`
 
 
 @dataclass
@@ -427,7 +428,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Command: `{report['command']}`",
         f"- Dataset: `{report['dataset']}` ({report['questions']} questions), {report['output_tokens']} output "
         "tokens per request (ignore_eos), streamed, every prompt starts with a unique tag (no prefix-cache hits)",
-        f"- Policies: compressed `{report['policy']}`, full `{report['full_policy']}`",
+        f"- Policies: compressed `{report['policy']}`, full `{report['full_policy']}`; "
+        f"gateway embedder on the {report.get('embed_on', 'process')}",
         f"- CPU path: {report['cpu_path']}",
         f"- Machine load: other processes took up to {100 * report['others_cpu_frac_max']:.0f}% of the machine's "
         f"CPU during a chunk (mean {100 * report['others_cpu_frac_mean']:.0f}%); figures are noisy, compare ratios.",
@@ -546,7 +548,8 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
         for concurrency in options.concurrencies:
             # A fresh gateway per level, without a shared (Redis) cache: the documents are new to it.
             gateway = GatewayProcess(policy_dir=options.policy_dir, model=options.model,
-                                     log_path=target / f"gateway-c{concurrency}.log", env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None})
+                                     log_path=target / f"gateway-c{concurrency}.log", env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None},
+                                     extra_args=["--embed-on", options.embed_on])
             with gateway as gateway_url:
                 endpoints = Endpoints(gateway_url, engine_url, asyncio.run(model_name(gateway_url)),
                                       [pid for pid in (gateway.pid, engine_pid) if pid], local_engine)
@@ -567,6 +570,7 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
         "output_tokens": options.output_tokens,
         "policy": options.policy,
         "full_policy": options.full_policy,
+        "embed_on": options.embed_on,
         "cpu_path": cpu_path_line(),
         "others_cpu_frac_max": round(max((r.others_cpu_frac for r in all_runs), default=0.0), 3),
         "others_cpu_frac_mean": round(statistics.fmean(r.others_cpu_frac for r in all_runs), 3) if all_runs else 0.0,

@@ -259,6 +259,8 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
     e2e.add_argument("--no-progress", action="store_true", help="no per-chunk progress lines")
     e2e.add_argument("--engine-server", action="store_true",
                      help="engine-alone arm over HTTP (`ctxgate engine serve`) instead of the engine in this process")
+    e2e.add_argument("--embed-on", choices=("engine", "process"), default="engine",
+                     help="the gateway's `serve --embed-on`: where its embedding model runs (default engine)")
     e2e.set_defaults(func=_bench_e2e)
 
 
@@ -273,7 +275,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         dataset=args.dataset, limit=args.limit, concurrencies=levels, output_tokens=args.output_tokens,
         policy=args.policy, full_policy=args.full_policy, warm_pass=not args.no_warm_pass,
         rounds_per_chunk=args.rounds_per_chunk, model=args.model, policy_dir=args.policy_dir,
-        progress=not args.no_progress, engine_server=args.engine_server,
+        progress=not args.no_progress, engine_server=args.engine_server, embed_on=args.embed_on,
     )
     from backend.cpu_features import cpu_path
 

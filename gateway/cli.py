@@ -58,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="in-process engine: refuse new requests with 503 beyond this many waiting (default 256)")
     serve.add_argument("--access-log", action="store_true",
                        help="log one line per request (method, path, status, duration, request id, tenant)")
+    serve.add_argument("--embed-on", choices=("engine", "process"), default="engine",
+                       help="where the compression embedder's forward passes run: on the in-process CPU engine's "
+                       "thread between its steps (default), or in a child process of their own")
     serve.add_argument("--vllm-metric-names", action="store_true",
                        help="also export the in-process engine's metrics under vLLM's names (vllm:...)")
     _add_engine_arguments(serve)  # --model and the in-process engine's knobs, as in `engine serve`
@@ -172,7 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, reload_interval_s=args.reload_interval,
         max_in_flight=args.max_in_flight or None, max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
         request_timeout_s=args.request_timeout or None, engine_max_waiting_requests=args.max_waiting_requests,
-        drain_timeout_s=args.drain_timeout, access_log=args.access_log,
+        drain_timeout_s=args.drain_timeout, access_log=args.access_log, embed_on_engine=args.embed_on == "engine",
     )
     _log_request_ids()
     from gateway.shutdown import DrainingServer

@@ -57,6 +57,9 @@ class GatewaySettings:
     # The embedding model in a child process: its Python would otherwise hold this process's GIL,
     # which the engine thread re-takes between every op (a decode step 22 ms -> 7.8 s measured).
     embed_process: bool = True
+    # With the in-process engine on a CPU, the embedding model runs on the engine's thread between
+    # its steps instead (AsyncEngine.run_between_steps): no third busy thread on the engine's cores.
+    embed_on_engine: bool = True
     # Embedding (and summary) cache shared by replicas and kept across restarts; None: in-process only.
     embed_cache_url: str | None = field(
         default_factory=lambda: os.environ.get("CTXGATE_EMBED_CACHE_URL") or os.environ.get("REDIS_URL") or None

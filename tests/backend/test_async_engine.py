@@ -134,3 +134,50 @@ def _thread_cpu_seconds(native_ids: set[int]) -> float:
             fields = stat.read().rsplit(")", 1)[1].split()
         total += (int(fields[11]) + int(fields[12])) / ticks
     return total
+
+
+async def test_jobs_run_on_the_engine_thread_between_steps(engine):
+    """A job runs on the engine's own thread (so never during a step) while a request streams;
+    the stream goes on after it, whole."""
+    import threading
+
+    request = _request(engine, "A long tale:", max_tokens=40)
+    job_threads: list[str] = []
+    deltas = []
+
+    def job() -> str:
+        job_threads.append(threading.current_thread().name)
+        return "done"
+
+    async for delta in engine.generate(request):
+        deltas.append(delta)
+        if len(deltas) == 2:
+            assert await asyncio.wrap_future(engine.run_between_steps(job)) == "done"
+    assert job_threads == ["ctxgate-engine"]
+    assert deltas[-1].finish_reason == "length"
+    assert sum(len(d.token_ids) for d in deltas) == 40
+    await asyncio.to_thread(wait_until_pool_free, engine)
+
+
+async def test_a_failing_job_fails_its_future_not_the_engine(engine):
+    def broken() -> None:
+        raise ValueError("bad job")
+
+    with pytest.raises(ValueError, match="bad job"):
+        await asyncio.wrap_future(engine.run_between_steps(broken))
+    assert engine.is_ready()
+    deltas = [d async for d in engine.generate(_request(engine, "Still there?", max_tokens=3))]
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_jobs_are_refused_after_shutdown(model_dir):
+    from backend.async_engine import AsyncEngine
+    from backend.config import EngineConfig
+
+    config = EngineConfig(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=16, max_model_len=128)
+    stopped = AsyncEngine(config)
+    assert stopped.run_between_steps(lambda: 41 + 1).result(timeout=30) == 42
+    stopped.shutdown()
+    with pytest.raises(EngineError) as refused:
+        stopped.run_between_steps(lambda: None)
+    assert refused.value.status_code == 503

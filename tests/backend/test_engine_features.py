@@ -197,3 +197,18 @@ def test_streamed_text_matches_full_decode(engine, tokenizer):
     assert final.prompt_tokens == len(prompt) and final.completion_tokens == 12
     m = final.metrics
     assert m.ttft_ms > 0 and m.e2e_ms >= m.ttft_ms and m.tpot_ms > 0 and m.queue_ms >= 0
+
+
+def test_the_between_layers_hook_runs_once_per_layer_and_leaves_output_alone(engine, tokenizer):
+    """AsyncEngine.run_between_steps work starts between two decoder layers of a long step."""
+    prompt = tokenizer.encode(SHARED_PREFIX + "Question: who designed the tower?")
+    plain, _ = run_to_completion(engine, GenerationRequest("hook-off", prompt, GREEDY))
+    calls = []
+    engine.model.between_layers = lambda: calls.append(1)
+    try:
+        hooked, _ = run_to_completion(engine, GenerationRequest("hook-on", prompt, GREEDY))
+    finally:
+        engine.model.between_layers = None
+    assert hooked == plain
+    # one prefill step (the prompt fits one step's budget) and one per further token
+    assert len(calls) == engine.model.config.num_layers * GREEDY.max_tokens

@@ -1,0 +1,73 @@
+"""The embedding model's forward passes on the in-process engine's thread, between its steps
+(Embedder.use_runner + AsyncEngine.run_between_steps): same vectors, and an engine that is gone
+costs nothing but the move back in process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+TEXTS = ["The river Vey runs north.", "Ida Holm is the mayor of Arlen.", "Photosynthesis needs light."]
+
+
+@pytest.fixture
+def engine(model_dir):
+    from backend.async_engine import AsyncEngine
+    from backend.config import EngineConfig
+
+    config = EngineConfig(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=32, max_model_len=256)
+    async_engine = AsyncEngine(config)
+    yield async_engine
+    async_engine.shutdown()
+
+
+@pytest.fixture
+def own_embedder(embedder):
+    """A model of its own (not the session's shared one), so runners set here stay here."""
+    from compression.embeddings import Embedder
+
+    return Embedder(embedder.model_path, precision=embedder.precision)
+
+
+def test_forward_passes_run_as_engine_jobs_with_the_same_vectors(engine, own_embedder):
+    in_process = own_embedder._encode_now(TEXTS)
+    own_embedder.use_runner(engine.run_between_steps)
+    on_engine = own_embedder._encode_now(TEXTS)
+    assert engine.jobs_run == 1
+    assert on_engine.shape == in_process.shape and on_engine.dtype == np.float32
+    # The engine thread computes with its own OpenMP team (2 threads here, 1 above): same vectors.
+    assert (on_engine * in_process).sum(axis=1).min() > 0.9999
+
+
+def test_an_engine_that_shut_down_sends_the_model_back_in_process(engine, own_embedder):
+    runner = engine.run_between_steps
+    own_embedder.use_runner(runner)
+    engine.shutdown()
+    vectors = own_embedder.embed(TEXTS)
+    assert vectors.shape == (3, own_embedder.dimension)
+    assert own_embedder._runner is None and engine.jobs_run == 0
+
+
+def test_pipelines_route_the_model_through_their_runner_and_release_it_on_close(engine, tokenizer, own_embedder):
+    from compression.cache import LRUBytesCache
+    from compression.pipeline import CompressionPipeline
+
+    pipeline = CompressionPipeline(tokenizer, cache=LRUBytesCache(), embed_runner=engine.run_between_steps,
+                                   embed_process=True)
+    import compression.embeddings as embeddings
+
+    key = (str(own_embedder.model_path), 0)
+    previous = embeddings._shared.get(key)
+    embeddings._shared[key] = own_embedder
+    try:
+        assert pipeline.services.embedder is own_embedder
+        assert own_embedder._process is None  # the runner, not a child process
+        own_embedder.embed(["A sentence no one embedded before."])
+        assert engine.jobs_run == 1
+        pipeline.close()
+        assert own_embedder._runner is None
+    finally:
+        if previous is None:
+            embeddings._shared.pop(key, None)
+        else:
+            embeddings._shared[key] = previous
