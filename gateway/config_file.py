@@ -70,6 +70,9 @@ class EngineSection(_Section):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="CUDA: fraction of GPU memory")
     cuda_graphs: bool | None = Field(None, description="CUDA: decode through captured graphs (default: where they run)")
     max_waiting_requests: int | None = Field(None, ge=1, description="refuse with 503 beyond this many waiting")
+    embed_on: Literal["engine", "process"] | None = Field(
+        None, description="where the compression embedder runs: the CPU engine's thread between its steps "
+        "(default) or a child process")
 
     @model_validator(mode="after")
     def _one_kv_size(self) -> EngineSection:
