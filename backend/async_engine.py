@@ -285,8 +285,11 @@ class AsyncEngine:
         step boundary all run before the next step. Raises `EngineError` (503) once the engine is shut
         down; a job still queued then fails with it.
         """
-        self.start()
         job = _Job(fn)
+        if threading.current_thread() is self._thread:  # asked from a job: waiting would deadlock
+            _run_job(job)
+            return job.future
+        self.start()
         # Under the lock that `shutdown` queues its stop under and the engine thread's last drain
         # takes: a job is either queued before them (and runs, or fails with the engine) or refused
         # here, never left unanswered.

@@ -181,3 +181,10 @@ def test_jobs_are_refused_after_shutdown(model_dir):
     with pytest.raises(EngineError) as refused:
         stopped.run_between_steps(lambda: None)
     assert refused.value.status_code == 503
+
+
+async def test_a_job_that_asks_for_a_job_gets_it_run_inline(engine):
+    def outer() -> int:
+        return engine.run_between_steps(lambda: 7).result(timeout=5) * 6
+
+    assert await asyncio.wrap_future(engine.run_between_steps(outer)) == 42
