@@ -86,9 +86,9 @@ class PackedEncoder:
         batch = self.pack(texts)
         with torch.inference_mode():
             hidden = self._embed(batch)
-            buckets = attention_buckets(batch.lengths)
+            layout = AttentionLayout(attention_buckets(batch.lengths))
             for layer in self.bert.encoder.layer:
-                hidden = self._layer(layer, hidden, buckets)
+                hidden = self._layer(layer, hidden, layout)
             return mean_pool(hidden, batch.lengths).float().numpy()
 
     def _embed(self, batch: PackedBatch) -> Any:
@@ -100,30 +100,33 @@ class PackedEncoder:
         hidden = hidden + embeddings.token_type_embeddings(torch.zeros_like(batch.input_ids))
         return embeddings.LayerNorm(hidden)
 
-    def _layer(self, layer: Any, hidden: Any, buckets: list[AttentionBucket]) -> Any:
+    def _layer(self, layer: Any, hidden: Any, layout: AttentionLayout) -> Any:
         import torch.nn.functional as functional
 
         attention = layer.attention
-        context = self._attention(attention.self, hidden, buckets)
+        context = self._attention(attention.self, hidden, layout)
         hidden = attention.output.LayerNorm(attention.output.dense(context) + hidden)
         intermediate = functional.gelu(layer.intermediate.dense(hidden), approximate=self.gelu_approximate)
         return layer.output.LayerNorm(layer.output.dense(intermediate) + hidden)
 
-    def _attention(self, module: Any, hidden: Any, buckets: list[AttentionBucket]) -> Any:
+    def _attention(self, module: Any, hidden: Any, layout: AttentionLayout) -> Any:
         import torch
         import torch.nn.functional as functional
 
-        query, key, value = module.query(hidden), module.key(hidden), module.value(hidden)
-        context = torch.empty_like(query)
-        for bucket in buckets:
-            heads = (self.num_heads, self.head_dim)
-            out = functional.scaled_dot_product_attention(
-                bucket.pad(query, heads), bucket.pad(key, heads), bucket.pad(value, heads),
-                attn_mask=bucket.mask(query.dtype),
+        # Q, K and V side by side plus one zero row: each bucket's padded (sentences x length) block
+        # is then a single gather (padding slots point at the zero row), and the buckets' outputs,
+        # concatenated, go back to packed order in one more gather per layer.
+        qkv = torch.cat([module.query(hidden), module.key(hidden), module.value(hidden)], 1)
+        qkv = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[1])])
+        outputs = []
+        for bucket in layout.buckets:
+            block = qkv[bucket.source_rows].view(
+                bucket.num_sentences, bucket.padded_length, 3, self.num_heads, self.head_dim
             )
-            out = out.transpose(1, 2).reshape(-1, self.hidden)
-            context[bucket.token_index] = out[bucket.padded_index]
-        return context
+            query, key, value = (part.transpose(1, 2) for part in block.unbind(2))
+            out = functional.scaled_dot_product_attention(query, key, value, attn_mask=bucket.mask(qkv.dtype))
+            outputs.append(out.transpose(1, 2).reshape(-1, self.hidden))
+        return torch.cat(outputs)[layout.packed_order]
 
 
 @dataclass
@@ -134,17 +137,12 @@ class AttentionBucket:
     padded_index: Any  # where each of those rows sits in the (sentences * padded_length) layout
     lengths: list[int]
     padded_length: int
+    source_rows: Any  # per padded slot: its packed row, or the total token count (a zero row) for padding
     _masks: dict[Any, Any] = field(default_factory=dict, repr=False)  # by dtype: built once, used per layer
 
     @property
     def num_sentences(self) -> int:
         return len(self.lengths)
-
-    def pad(self, rows: Any, heads: tuple[int, int]) -> Any:
-        """The bucket's packed rows as (sentences, heads, padded_length, head_dim), zeros in the padding."""
-        out = rows.new_zeros(self.num_sentences * self.padded_length, rows.shape[-1])
-        out[self.padded_index] = rows[self.token_index]
-        return out.view(self.num_sentences, self.padded_length, *heads).transpose(1, 2)
 
     def mask(self, dtype: Any) -> Any:
         """Additive key mask (sentences, 1, 1, padded_length): padding is never attended to."""
@@ -183,15 +181,33 @@ def attention_buckets(lengths: list[int], max_padding_ratio: float = MAX_PADDING
         for slot, index in enumerate(group):
             token_rows.extend(range(starts[index], starts[index] + lengths[index]))
             padded_rows.extend(range(slot * padded_length, slot * padded_length + lengths[index]))
+        source = torch.full((len(group) * padded_length,), int(sum(lengths)), dtype=torch.long)
+        source[padded_rows] = torch.tensor(token_rows, dtype=torch.long)
         buckets.append(
             AttentionBucket(
                 torch.tensor(token_rows, dtype=torch.long),
                 torch.tensor(padded_rows, dtype=torch.long),
                 [lengths[index] for index in group],
                 padded_length,
+                source,
             )
         )
     return buckets
+
+
+class AttentionLayout:
+    """A call's buckets, and where each packed row sits in their concatenated padded outputs."""
+
+    def __init__(self, buckets: list[AttentionBucket]):
+        import torch
+
+        self.buckets = buckets
+        offsets = np.cumsum([0] + [bucket.num_sentences * bucket.padded_length for bucket in buckets])
+        total_tokens = sum(len(bucket.token_index) for bucket in buckets)
+        order = torch.empty(total_tokens, dtype=torch.long)
+        for bucket, offset in zip(buckets, offsets, strict=False):
+            order[bucket.token_index] = bucket.padded_index + int(offset)
+        self.packed_order = order
 
 
 def mean_pool(hidden: Any, lengths: list[int]) -> Any:
