@@ -58,7 +58,7 @@ _WAKE = object()  # a command that only wakes an idle engine thread (a job is qu
 
 @dataclass
 class _Job:
-    """CPU work (the compression embedder's forward pass) run on the engine thread between steps."""
+    """CPU work (the compression embedder's forward pass) run on the engine thread (run_between_steps)."""
 
     fn: Callable[[], Any]
     future: Future[Any] = field(default_factory=Future)
@@ -276,14 +276,16 @@ class AsyncEngine:
         return getattr(getattr(self.engine, "device", None), "type", "cpu") == "cpu"
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run `fn()` on the engine thread, between two steps, with the engine's CPU threads.
+        """Run `fn()` on the engine thread with the engine's CPU threads: before the next step, or,
+        on a CPU, between two decoder layers of the step in progress (`LlamaModel.between_layers`),
+        so it starts within one layer's time even during a long prefill step.
 
         For CPU work the gateway must do anyway (embedding the sentences of a first-sight
         compression): beside a running engine it would be a third busy thread on two cores, slowed
-        by the engine and slowing it (OpenMP teams waiting on a descheduled member). Between steps it
-        has the cores to itself and delays the next step by its own run time only. Jobs queued at a
-        step boundary all run before the next step. Raises `EngineError` (503) once the engine is shut
-        down; a job still queued then fails with it.
+        by the engine and slowing it (OpenMP teams waiting on a descheduled member). Here it has the
+        cores to itself and delays the engine by its own run time only; every queued job runs at the
+        next such point. Raises `EngineError` (503) once the engine is shut down; a job still queued
+        then fails with it.
         """
         job = _Job(fn)
         if threading.current_thread() is self._thread:  # asked from a job: waiting would deadlock
