@@ -306,7 +306,7 @@ class AsyncEngine:
 
     def _run_jobs(self) -> None:
         """Run the queued jobs, on the engine thread (between steps, or between a step's layers)."""
-        while True:
+        while not self._jobs.empty():  # checked once per decoder layer: an empty queue raises nothing
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:

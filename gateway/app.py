@@ -103,12 +103,13 @@ def default_pipeline(
         from compression.redis_cache import RedisBytesCache
 
         cache = RedisBytesCache(settings.embed_cache_url)
-    runner = engine.run_between_steps if settings.embed_on_engine and getattr(engine, "runs_on_cpu", False) else None
+    on_engine = settings.embed_on == "engine" and getattr(engine, "runs_on_cpu", False)
+    runner = engine.run_between_steps if on_engine else None
     # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
     return CompressionPipeline(
         tokenizer, engine=engine, index_dir=index_dir, cache=cache, workers=settings.compression_workers,
         embed_batch_window_ms=settings.embed_batch_window_ms, embed_threads=settings.embed_threads,
-        embed_process=settings.embed_process and runner is None, embed_runner=runner,
+        embed_process=runner is None, embed_runner=runner,
     )
 
 

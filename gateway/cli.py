@@ -175,7 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, reload_interval_s=args.reload_interval,
         max_in_flight=args.max_in_flight or None, max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
         request_timeout_s=args.request_timeout or None, engine_max_waiting_requests=args.max_waiting_requests,
-        drain_timeout_s=args.drain_timeout, access_log=args.access_log, embed_on_engine=args.embed_on == "engine",
+        drain_timeout_s=args.drain_timeout, access_log=args.access_log, embed_on=args.embed_on,
     )
     _log_request_ids()
     from gateway.shutdown import DrainingServer

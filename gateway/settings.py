@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+EMBED_ON = ("engine", "process")  # where the compression embedder runs (GatewaySettings.embed_on)
 
 
 @dataclass
@@ -54,12 +55,12 @@ class GatewaySettings:
     compression_workers: int = 2
     embed_threads: int = 1
     embed_batch_window_ms: float = 3.0
-    # The embedding model in a child process: its Python would otherwise hold this process's GIL,
-    # which the engine thread re-takes between every op (a decode step 22 ms -> 7.8 s measured).
-    embed_process: bool = True
-    # With the in-process engine on a CPU, the embedding model runs on the engine's thread between
-    # its steps instead (AsyncEngine.run_between_steps): no third busy thread on the engine's cores.
-    embed_on_engine: bool = True
+    # Where the embedding model runs. "engine": with the in-process engine on a CPU, on the engine's
+    # thread between its steps and layers (AsyncEngine.run_between_steps), so it is no third busy
+    # thread on the engine's cores. "process" (and "engine" with an upstream or a CUDA engine): a
+    # child process, because in a thread of this process its Python would hold the GIL the engine
+    # thread re-takes between every op (a decode step 22 ms -> 7.8 s measured).
+    embed_on: str = "engine"
     # Embedding (and summary) cache shared by replicas and kept across restarts; None: in-process only.
     embed_cache_url: str | None = field(
         default_factory=lambda: os.environ.get("CTXGATE_EMBED_CACHE_URL") or os.environ.get("REDIS_URL") or None
@@ -70,6 +71,8 @@ class GatewaySettings:
     access_log: bool = False
 
     def __post_init__(self) -> None:
+        if self.embed_on not in EMBED_ON:
+            raise ValueError(f"embed_on must be one of {', '.join(EMBED_ON)}, not {self.embed_on!r}")
         if self.policy_dir is not None:
             self.policy_dir = Path(self.policy_dir)
         if self.keys_file is not None:

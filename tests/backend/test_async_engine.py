@@ -137,8 +137,8 @@ def _thread_cpu_seconds(native_ids: set[int]) -> float:
 
 
 async def test_jobs_run_on_the_engine_thread_between_steps(engine):
-    """A job runs on the engine's own thread (so never during a step) while a request streams;
-    the stream goes on after it, whole."""
+    """A job runs on the engine's own thread (between steps or decoder layers, never inside an op)
+    while a request streams; the stream goes on after it, whole."""
     import threading
 
     request = _request(engine, "A long tale:", max_tokens=40)
