@@ -25,6 +25,7 @@ from __future__ import annotations
 import html
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from compression.state import Passage
 from compression.text import content_words
@@ -84,6 +85,7 @@ def question_form_cues(question: str) -> list[str]:
     return cues
 
 
+@lru_cache(maxsize=4096)
 def normalise(text: str) -> str:
     """Lower-cased, HTML entities decoded, '&' read as 'and', curly quotes straight: the forms a
     title and a sentence (or the question) use for the same name ("Tunnels &amp; Trolls", "Tunnels
@@ -103,11 +105,18 @@ def mentions(text: str, phrase: str) -> bool:
     """Whole-word, case-insensitive containment of `phrase` (a title core) in `text`. A phrase may
     end in punctuation ("The Thing of It Is..."), so the edges are 'no word character', not \\b.
     A plural counts: titles are mostly singular nouns ("Cranberry" is named by "cranberries")."""
+    # Every pair of passages is tested (a bridge search): the cached forms make it a substring
+    # check in the common case that the phrase is not there at all.
+    normalised = normalise(text)
+    stem, pattern = _mention_pattern(phrase)
+    return stem in normalised and pattern.search(normalised) is not None
+
+
+@lru_cache(maxsize=4096)
+def _mention_pattern(phrase: str) -> tuple[str, re.Pattern[str]]:
     if phrase.endswith("y") and len(phrase) > 3:
-        pattern = rf"(?<!\w){re.escape(phrase[:-1])}(?:y|ies)(?!\w)"
-    else:
-        pattern = rf"(?<!\w){re.escape(phrase)}(?:e?s)?(?!\w)"
-    return re.search(pattern, normalise(text)) is not None
+        return phrase[:-1], re.compile(rf"(?<!\w){re.escape(phrase[:-1])}(?:y|ies)(?!\w)")
+    return phrase, re.compile(rf"(?<!\w){re.escape(phrase)}(?:e?s)?(?!\w)")
 
 
 @dataclass

@@ -9,7 +9,11 @@
 
 from __future__ import annotations
 
+import math
+import re
 import threading
+from collections import Counter
+from functools import lru_cache
 from typing import Protocol
 
 import numpy as np
@@ -37,21 +41,46 @@ def passage_text_for_scoring(passage: Passage) -> str:
     return f"{passage.title}. {passage.body()}" if passage.title else passage.body()
 
 
-def bm25_scores(query: str, documents: list[str]) -> np.ndarray:
-    import bm25s
+# BM25 as bm25s scores it by default (Lucene variant, k1 1.5, b 0.75; scikit-learn's word pattern,
+# lower-cased, NLTK's English stopwords), computed directly: over one request's 20-odd passages,
+# building a bm25s index (vocabulary dicts, sparse matrices) cost ~5 ms a call.
+BM25_K1 = 1.5
+BM25_B = 0.75
+_BM25_WORD = re.compile(r"(?u)\b\w\w+\b")
 
+
+@lru_cache(maxsize=1)
+def _bm25_stopwords() -> frozenset[str]:
+    from bm25s.stopwords import STOPWORDS_EN
+
+    return frozenset(STOPWORDS_EN)
+
+
+def bm25_terms(text: str) -> list[str]:
+    stopwords = _bm25_stopwords()
+    return [word for word in _BM25_WORD.findall(text.lower()) if word not in stopwords]
+
+
+def bm25_scores(query: str, documents: list[str]) -> np.ndarray:
+    """BM25 of each document for `query`, with the documents themselves as the collection (idf)."""
     if not documents:
         return np.zeros(0)
-    corpus_tokens = bm25s.tokenize(documents, stopwords="en", return_ids=False, show_progress=False)
-    query_tokens = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]
-    # Empty documents would make bm25s reject the corpus; give them a placeholder token instead.
-    corpus_tokens = [tokens or ["\u2205"] for tokens in corpus_tokens]
-    retriever = bm25s.BM25()
-    retriever.index(corpus_tokens, show_progress=False)
-    known = [token for token in query_tokens if token in retriever.vocab_dict]
-    if not known:
+    # An empty document still counts in the collection, as one placeholder term.
+    corpus = [bm25_terms(document) or ["\u2205"] for document in documents]
+    term_counts = [Counter(terms) for terms in corpus]
+    query_terms = [term for term in bm25_terms(query) if any(term in counts for counts in term_counts)]
+    if not query_terms:
         return np.zeros(len(documents))
-    return np.asarray(retriever.get_scores(known), dtype=np.float64)
+    num_documents = len(documents)
+    lengths = np.array([len(terms) for terms in corpus], dtype=np.float64)
+    length_norm = BM25_K1 * ((1 - BM25_B) + BM25_B * lengths / lengths.mean())
+    scores = np.zeros(num_documents)
+    for term in query_terms:  # a repeated query term counts each time, as in bm25s
+        frequencies = np.array([counts.get(term, 0) for counts in term_counts], dtype=np.float64)
+        document_frequency = int(np.count_nonzero(frequencies))
+        idf = math.log(1 + (num_documents - document_frequency + 0.5) / (document_frequency + 0.5))
+        scores += idf * frequencies / (length_norm + frequencies)
+    return scores
 
 
 def live_sentences(passage: Passage) -> list[str]:

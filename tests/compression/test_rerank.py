@@ -171,3 +171,26 @@ def test_second_stage_ranks_candidates_above_the_rest(embedder):
     assert refined[others].tolist() == pytest.approx(first[others].tolist())
     # The rest keep their first-stage order.
     assert np.argsort(-refined[others]).tolist() == np.argsort(-first[others]).tolist()
+
+
+def test_bm25_scores_equal_bm25s_own_scoring():
+    import bm25s
+
+    from compression.rerank import bm25_scores
+
+    documents = [
+        "Paris is the capital and most populous city of France.",
+        "The Eiffel Tower in Paris was completed in 1889; Paris hosted the fair.",
+        "",
+        "Photosynthesis converts light energy into chemical energy in plants.",
+        "France borders Spain, and Paris is far from the border.",
+    ]
+    query = "What is the capital of France, Paris or Paris?"  # a repeated term counts twice
+    corpus = [terms or ["\u2205"] for terms in bm25s.tokenize(documents, stopwords="en", return_ids=False, show_progress=False)]
+    retriever = bm25s.BM25()
+    retriever.index(corpus, show_progress=False)
+    query_terms = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]
+    expected = retriever.get_scores([term for term in query_terms if term in retriever.vocab_dict])
+    np.testing.assert_allclose(bm25_scores(query, documents), expected, rtol=1e-5, atol=1e-6)
+    assert not bm25_scores("nothing matches zzz", documents).any()
+    assert bm25_scores(query, []).shape == (0,)
