@@ -108,15 +108,20 @@ def mentions(text: str, phrase: str) -> bool:
     # Every pair of passages is tested (a bridge search): the cached forms make it a substring
     # check in the common case that the phrase is not there at all.
     normalised = normalise(text)
-    stem, pattern = _mention_pattern(phrase)
-    return stem in normalised and pattern.search(normalised) is not None
+    return _mention_stem(phrase) in normalised and _mention_pattern(phrase).search(normalised) is not None
+
+
+def _mention_stem(phrase: str) -> str:
+    """The literal part every match of the phrase contains."""
+    return phrase[:-1] if phrase.endswith("y") and len(phrase) > 3 else phrase
 
 
 @lru_cache(maxsize=4096)
-def _mention_pattern(phrase: str) -> tuple[str, re.Pattern[str]]:
+def _mention_pattern(phrase: str) -> re.Pattern[str]:
+    stem = re.escape(_mention_stem(phrase))
     if phrase.endswith("y") and len(phrase) > 3:
-        return phrase[:-1], re.compile(rf"(?<!\w){re.escape(phrase[:-1])}(?:y|ies)(?!\w)")
-    return phrase, re.compile(rf"(?<!\w){re.escape(phrase)}(?:e?s)?(?!\w)")
+        return re.compile(rf"(?<!\w){stem}(?:y|ies)(?!\w)")
+    return re.compile(rf"(?<!\w){stem}(?:e?s)?(?!\w)")
 
 
 @dataclass
