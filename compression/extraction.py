@@ -215,6 +215,12 @@ def follow_second_hop(
     first-hop sentence that named the entity."""
     top_score = max(unit.score for unit in units)
     position_of = {(unit.passage_index, unit.sentence_index): i for i, unit in enumerate(units)}
+    # Every bridge's sentences and hop query in one model call (the loop finds them cached): in
+    # the gateway each call waits its turn on the engine thread.
+    embed(list(dict.fromkeys(
+        [unit.text for unit in units if unit.passage_index in hop.bridges]
+        + [f"{question} {entity}" for entity in hop.bridges.values()]
+    )))
     for chain_id, (bridge_index, entity) in enumerate(hop.bridges.items()):
         members = [i for i, unit in enumerate(units) if unit.passage_index == bridge_index]
         if not members:
