@@ -1,7 +1,7 @@
 """Passage rerankers behind one interface, chosen by `policy.rerank.method`.
 
 - embedding: cosine between the question and passage embeddings.
-- bm25: lexical BM25 (bm25s) over this request's passages.
+- bm25: lexical BM25 (bm25s's scoring, computed directly) over this request's passages.
 - embedding-bm25 (default): both, min-max normalized and fused with `bm25_weight`.
 - cross-encoder: a sentence-transformers CrossEncoder loaded from a local path.
 - llm: the backend model scores log p(question | passage) (see `compression.llm_score`).
