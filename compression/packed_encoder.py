@@ -27,6 +27,13 @@ import numpy as np
 # with float32 activations (float32 and int8 models) 64 was as fast as 128 or faster.
 CHUNK_TOKENS = {"bfloat16": 128, "float32": 64}
 
+# oneDNN builds (JIT-compiles) a GEMM primitive for each input shape and caches it: a bf16 projection
+# on a row count it has not seen cost ~15x a cached one here. Every call packs a different number of
+# tokens, so on the oneDNN bf16 path the packed matrix is padded to a multiple of this many rows: a
+# few dozen shapes in all, each built once per process. (float32 and int8 keep exact row counts; int8
+# would also see the padding in its per-call activation scale.)
+ROW_MULTIPLE = 64
+
 
 @dataclass
 class PackedBatch:
@@ -61,7 +68,9 @@ def supports(model: Any) -> bool:
 class PackedEncoder:
     """`encode(texts) -> (len(texts), hidden) float32` mean-pooled, not normalized."""
 
-    def __init__(self, model: Any, max_seq_length: int, chunk_tokens: int | None = None):
+    def __init__(
+        self, model: Any, max_seq_length: int, chunk_tokens: int | None = None, row_multiple: int | None = None
+    ):
         self.tokenizer = model.tokenizer
         self.bert = getattr(model[0], "auto_model", None) or model[0].model
         self.max_seq_length = max_seq_length
@@ -75,6 +84,8 @@ class PackedEncoder:
 
         bf16 = self.bert.embeddings.word_embeddings.weight.dtype == torch.bfloat16
         self.chunk_tokens = chunk_tokens or CHUNK_TOKENS["bfloat16" if bf16 else "float32"]
+        on_onednn = any(projection.packed for layer in self.layers for projection in layer.all())
+        self.row_multiple = row_multiple or (ROW_MULTIPLE if on_onednn else 1)
 
     def pack(self, texts: list[str]) -> PackedBatch:
         import torch
@@ -93,20 +104,28 @@ class PackedEncoder:
         if not texts:
             return np.zeros((0, self.hidden), dtype=np.float32)
         batch = self.pack(texts)
+        num_tokens = len(batch.input_ids)
+        # Padding rows (token 0 at position 0) run through every row-wise op and are never
+        # attended to or pooled: they only give the GEMMs a recurring shape.
+        num_rows = -(-num_tokens // self.row_multiple) * self.row_multiple
         with torch.inference_mode():
-            hidden = self._embed(batch)
-            chunks = AttentionChunks(batch.lengths, self.chunk_tokens)
+            hidden = self._embed(batch, num_rows)
+            chunks = AttentionChunks(batch.lengths, self.chunk_tokens, num_rows)
             for layer, projections in zip(self.bert.encoder.layer, self.layers, strict=True):
                 hidden = self._layer(layer, projections, hidden, chunks)
-            return mean_pool(hidden, batch.lengths).float().numpy()
+            return mean_pool(hidden[:num_tokens], batch.lengths).float().numpy()
 
-    def _embed(self, batch: PackedBatch) -> Any:
+    def _embed(self, batch: PackedBatch, num_rows: int) -> Any:
         import torch
+        import torch.nn.functional as functional
 
+        padding = num_rows - len(batch.input_ids)
+        input_ids = functional.pad(batch.input_ids, (0, padding))
+        position_ids = functional.pad(batch.position_ids, (0, padding))
         embeddings = self.bert.embeddings
-        hidden = embeddings.word_embeddings(batch.input_ids)
-        hidden = hidden + embeddings.position_embeddings(batch.position_ids)
-        hidden = hidden + embeddings.token_type_embeddings(torch.zeros_like(batch.input_ids))
+        hidden = embeddings.word_embeddings(input_ids)
+        hidden = hidden + embeddings.position_embeddings(position_ids)
+        hidden = hidden + embeddings.token_type_embeddings(torch.zeros_like(input_ids))
         return embeddings.LayerNorm(hidden)
 
     def _layer(self, layer: Any, projections: LayerProjections, hidden: Any, chunks: AttentionChunks) -> Any:
@@ -140,6 +159,10 @@ class Projection:
         self.module = module
         self.gelu_approximate = gelu_approximate
         self._packed_weight = _mkldnn_bf16_weight(module)
+
+    @property
+    def packed(self) -> bool:
+        return self._packed_weight is not None
 
     def __call__(self, hidden: Any) -> Any:
         import torch
@@ -204,6 +227,9 @@ class LayerProjections:
     intermediate: Projection  # with the GELU
     output: Projection
 
+    def all(self) -> list[Projection]:
+        return [*self.qkv.parts, self.attention_out, self.intermediate, self.output]
+
     @classmethod
     def of(cls, layer: Any, gelu_approximate: str) -> LayerProjections:
         return cls(
@@ -221,7 +247,9 @@ class AttentionChunks:
     over small per-length buckets (the CPU attention kernel's fixed cost per call dominates at
     sentence lengths), and chunk padding stays small because short sentences fill the gaps."""
 
-    def __init__(self, lengths: list[int], chunk_tokens: int):
+    def __init__(self, lengths: list[int], chunk_tokens: int, num_rows: int | None = None):
+        """`num_rows`: rows of the packed matrix, the sentences' tokens first; rows past them are
+        padding, sent to slot 0 on the way back (their values are never read)."""
         import torch
 
         self.width = max(chunk_tokens, max(lengths))
@@ -237,10 +265,11 @@ class AttentionChunks:
             free[chunk] -= lengths[index]
         self.num_chunks = len(free)
         total_tokens = int(sum(lengths))
+        num_rows = max(num_rows or total_tokens, total_tokens)
         slots = self.num_chunks * self.width
-        source = torch.full((slots,), total_tokens, dtype=torch.long)  # padding -> the zero row
+        source = torch.full((slots,), num_rows, dtype=torch.long)  # padding slots -> the zero row
         segment = torch.full((slots,), -1, dtype=torch.long)
-        order = torch.empty(total_tokens, dtype=torch.long)
+        order = torch.zeros(num_rows, dtype=torch.long)
         for index, (chunk, first_slot) in enumerate(placed):
             slot = chunk * self.width + first_slot
             rows = torch.arange(starts[index], starts[index] + lengths[index])

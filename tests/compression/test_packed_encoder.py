@@ -121,6 +121,28 @@ def test_plain_linear_projections_are_fused_and_quantized_ones_are_not(float32_e
     assert len(quantized.qkv.parts) == 3
 
 
+def test_padding_rows_change_no_vector(float32_embedder):
+    exact = PackedEncoder(float32_embedder.model, 128, row_multiple=1)
+    padded = PackedEncoder(float32_embedder.model, 128, row_multiple=64)
+    assert len(exact.pack(SENTENCES).input_ids) % 64 != 0, "the sentences must need padding rows"
+    assert float32_embedder._packed.row_multiple == 1, "float32 keeps exact row counts"
+    np.testing.assert_allclose(padded.encode(SENTENCES), exact.encode(SENTENCES), rtol=1e-5, atol=1e-6)
+
+
+def test_the_onednn_bf16_path_pads_to_recurring_row_counts():
+    from compression.embeddings import precision_for_this_cpu
+    from compression.packed_encoder import ROW_MULTIPLE
+
+    if precision_for_this_cpu() != "bfloat16":
+        pytest.skip("bfloat16 embedding needs a native bf16 GEMM (AVX-512 BF16 or AMX)")
+    embedder = Embedder(precision="bfloat16")
+    encoder = embedder._packed
+    assert encoder.row_multiple == ROW_MULTIPLE
+    exact = PackedEncoder(embedder.model, 128, row_multiple=1)
+    cosines = (unit(encoder.encode(SENTENCES)) * unit(exact.encode(SENTENCES))).sum(axis=1)
+    assert cosines.min() > 0.9999
+
+
 def test_mean_pool_averages_each_segment():
     import torch
 
