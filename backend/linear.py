@@ -110,7 +110,7 @@ def configure_matmuls(
     gemv_max_rows = GEMV_MAX_ROWS[path.kernel_isa] if on_cpu_bf16 and kernels_loaded else 0
     prefill = "plain"
     if on_cpu_bf16:
-        prefill = "onednn_bf16" if path.onednn_bf16 and _onednn_packing_available() else "fp32_weights"
+        prefill = "onednn_bf16" if path.onednn_bf16 and onednn_packing_available() else "fp32_weights"
     fp32_copy_bytes = 0
     seen: set[int] = set()
     for linear in linears:
@@ -130,5 +130,6 @@ def configure_matmuls(
     return MatmulPlan(gemv_max_rows, prefill, fp32_copy_bytes, int4_layers)
 
 
-def _onednn_packing_available() -> bool:
+def onednn_packing_available() -> bool:
+    """torch can pack a bf16 weight for oneDNN once (`_reorder_linear_weight`) and reuse it."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

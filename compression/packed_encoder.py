@@ -68,9 +68,7 @@ def supports(model: Any) -> bool:
 class PackedEncoder:
     """`encode(texts) -> (len(texts), hidden) float32` mean-pooled, not normalized."""
 
-    def __init__(
-        self, model: Any, max_seq_length: int, chunk_tokens: int | None = None, row_multiple: int | None = None
-    ):
+    def __init__(self, model: Any, max_seq_length: int, row_multiple: int | None = None):
         self.tokenizer = model.tokenizer
         self.bert = getattr(model[0], "auto_model", None) or model[0].model
         self.max_seq_length = max_seq_length
@@ -83,7 +81,7 @@ class PackedEncoder:
         import torch
 
         bf16 = self.bert.embeddings.word_embeddings.weight.dtype == torch.bfloat16
-        self.chunk_tokens = chunk_tokens or CHUNK_TOKENS["bfloat16" if bf16 else "float32"]
+        self.chunk_tokens = CHUNK_TOKENS["bfloat16" if bf16 else "float32"]
         on_onednn = any(projection.packed for layer in self.layers for projection in layer.all())
         self.row_multiple = row_multiple or (ROW_MULTIPLE if on_onednn else 1)
 
@@ -181,12 +179,16 @@ class Projection:
 
 
 def _mkldnn_bf16_weight(module: Any) -> Any:
+    """The same decision as the engine's prefill matmuls (`backend.linear.configure_matmuls`)."""
     import torch
+
+    from backend.cpu_features import cpu_path
+    from backend.linear import onednn_packing_available
 
     weight = getattr(module, "weight", None)
     if type(module) is not torch.nn.Linear or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
-    if not (hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if not (cpu_path().onednn_bf16 and onednn_packing_available()):
         return None
     with torch.inference_mode():
         # The batch size is only a layout hint; 512 rows is a typical call.

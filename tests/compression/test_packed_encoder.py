@@ -6,8 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from backend.cpu_features import cpu_path
 from compression.embeddings import Embedder
 from compression.packed_encoder import AttentionChunks, PackedEncoder, mean_pool, supports
+
+NATIVE_BF16 = cpu_path().kernel_isa == "avx512_bf16"
+INT8_KERNELS = cpu_path().kernel_isa != "portable"
 
 SENTENCES = [
     "Paris is the capital and most populous city of France.",
@@ -93,10 +97,10 @@ def test_the_chunk_mask_keeps_attention_inside_each_sentence():
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
 def test_every_precision_matches_the_padded_forward(precision):
-    from compression.embeddings import precision_for_this_cpu
-
-    if precision == "bfloat16" and precision_for_this_cpu() != "bfloat16":
-        pytest.skip("bfloat16 embedding needs a native bf16 GEMM (AVX-512 BF16 or AMX)")
+    if precision == "bfloat16" and not NATIVE_BF16:
+        pytest.skip("this CPU has no native bf16 GEMM (avx512_bf16 / amx_bf16)")
+    if precision == "int8" and not INT8_KERNELS:
+        pytest.skip("fbgemm's int8 kernels need avx2")
     reference = Embedder(precision="float32").model.encode(SENTENCES, normalize_embeddings=True)
     embedder = Embedder(precision=precision)
     packed = (unit(embedder._packed.encode(SENTENCES)) * reference).sum(axis=1)
@@ -117,8 +121,9 @@ def test_plain_linear_projections_are_fused_and_quantized_ones_are_not(float32_e
     with torch.inference_mode():
         separate = torch.cat([attention.query(hidden), attention.key(hidden), attention.value(hidden)], 1)
         assert torch.allclose(layer.qkv(hidden), separate, atol=1e-5)
-    quantized = PackedEncoder(Embedder(precision="int8").model, 128).layers[0]
-    assert len(quantized.qkv.parts) == 3
+    if INT8_KERNELS:  # fbgemm's int8 kernels need avx2
+        quantized = PackedEncoder(Embedder(precision="int8").model, 128).layers[0]
+        assert len(quantized.qkv.parts) == 3
 
 
 def test_padding_rows_change_no_vector(float32_embedder):
@@ -130,11 +135,10 @@ def test_padding_rows_change_no_vector(float32_embedder):
 
 
 def test_the_onednn_bf16_path_pads_to_recurring_row_counts():
-    from compression.embeddings import precision_for_this_cpu
     from compression.packed_encoder import ROW_MULTIPLE
 
-    if precision_for_this_cpu() != "bfloat16":
-        pytest.skip("bfloat16 embedding needs a native bf16 GEMM (AVX-512 BF16 or AMX)")
+    if not NATIVE_BF16:
+        pytest.skip("this CPU has no native bf16 GEMM (avx512_bf16 / amx_bf16)")
     embedder = Embedder(precision="bfloat16")
     encoder = embedder._packed
     assert encoder.row_multiple == ROW_MULTIPLE
