@@ -67,6 +67,7 @@ def serve(model_path: str, precision: str, threads: int) -> None:
         from compression.embeddings import Embedder
 
         embedder = Embedder(model_path, precision=precision)
+        embedder.warm_up()
     except BaseException as exc:  # the parent must hear why the child cannot start
         write_frame(replies, ERROR, f"{type(exc).__name__}: {exc}".encode())
         return

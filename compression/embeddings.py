@@ -7,6 +7,7 @@ passage seen before costs nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -233,32 +234,71 @@ class Embedder:
                 self._runner = None
 
     def _encode_now(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
-        runner = self._runner
-        if runner is not None:
-            from backend.api import EngineError
-
-            try:
-                # The forward pass never raises EngineError itself: this one says the engine is gone.
-                return runner(lambda: self._encode_here(texts, batch_size, show_progress_bar)).result()
-            except EngineError as exc:
-                logger.warning("embedding off the engine thread from now on: %s", exc)
-                self.release_runner(runner)
+        if self._runner is not None:
+            # Packed here, on the caller's thread: the word-piece tokenizer releases the GIL, so the
+            # engine keeps stepping meanwhile and its thread runs only the forward pass.
+            vectors = self._on_runner(self._forward(texts, batch_size, show_progress_bar))
+            if vectors is not None:
+                return vectors
         process = self._process
         if process is not None:
             return process.encode(texts)
         return self._encode_here(texts, batch_size, show_progress_bar)
 
+    def _on_runner(self, forward: Callable[[], np.ndarray]) -> np.ndarray | None:
+        """`forward()` through the attached runner; None when there is none, or its engine is gone
+        (then the model stays in process from now on)."""
+        runner = self._runner
+        if runner is None:
+            return None
+        from backend.api import EngineError
+
+        try:
+            # The forward pass never raises EngineError itself: this one says the engine is gone.
+            return runner(forward).result()
+        except EngineError as exc:
+            logger.warning("embedding off the engine thread from now on: %s", exc)
+            self.release_runner(runner)
+            return None
+
     def _encode_here(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
-        if self._packed is not None:
-            vectors = self._packed.encode(texts)
-        else:
+        return self._forward(texts, batch_size, show_progress_bar)()
+
+    def _forward(self, texts: list[str], batch_size: int, show_progress_bar: bool) -> Callable[[], np.ndarray]:
+        """The model call for `texts`: tokenized now (packed encoder), run when called."""
+        packed = self._packed
+        if not texts:
+            return lambda: np.zeros((0, self.dimension), dtype=np.float32)
+        if packed is not None:
+            batch = packed.pack(texts)
+            return lambda: _normalized(packed.encode_packed(batch))
+
+        def padded() -> np.ndarray:
             encoded = self._model.encode(
                 texts, batch_size=batch_size, convert_to_tensor=True, show_progress_bar=show_progress_bar
             )
-            vectors = encoded.float().numpy()
-        # Normalized in float32: a bf16 model's own normalization leaves norms ~0.3% off 1.
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-        return (vectors / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
+            return _normalized(encoded.float().numpy())
+
+        return padded
+
+    def warm_up(self) -> int:
+        """Run the model once on each row count the packed encoder pads calls to, by the path real
+        calls take (the engine's thread when attached), so that the first requests do not pay
+        oneDNN's per-shape builds (packed_encoder.WARM_UP_ROWS). Returns the number of calls. With
+        a child process the child warms its own model as it starts, and this one is left alone."""
+        packed = self._packed
+        batches = packed.warm_up_batches() if packed is not None and self._process is None else []
+        for batch in batches:
+            forward = functools.partial(packed.encode_packed, batch)
+            if self._on_runner(forward) is None:
+                forward()
+        return len(batches)
+
+
+def _normalized(vectors: np.ndarray) -> np.ndarray:
+    # In float32: a bf16 model's own normalization leaves norms ~0.3% off 1.
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return (vectors / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
 
 
 _shared: dict[tuple[str, int], Embedder] = {}

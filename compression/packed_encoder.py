@@ -34,6 +34,11 @@ CHUNK_TOKENS = {"bfloat16": 128, "float32": 64}
 # would also see the padding in its per-call activation scale.)
 ROW_MULTIPLE = 64
 
+# `PackedEncoder.warm_up_batches` covers every padded row count up to this many: an NQ first sight
+# embeds ~520-720 word pieces in one call, and a document budget of ~1,000 tokens stays under it.
+# Longer calls still work; their shapes are built on first sight as before.
+WARM_UP_ROWS = 1024
+
 
 @dataclass
 class PackedBatch:
@@ -97,11 +102,16 @@ class PackedEncoder:
         return PackedBatch(torch.tensor(flat, dtype=torch.long), torch.tensor(positions, dtype=torch.long), lengths)
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        import torch
-
         if not texts:
             return np.zeros((0, self.hidden), dtype=np.float32)
-        batch = self.pack(texts)
+        return self.encode_packed(self.pack(texts))
+
+    def encode_packed(self, batch: PackedBatch) -> np.ndarray:
+        """The forward pass alone: `pack` (the tokenizer) can run on another thread first."""
+        import torch
+
+        if not batch.lengths:
+            return np.zeros((0, self.hidden), dtype=np.float32)
         num_tokens = len(batch.input_ids)
         # Padding rows (token 0 at position 0) run through every row-wise op and are never
         # attended to or pooled: they only give the GEMMs a recurring shape.
@@ -112,6 +122,28 @@ class PackedEncoder:
             for layer, projections in zip(self.bert.encoder.layer, self.layers, strict=True):
                 hidden = self._layer(layer, projections, hidden, chunks)
             return mean_pool(hidden[:num_tokens], batch.lengths).float().numpy()
+
+    def warm_up_batches(self, max_rows: int | None = None) -> list[PackedBatch]:
+        """One synthetic batch per padded row count up to `max_rows` (WARM_UP_ROWS), for `encode_packed` at startup,
+        so that oneDNN's per-shape GEMM builds are paid then and not by the first requests; none
+        when row counts are not padded (float32 and int8 do not build per shape)."""
+        import torch
+
+        if self.row_multiple <= 1:
+            return []
+        max_rows = max_rows or WARM_UP_ROWS
+        # Sentences no longer than a chunk, so every batch is a layout real calls also produce.
+        sentence_tokens = min(self.chunk_tokens, self.row_multiple)
+        token_id = int(self.tokenizer.cls_token_id or 0)
+        batches = []
+        for num_rows in range(self.row_multiple, max_rows + 1, self.row_multiple):
+            num_sentences = num_rows // sentence_tokens
+            batches.append(PackedBatch(
+                torch.full((num_sentences * sentence_tokens,), token_id, dtype=torch.long),
+                torch.arange(sentence_tokens, dtype=torch.long).repeat(num_sentences),
+                [sentence_tokens] * num_sentences,
+            ))
+        return batches
 
     def _embed(self, batch: PackedBatch, num_rows: int) -> Any:
         import torch

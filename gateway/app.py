@@ -214,8 +214,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 async def _load_embedder(gateway: Gateway) -> None:
-    """Load the embedding model (and start its process) in the background at startup, so the first
-    compressing request does not pay for it; a request that comes sooner waits for the same load."""
+    """Load the embedding model (and start its process) in the background at startup, and run it once
+    on each shape it will meet (`Embedder.warm_up`), so the first compressing requests pay for
+    neither; a request that comes sooner waits for the same load, not for the warm-up."""
     services = getattr(gateway.pipeline, "services", None)
     if services is None:
         return
@@ -223,7 +224,9 @@ async def _load_embedder(gateway: Gateway) -> None:
         from backend import openmp
 
         openmp.limit_calling_thread(1)  # no OpenMP team beside the engine's (backend/openmp.py)
-        services.embedder  # noqa: B018 - the property loads the model
+        started = time.perf_counter()
+        calls = services.embedder.warm_up()  # the property loads the model
+        logger.info("embedding model loaded and warmed up (%d calls) in %.1f s", calls, time.perf_counter() - started)
 
     # A daemon thread, not asyncio.to_thread: shutdown must not wait for a load still in progress
     # (the default executor's threads are joined at exit; on a busy 2-core machine loading the model

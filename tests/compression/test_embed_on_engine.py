@@ -71,3 +71,36 @@ def test_pipelines_route_the_model_through_their_runner_and_release_it_on_close(
             embeddings._shared.pop(key, None)
         else:
             embeddings._shared[key] = previous
+
+
+def test_only_the_forward_pass_runs_on_the_engine_thread(engine, own_embedder):
+    import threading
+
+    packed = own_embedder._packed
+    pack, forward = packed.pack, packed.encode_packed
+    threads: dict[str, str] = {}
+
+    def recorded(name, call):
+        def run(argument):
+            threads[name] = threading.current_thread().name
+            return call(argument)
+
+        return run
+
+    packed.pack, packed.encode_packed = recorded("pack", pack), recorded("forward", forward)
+    own_embedder.use_runner(engine.run_between_steps)
+    assert own_embedder._encode_now(TEXTS).shape == (3, own_embedder.dimension)
+    assert threads["pack"] == threading.current_thread().name, "the tokenizer runs on the caller's thread"
+    assert threads["forward"] != threads["pack"] and engine.jobs_run == 1
+
+
+def test_warm_up_runs_each_padded_shape_as_an_engine_job(engine, own_embedder, monkeypatch):
+    import compression.packed_encoder as packed_encoder
+
+    monkeypatch.setattr(packed_encoder, "WARM_UP_ROWS", 192)
+    own_embedder._packed.row_multiple = 64  # as on the oneDNN bf16 path, whatever this CPU has
+    own_embedder.use_runner(engine.run_between_steps)
+    assert own_embedder.warm_up() == 3 and engine.jobs_run == 3
+    engine.shutdown()
+    assert own_embedder.warm_up() == 3, "an engine that is gone leaves the warm-up in process"
+    assert own_embedder._runner is None

@@ -154,3 +154,15 @@ def test_mean_pool_averages_each_segment():
     pooled = mean_pool(hidden, [1, 2, 3])
     expected = torch.tensor([[0.0, 1.0], [3.0, 4.0], [8.0, 9.0]])
     assert torch.allclose(pooled, expected)
+
+
+def test_warm_up_batches_cover_each_padded_row_count(float32_embedder):
+    padded = PackedEncoder(float32_embedder.model, 128, row_multiple=64)
+    batches = padded.warm_up_batches(max_rows=256)
+    assert [len(batch.input_ids) for batch in batches] == [64, 128, 192, 256]
+    for batch in batches:
+        assert max(batch.lengths) <= padded.chunk_tokens and sum(batch.lengths) == len(batch.position_ids)
+        vectors = padded.encode_packed(batch)
+        assert vectors.shape == (len(batch.lengths), padded.hidden) and np.isfinite(vectors).all()
+    exact = PackedEncoder(float32_embedder.model, 128, row_multiple=1)
+    assert exact.warm_up_batches() == [], "exact row counts build no per-shape GEMMs to warm up"
