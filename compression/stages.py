@@ -93,8 +93,14 @@ def history_tokens(counter: CachedCounter, state: PipelineState) -> int:
 
 
 def passages_tokens(counter: CachedCounter, passages: list[Passage]) -> int:
-    bodies = [passage.body() for passage in passages]
-    return sum(counter.count_many([body for body in bodies if body.strip()]))
+    """The passages' bodies in tokens, as the stages price them: a split passage is the sum of its
+    sentences (each text counted once and cached), so a body that dedup or extraction changed is
+    not tokenized again. Within a token or two of counting the joined body; the stages' savings are
+    estimates anyway, and the fit's exact count of the prompt reconciles them."""
+    texts: list[str] = []
+    for passage in passages:
+        texts.extend([passage.body()] if passage.sentences is None else passage.body_sentences())
+    return sum(counter.count_many([text for text in texts if text.strip()]))
 
 
 def documents_budget(state: PipelineState, ctx: StageContext) -> int:
@@ -368,6 +374,8 @@ class DedupStage(Stage):
         report = StageReport(self.name)
         if not state.passages:
             return report
+        if policy.sentence_level:
+            ensure_sentences(ctx, state.passages)  # split first: priced by sentence, each counted once
         before = passages_tokens(ctx.counter, state.passages)
         near = policy.near_duplicate_cosine
         embedder = ctx.services.embedder if near is not None else None
@@ -502,7 +510,9 @@ class ExtractionStage(Stage):
         budget = documents_budget(state, ctx)
         report.details["budget"] = budget
         before = passages_tokens(ctx.counter, state.passages)
-        if ctx.counter.count(render_context(state.passages, policy.keep_titles)) <= budget:
+        # The rendered block is every body plus its headers: when the bodies alone are over the
+        # budget it cannot fit, and counting it (a first sight's whole context) would only say so.
+        if before <= budget and ctx.counter.count(render_context(state.passages, policy.keep_titles)) <= budget:
             return report
         if policy.enabled and policy.unit == "sentence":
             ensure_candidates(ctx, state)

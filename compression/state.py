@@ -48,15 +48,16 @@ class Passage:
         return self.document.title
 
     def body(self) -> str:
-        if self.sentences is None:
+        if self.sentences is None or (self.kept_sentences is None and not self.removed_sentences):
             return self.document.text
-        if self.kept_sentences is None:
-            if not self.removed_sentences:
-                return self.document.text
-            indices = [i for i in range(len(self.sentences)) if i not in self.removed_sentences]
-        else:
-            indices = sorted(self.kept_sentences)
-        return " ".join(self.sentences[i] for i in indices)
+        return " ".join(self.body_sentences())
+
+    def body_sentences(self) -> list[str]:
+        """The sentences the body holds, in order (every one until a stage removes some)."""
+        assert self.sentences is not None, "split the passage first"
+        if self.kept_sentences is not None:
+            return [self.sentences[i] for i in sorted(self.kept_sentences)]
+        return [sentence for i, sentence in enumerate(self.sentences) if i not in self.removed_sentences]
 
     def is_empty(self) -> bool:
         return not self.body().strip()
