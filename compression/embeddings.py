@@ -121,8 +121,9 @@ class Embedder:
         self._max_local = max_local_entries
         self._lock = threading.Lock()
         # Vectors of different precisions differ, so they never share cache entries.
-        # int8's per-call activation scales depend on the batch, and packed batches hold no padding:
-        # packed int8 vectors are as close to float32's as padded ones, but not equal to them.
+        # int8's per-call activation scales depend on every row of the call, and packed calls hold
+        # other rows than padded ones: packed int8 vectors are as close to float32's as padded
+        # ones, but not equal to them.
         suffix = {"int8": ":int8", "bfloat16": ":bf16", "float32": ""}[self.precision]
         if self.precision == "int8" and self._packed is not None:
             suffix = ":int8p"
@@ -282,9 +283,9 @@ class Embedder:
         return padded
 
     def warm_up(self) -> int:
-        """Run the model once on each row count the packed encoder pads calls to, by the path real
-        calls take (the engine's thread when attached), so that the first requests do not pay
-        oneDNN's per-shape builds (packed_encoder.WARM_UP_ROWS). Returns the number of calls. With
+        """Run the model once on each chunk count the packed encoder will meet, by the path real calls
+        take (the engine's thread when attached), so that the first requests do not pay oneDNN's
+        per-shape builds (packed_encoder.WARM_UP_ROWS). Returns the number of calls. With
         a child process the child warms its own model as it starts, and this one is left alone."""
         packed = self._packed
         batches = packed.warm_up_batches() if packed is not None and self._process is None else []

@@ -3,10 +3,10 @@
 sentence-transformers pads every batch to its longest sentence. Retrieved passages split into
 sentences of 5 to 70 word pieces, so about half of a padded batch is padding, and on a CPU every
 padded token costs as much as a real one in the matrix multiplies that are nearly all of the cold
-compression time. Here the sentences of a call are packed into one (total_tokens, hidden) matrix:
-the Linear, GELU and LayerNorm work sees only real tokens, and only attention, which needs the
-(sentence, position) shape, is padded: whole sentences share fixed-width chunks, masked so that a
-token attends only within its sentence.
+compression time. Here the sentences of a call are packed whole into fixed-width chunks (first fit,
+longest first), and the whole forward pass runs in that layout: a (chunks x width, hidden) matrix
+for the Linear, GELU and LayerNorm work, viewed as (chunks, width) for attention, which is masked
+so that a token attends only within its sentence. Only the chunks' leftover slots are padding.
 
 The model's own embeddings and LayerNorm modules are called; its Linear layers run as projections built
 once from their weights (`LayerProjections`): Q, K and V fused into one, packed for oneDNN in bf16; an int8
@@ -28,15 +28,10 @@ import numpy as np
 CHUNK_TOKENS = {"bfloat16": 128, "float32": 64}
 
 # oneDNN builds (JIT-compiles) a GEMM primitive for each input shape and caches it: a bf16 projection
-# on a row count it has not seen cost ~15x a cached one here. Every call packs a different number of
-# tokens, so on the oneDNN bf16 path the packed matrix is padded to a multiple of this many rows: a
-# few dozen shapes in all, each built once per process. (float32 and int8 keep exact row counts; int8
-# would also see the padding in its per-call activation scale.)
-ROW_MULTIPLE = 64
-
-# `PackedEncoder.warm_up_batches` covers every padded row count up to this many: an NQ first sight
-# embeds ~520-720 word pieces in one call, and a document budget of ~1,000 tokens stays under it.
-# Longer calls still work; their shapes are built on first sight as before.
+# on a row count it has not seen cost ~15x a cached one here. In chunk layout every call's row count
+# is a multiple of the chunk width, so there are a few shapes in all, each built once per process;
+# `PackedEncoder.warm_up_batches` covers those up to this many rows (an NQ first sight embeds ~520-720
+# word pieces in one call). Longer calls still work; their shapes are built on first sight.
 WARM_UP_ROWS = 1024
 
 
@@ -73,7 +68,8 @@ def supports(model: Any) -> bool:
 class PackedEncoder:
     """`encode(texts) -> (len(texts), hidden) float32` mean-pooled, not normalized."""
 
-    def __init__(self, model: Any, max_seq_length: int, row_multiple: int | None = None):
+    def __init__(self, model: Any, max_seq_length: int, chunk_tokens: int | None = None):
+        """`chunk_tokens`: the chunk width (default by activation dtype, CHUNK_TOKENS)."""
         self.tokenizer = model.tokenizer
         self.bert = getattr(model[0], "auto_model", None) or model[0].model
         self.max_seq_length = max_seq_length
@@ -86,9 +82,8 @@ class PackedEncoder:
         import torch
 
         bf16 = self.bert.embeddings.word_embeddings.weight.dtype == torch.bfloat16
-        self.chunk_tokens = CHUNK_TOKENS["bfloat16" if bf16 else "float32"]
-        on_onednn = any(projection.packed for layer in self.layers for projection in layer.all())
-        self.row_multiple = row_multiple or (ROW_MULTIPLE if on_onednn else 1)
+        self.chunk_tokens = chunk_tokens or CHUNK_TOKENS["bfloat16" if bf16 else "float32"]
+        self.builds_per_shape = any(projection.packed for layer in self.layers for projection in layer.all())
 
     def pack(self, texts: list[str]) -> PackedBatch:
         import torch
@@ -112,46 +107,40 @@ class PackedEncoder:
 
         if not batch.lengths:
             return np.zeros((0, self.hidden), dtype=np.float32)
-        num_tokens = len(batch.input_ids)
-        # Padding rows (token 0 at position 0) run through every row-wise op and are never
-        # attended to or pooled: they only give the GEMMs a recurring shape.
-        num_rows = -(-num_tokens // self.row_multiple) * self.row_multiple
+        chunks = AttentionChunks(batch.lengths, self.chunk_tokens)
         with torch.inference_mode():
-            hidden = self._embed(batch, num_rows)
-            chunks = AttentionChunks(batch.lengths, self.chunk_tokens, num_rows)
+            hidden = self._embed(batch, chunks)
             for layer, projections in zip(self.bert.encoder.layer, self.layers, strict=True):
                 hidden = self._layer(layer, projections, hidden, chunks)
-            return mean_pool(hidden[:num_tokens], batch.lengths).float().numpy()
+            return mean_pool(hidden[chunks.token_slots], batch.lengths).float().numpy()
 
     def warm_up_batches(self, max_rows: int | None = None) -> list[PackedBatch]:
-        """One synthetic batch per padded row count up to `max_rows` (WARM_UP_ROWS), for `encode_packed` at startup,
-        so that oneDNN's per-shape GEMM builds are paid then and not by the first requests; none
-        when row counts are not padded (float32 and int8 do not build per shape)."""
+        """One synthetic batch per chunk count up to `max_rows` rows (WARM_UP_ROWS), for
+        `encode_packed` at startup, so that oneDNN's per-shape GEMM builds are paid then and not by
+        the first requests; none off the oneDNN path (its GEMMs are not built per shape)."""
         import torch
 
-        if self.row_multiple <= 1:
+        if not self.builds_per_shape:
             return []
-        max_rows = max_rows or WARM_UP_ROWS
-        # Sentences no longer than a chunk, so every batch is a layout real calls also produce.
-        sentence_tokens = min(self.chunk_tokens, self.row_multiple)
+        width = self.chunk_tokens
         token_id = int(self.tokenizer.cls_token_id or 0)
         batches = []
-        for num_rows in range(self.row_multiple, max_rows + 1, self.row_multiple):
-            num_sentences = num_rows // sentence_tokens
+        for num_chunks in range(1, (max_rows or WARM_UP_ROWS) // width + 1):
+            # One sentence per chunk: a layout real calls also produce.
             batches.append(PackedBatch(
-                torch.full((num_sentences * sentence_tokens,), token_id, dtype=torch.long),
-                torch.arange(sentence_tokens, dtype=torch.long).repeat(num_sentences),
-                [sentence_tokens] * num_sentences,
+                torch.full((num_chunks * width,), token_id, dtype=torch.long),
+                torch.arange(width, dtype=torch.long).repeat(num_chunks),
+                [width] * num_chunks,
             ))
         return batches
 
-    def _embed(self, batch: PackedBatch, num_rows: int) -> Any:
+    def _embed(self, batch: PackedBatch, chunks: AttentionChunks) -> Any:
         import torch
         import torch.nn.functional as functional
 
-        padding = num_rows - len(batch.input_ids)
-        input_ids = functional.pad(batch.input_ids, (0, padding))
-        position_ids = functional.pad(batch.position_ids, (0, padding))
+        # Into chunk layout; a padding slot holds token 0 at position 0 (never attended to or pooled).
+        input_ids = functional.pad(batch.input_ids, (0, 1))[chunks.source_rows]
+        position_ids = functional.pad(batch.position_ids, (0, 1))[chunks.source_rows]
         embeddings = self.bert.embeddings
         hidden = embeddings.word_embeddings(input_ids)
         hidden = hidden + embeddings.position_embeddings(position_ids)
@@ -165,18 +154,12 @@ class PackedEncoder:
         return layer.output.LayerNorm(projections.output(intermediate) + hidden)
 
     def _attention(self, qkv: Any, chunks: AttentionChunks) -> Any:
-        import torch
         import torch.nn.functional as functional
 
-        # One zero row: a chunk's padding slots point at it, so the (chunks x width) block is one
-        # gather, and one more gather puts the outputs back in packed order.
-        qkv = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[1])])
-        block = qkv[chunks.source_rows].view(
-            chunks.num_chunks, chunks.width, 3, self.num_heads, self.head_dim
-        )
+        block = qkv.view(chunks.num_chunks, chunks.width, 3, self.num_heads, self.head_dim)
         query, key, value = (part.transpose(1, 2) for part in block.unbind(2))
         out = functional.scaled_dot_product_attention(query, key, value, attn_mask=chunks.mask(qkv.dtype))
-        return out.transpose(1, 2).reshape(-1, self.hidden)[chunks.packed_order]
+        return out.transpose(1, 2).reshape(-1, self.hidden)
 
 
 class Projection:
@@ -275,15 +258,13 @@ class LayerProjections:
 
 
 class AttentionChunks:
-    """Where each sentence's tokens sit for attention: sentences are packed whole into chunks of
-    `width` slots (first fit, longest first), and one attention call covers every chunk, with a
-    mask that lets a token see only its own sentence. Few wide chunks cost less than many calls
-    over small per-length buckets (the CPU attention kernel's fixed cost per call dominates at
-    sentence lengths), and chunk padding stays small because short sentences fill the gaps."""
+    """The chunk layout: sentences are packed whole into chunks of `width` slots (first fit, longest
+    first). One attention call covers every chunk, with a mask that lets a token see only its own
+    sentence. Few wide chunks cost less than many calls over small per-length buckets (the CPU
+    attention kernel's fixed cost per call dominates at sentence lengths), and little is left
+    padding because short sentences fill the gaps."""
 
-    def __init__(self, lengths: list[int], chunk_tokens: int, num_rows: int | None = None):
-        """`num_rows`: rows of the packed matrix, the sentences' tokens first; rows past them are
-        padding, sent to slot 0 on the way back (their values are never read)."""
+    def __init__(self, lengths: list[int], chunk_tokens: int):
         import torch
 
         self.width = max(chunk_tokens, max(lengths))
@@ -299,25 +280,26 @@ class AttentionChunks:
             free[chunk] -= lengths[index]
         self.num_chunks = len(free)
         total_tokens = int(sum(lengths))
-        num_rows = max(num_rows or total_tokens, total_tokens)
         slots = self.num_chunks * self.width
-        source = torch.full((slots,), num_rows, dtype=torch.long)  # padding slots -> the zero row
+        source = torch.full((slots,), total_tokens, dtype=torch.long)  # padding slots -> one past the tokens
         segment = torch.full((slots,), -1, dtype=torch.long)
-        order = torch.zeros(num_rows, dtype=torch.long)
+        token_slots = torch.zeros(total_tokens, dtype=torch.long)
         for index, (chunk, first_slot) in enumerate(placed):
             slot = chunk * self.width + first_slot
-            rows = torch.arange(starts[index], starts[index] + lengths[index])
-            source[slot:slot + lengths[index]] = rows
-            order[rows] = torch.arange(slot, slot + lengths[index])
+            tokens = torch.arange(starts[index], starts[index] + lengths[index])
+            source[slot:slot + lengths[index]] = tokens
+            token_slots[tokens] = torch.arange(slot, slot + lengths[index])
             segment[slot:slot + lengths[index]] = index
-        self.source_rows = source
-        self.packed_order = order
+        self.source_rows = source  # per slot: its token in packed (input) order, or the padding index
+        self.token_slots = token_slots  # per token in packed order: its slot
         self.segments = segment.view(self.num_chunks, self.width)
         self._masks: dict[Any, Any] = {}
 
     def mask(self, dtype: Any) -> Any:
-        """Additive (chunks, 1, width, width): 0 where query and key are in the same sentence.
-        Padding slots see only padding, so no row is fully masked."""
+        """Additive (chunks, 1, width, width): 0 where query and key are in the same sentence. A
+        padding slot sees its whole chunk (no row is fully masked), as a padded batch's padding
+        sees its sequence: its activations stay in the real tokens' range, which int8's per-call
+        scale spans. Nothing sees a padding slot."""
         import torch
 
         if dtype not in self._masks:

@@ -94,11 +94,11 @@ def test_only_the_forward_pass_runs_on_the_engine_thread(engine, own_embedder):
     assert threads["forward"] != threads["pack"] and engine.jobs_run == 1
 
 
-def test_warm_up_runs_each_padded_shape_as_an_engine_job(engine, own_embedder, monkeypatch):
+def test_warm_up_runs_each_shape_as_an_engine_job(engine, own_embedder, monkeypatch):
     import compression.packed_encoder as packed_encoder
 
-    monkeypatch.setattr(packed_encoder, "WARM_UP_ROWS", 192)
-    own_embedder._packed.row_multiple = 64  # as on the oneDNN bf16 path, whatever this CPU has
+    monkeypatch.setattr(packed_encoder, "WARM_UP_ROWS", 3 * own_embedder._packed.chunk_tokens)
+    own_embedder._packed.builds_per_shape = True  # as on the oneDNN bf16 path, whatever this CPU has
     own_embedder.use_runner(engine.run_between_steps)
     assert own_embedder.warm_up() == 3 and engine.jobs_run == 3
     engine.shutdown()
