@@ -11,6 +11,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from backend.fast_bpe import FastBPE
+
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
@@ -23,17 +25,33 @@ class Tokenizer:
         self.eos_token_id: int = self._hf.eos_token_id
         self.eos_token_ids: set[int] = {self._hf.eos_token_id}
         self.vocab_size: int = len(self._hf)
+        # The same ids, ~7x faster, where tiktoken reproduces this tokenizer (backend/fast_bpe.py).
+        self._fast = FastBPE.load(self.model_dir / "tokenizer.json", self._encode_hf)
 
     @property
     def hf(self) -> Any:
         return self._hf
 
+    @property
+    def fast(self) -> bool:
+        return self._fast is not None
+
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text, without special tokens added."""
+        if self._fast is not None:
+            return self._fast.encode(text)
+        return self._encode_hf(text)
+
+    def _encode_hf(self, text: str) -> list[int]:
         return list(self._hf.encode(text, add_special_tokens=False))
 
     def count(self, text: str) -> int:
         return len(self.encode(text))
+
+    def count_many(self, texts: list[str]) -> list[int]:
+        if self._fast is not None:
+            return [self._fast.count(text) for text in texts]
+        return [len(ids) for ids in self._hf(texts, add_special_tokens=False)["input_ids"]]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
