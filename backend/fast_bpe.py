@@ -53,17 +53,17 @@ class FastBPE:
         try:
             spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
             ranks, special = _ranks_if_supported(spec)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if ranks is None:
+                return None
+            import tiktoken
+
+            encoding = tiktoken.Encoding(
+                f"ctxgate-{Path(tokenizer_json).parent.name}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                special_tokens=special,
+            )
+        except (OSError, ImportError, ValueError, KeyError, TypeError) as exc:
             logger.info("fast BPE off: %s", exc)
             return None
-        if ranks is None:
-            return None
-        import tiktoken
-
-        encoding = tiktoken.Encoding(
-            f"ctxgate-{Path(tokenizer_json).parent.name}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-            special_tokens=special,
-        )
         missing = [byte for byte in range(256) if bytes([byte]) not in ranks]
         return cls(encoding, _unencodable_pattern(missing), fallback)
 

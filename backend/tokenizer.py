@@ -6,12 +6,15 @@ the engine will prefill.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from backend.fast_bpe import FastBPE
+
+logger = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -27,6 +30,8 @@ class Tokenizer:
         self.vocab_size: int = len(self._hf)
         # The same ids, ~7x faster, where tiktoken reproduces this tokenizer (backend/fast_bpe.py).
         self._fast = FastBPE.load(self.model_dir / "tokenizer.json", self._encode_hf)
+        if self._fast is not None:
+            logger.info("tokenizer %s: byte-level BPE through tiktoken (same ids)", self.model_dir.name)
 
     @property
     def hf(self) -> Any:

@@ -61,7 +61,9 @@ def lexical_overlap(question: str, texts: list[str]) -> np.ndarray:
     text_words = [content_words(text) for text in texts]
     total = len(texts)
     weights = {}
-    for word in question_words:
+    # Sorted: a set of strings iterates in a per-process order, and float sums taken in another
+    # order can differ in the last bit, enough to flip a tie (prompts must not depend on the run).
+    for word in sorted(question_words):
         document_frequency = sum(1 for words in text_words if word in words)
         weights[word] = math.log(1 + total / (1 + document_frequency))
     norm = sum(weights.values()) or 1.0
