@@ -72,3 +72,27 @@ async def test_extraction_keeps_the_answer_sentence(make_pipeline):
     extraction = next(stage for stage in result.stages if stage.name == "extraction")
     assert extraction.saved_tokens > 0
     assert re.search(r"^\[1\] Louvre$", result.context_text, re.M)
+
+
+def test_lexical_overlap_does_not_depend_on_set_iteration_order(monkeypatch):
+    """A set of strings iterates in a per-process order (the string-hash seed); float sums taken in
+    another order can differ in the last bit and flip a tie, so the prompt would depend on the run."""
+    import compression.extraction as extraction
+
+    # Words whose weights sum to another last bit in ascending and descending order.
+    question = "painter lake province valley city treaty battle duke king island"
+    texts = [
+        "city treaty river", "king queen forest river battle valley bridge city", "river church mountain king",
+        "north queen river island bridge battle treaty", "bridge castle earl abbey battle wine", "queen mountain",
+    ]
+    content_words = extraction.content_words
+
+    def overlap_iterating(descending: bool) -> list[float]:
+        class Ordered(set):
+            def __iter__(self):
+                return iter(sorted(set.__iter__(self), reverse=descending))
+
+        monkeypatch.setattr(extraction, "content_words", lambda text: Ordered(content_words(text)))
+        return extraction.lexical_overlap(question, texts).tolist()
+
+    assert overlap_iterating(descending=False) == overlap_iterating(descending=True)
