@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,9 +40,9 @@ def byte_to_unicode() -> dict[int, str]:
 
 
 class FastBPE:
-    def __init__(self, encoding: Any, unencodable: re.Pattern[str], fallback: Callable[[str], list[int]]):
+    def __init__(self, encoding: Any, missing_bytes: bytes, fallback: Callable[[str], list[int]]):
         self._encoding = encoding
-        self._unencodable = unencodable
+        self._missing_bytes = missing_bytes
         self._fallback = fallback
 
     @classmethod
@@ -64,11 +63,15 @@ class FastBPE:
         except (OSError, ImportError, ValueError, KeyError, TypeError) as exc:
             logger.info("fast BPE off: %s", exc)
             return None
-        missing = [byte for byte in range(256) if bytes([byte]) not in ranks]
-        return cls(encoding, _unencodable_pattern(missing), fallback)
+        missing = bytes(byte for byte in range(256) if bytes([byte]) not in ranks)
+        return cls(encoding, missing, fallback)
 
     def encode(self, text: str) -> list[int]:
-        if self._unencodable.search(text):
+        try:
+            raw = text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: Hugging Face's answer (it refuses them)
+            return self._fallback(text)
+        if self._missing_bytes and len(raw.translate(None, self._missing_bytes)) != len(raw):
             return self._fallback(text)
         return self._encoding.encode(text, allowed_special="all")
 
@@ -113,26 +116,3 @@ def _ranks_if_supported(spec: dict[str, Any]) -> tuple[dict[bytes, int] | None, 
         previous = token_id
     return ranks, special
 
-
-def _unencodable_pattern(missing_bytes: list[int]) -> re.Pattern[str]:
-    """Characters whose UTF-8 holds a byte the vocabulary lacks."""
-    ascii_chars = "".join(re.escape(chr(byte)) for byte in missing_bytes if byte < 0x80)
-    missing = set(missing_bytes)
-    ranges: list[tuple[int, int]] = []
-    # Lead bytes of multi-byte sequences: every code point they start (continuation bytes 0x80-0xBF
-    # appear in too many characters to list as ranges; any missing one means no fast path at all).
-    if any(0x80 <= byte <= 0xBF for byte in missing):
-        return re.compile(r"[^\x00-\x7f]|[" + (ascii_chars or r"\x00") + "]")
-    for lead in sorted(byte for byte in missing if byte >= 0xC0):
-        # (payload bits of the lead, bits that follow it, smallest code point of that length)
-        if 0xC2 <= lead <= 0xDF:
-            bits, shift, smallest = lead & 0x1F, 6, 0x80
-        elif 0xE0 <= lead <= 0xEF:
-            bits, shift, smallest = lead & 0x0F, 12, 0x800
-        elif 0xF0 <= lead <= 0xF4:
-            bits, shift, smallest = lead & 0x07, 18, 0x10000
-        else:
-            continue  # 0xC0, 0xC1 and 0xF5-0xFF never occur in valid UTF-8
-        ranges.append((max(bits << shift, smallest), min((bits << shift) | ((1 << shift) - 1), 0x10FFFF)))
-    classes = ascii_chars + "".join(f"\\U{low:08x}-\\U{high:08x}" for low, high in ranges)
-    return re.compile(f"[{classes}]") if classes else re.compile(r"(?!)")

@@ -296,10 +296,8 @@ class AttentionChunks:
         self._masks: dict[Any, Any] = {}
 
     def mask(self, dtype: Any) -> Any:
-        """Additive (chunks, 1, width, width): 0 where query and key are in the same sentence. A
-        padding slot sees its whole chunk (no row is fully masked), as a padded batch's padding
-        sees its sequence: its activations stay in the real tokens' range, which int8's per-call
-        scale spans. Nothing sees a padding slot."""
+        """Additive (chunks, 1, width, width): 0 where query and key are in the same sentence.
+        Padding slots see only padding, so no row is fully masked, and no token sees a padding slot."""
         import torch
 
         if dtype not in self._masks:
