@@ -37,6 +37,9 @@ def duplicate_indices(
     dropped: set[int] = set()
     seen_hashes: set[str] = set()
     kept: list[int] = []
+    # The kept units' vectors, in keeping order: the same rows `vectors[kept]` would copy out at
+    # every unit (one matrix-vector product each, so the cosines and the choices are unchanged).
+    kept_vectors = np.empty_like(vectors) if near_cosine is not None and vectors is not None else None
     for index in order:
         normalized = normalize_for_dedup(texts[index])
         if not normalized:
@@ -47,13 +50,15 @@ def duplicate_indices(
                 dropped.add(index)
                 continue
             seen_hashes.add(key)
-        if near_cosine is not None and vectors is not None and kept:
-            similarities = vectors[kept] @ vectors[index]
+        if kept_vectors is not None and kept:
+            similarities = kept_vectors[: len(kept)] @ vectors[index]
             if float(similarities.max()) >= near_cosine and any(
                 numbers_in(texts[kept[k]]) == numbers_in(texts[index])
                 for k in np.flatnonzero(similarities >= near_cosine)
             ):
                 dropped.add(index)
                 continue
+        if kept_vectors is not None:
+            kept_vectors[len(kept)] = vectors[index]
         kept.append(index)
     return dropped

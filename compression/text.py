@@ -45,8 +45,10 @@ def words(text: str) -> list[str]:
     return _WORD_RE.findall(text.lower())
 
 
-def content_words(text: str) -> set[str]:
-    return {word for word in words(text) if word not in STOPWORDS}
+@functools.lru_cache(maxsize=50_000)
+def content_words(text: str) -> frozenset[str]:
+    """Cached: the pre-filter, the extraction and the second hop each read every sentence's words."""
+    return frozenset(word for word in words(text) if word not in STOPWORDS)
 
 
 class SentenceSplitter:
