@@ -302,11 +302,17 @@ def lift_third_hop(
     for position, unit in enumerate(units):
         if unit.passage_index not in hop.bridges and unit.passage_index not in sources:
             naming.setdefault(unit.passage_index, []).append(position)
+    passages_naming = [
+        members for members in naming.values()
+        if any(mentions(units[i].text, entity) for i in members for entity in strong.values())
+    ]
+    # Every such passage's sentences in one model call (the loop finds them cached): in the
+    # gateway each call waits its turn on the engine thread.
+    if passages_naming:
+        embed(list(dict.fromkeys(units[i].text for members in passages_naming for i in members)))
     candidates: list[tuple[float, int]] = []
-    for members in naming.values():
+    for members in passages_naming:
         texts = [units[i].text for i in members]
-        if not any(mentions(text, entity) for text in texts for entity in strong.values()):
-            continue
         scores = match_scores(question, texts, embed(texts), embed)
         best = int(np.argmax(scores))
         candidates.append((float(scores[best]), members[best]))
