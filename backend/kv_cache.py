@@ -36,8 +36,8 @@ class KVCacheSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V data per token over all layers (int8 scales are per block, not counted)."""
-        element = torch.empty((), dtype=self.storage_dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+        # dtype.itemsize, not a tensor's element_size(): the engine's stats read this every step.
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.storage_dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:
