@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import sys
 import threading
 import unicodedata
 from collections import OrderedDict
@@ -34,11 +35,17 @@ def normalize_for_dedup(text: str) -> str:
 
     Cached: dedup normalizes every sentence of every request, and warm requests repeat them."""
     if text.isascii():
-        stripped = text  # nothing to decompose; skips a per-character pass
+        stripped = text  # nothing to decompose
     else:
-        decomposed = unicodedata.normalize("NFKD", text)
-        stripped = "".join(ch for ch in decomposed if not unicodedata.combining(ch))
+        stripped = unicodedata.normalize("NFKD", text).translate(_combining_marks())
     return " ".join(_WORD_RE.findall(stripped.lower()))
+
+
+@functools.cache
+def _combining_marks() -> dict[int, None]:
+    """str.translate's table deleting every combining mark (~900 code points; ~0.15 s to build,
+    once): one C-level pass instead of a Python loop over a first-sight request's characters."""
+    return {code: None for code in range(sys.maxunicode + 1) if unicodedata.combining(chr(code))}
 
 
 def words(text: str) -> list[str]:

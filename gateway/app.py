@@ -222,10 +222,12 @@ async def _load_embedder(gateway: Gateway) -> None:
         return
     def load() -> None:
         from backend import openmp
+        from compression.text import normalize_for_dedup
 
         openmp.limit_calling_thread(1)  # no OpenMP team beside the engine's (backend/openmp.py)
         started = time.perf_counter()
         calls = services.embedder.warm_up()  # the property loads the model
+        normalize_for_dedup("\u00e9")  # builds its combining-marks table (~0.15 s) before a request does
         logger.info("embedding model loaded and warmed up (%d calls) in %.1f s", calls, time.perf_counter() - started)
 
     # A daemon thread, not asyncio.to_thread: shutdown must not wait for a load still in progress
