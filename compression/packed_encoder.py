@@ -34,6 +34,11 @@ CHUNK_TOKENS = {"bfloat16": 128, "float32": 64}
 # word pieces in one call). Longer calls still work; their shapes are built on first sight.
 WARM_UP_ROWS = 1024
 
+# A call whose word pieces all fit in this many slots is one chunk of this width, not of the usual
+# one: half the slots (GEMM rows) for the small calls that a second hop, a question alone or a
+# mostly warm cache make (a 57-word-piece second hop filled a third of a 128-slot chunk).
+SMALL_CALL_TOKENS = 64
+
 
 @dataclass
 class PackedBatch:
@@ -107,12 +112,16 @@ class PackedEncoder:
 
         if not batch.lengths:
             return np.zeros((0, self.hidden), dtype=np.float32)
-        chunks = AttentionChunks(batch.lengths, self.chunk_tokens)
+        chunks = AttentionChunks(batch.lengths, self.chunk_width(batch.lengths))
         with torch.inference_mode():
             hidden = self._embed(batch, chunks)
             for layer, projections in zip(self.bert.encoder.layer, self.layers, strict=True):
                 hidden = self._layer(layer, projections, hidden, chunks)
             return mean_pool(hidden[chunks.token_slots], batch.lengths).float().numpy()
+
+    def chunk_width(self, lengths: list[int]) -> int:
+        """The chunk width of a call: SMALL_CALL_TOKENS when every word piece fits in one such chunk."""
+        return SMALL_CALL_TOKENS if sum(lengths) <= SMALL_CALL_TOKENS < self.chunk_tokens else self.chunk_tokens
 
     def warm_up_batches(self, max_rows: int | None = None) -> list[PackedBatch]:
         """One synthetic batch per chunk count up to `max_rows` rows (WARM_UP_ROWS), for
@@ -124,15 +133,17 @@ class PackedEncoder:
             return []
         width = self.chunk_tokens
         token_id = int(self.tokenizer.cls_token_id or 0)
-        batches = []
-        for num_chunks in range(1, (max_rows or WARM_UP_ROWS) // width + 1):
-            # One sentence per chunk: a layout real calls also produce.
-            batches.append(PackedBatch(
-                torch.full((num_chunks * width,), token_id, dtype=torch.long),
-                torch.arange(width, dtype=torch.long).repeat(num_chunks),
-                [width] * num_chunks,
-            ))
-        return batches
+        # One sentence per chunk: a layout real calls also produce. A small call's single chunk first.
+        layouts = [(1, SMALL_CALL_TOKENS)] if SMALL_CALL_TOKENS < width else []
+        layouts += [(num_chunks, width) for num_chunks in range(1, (max_rows or WARM_UP_ROWS) // width + 1)]
+        return [
+            PackedBatch(
+                torch.full((num_chunks * chunk_width,), token_id, dtype=torch.long),
+                torch.arange(chunk_width, dtype=torch.long).repeat(num_chunks),
+                [chunk_width] * num_chunks,
+            )
+            for num_chunks, chunk_width in layouts
+        ]
 
     def _embed(self, batch: PackedBatch, chunks: AttentionChunks) -> Any:
         import torch

@@ -8,7 +8,7 @@ import pytest
 
 from backend.cpu_features import cpu_path
 from compression.embeddings import Embedder
-from compression.packed_encoder import AttentionChunks, PackedEncoder, mean_pool, supports
+from compression.packed_encoder import SMALL_CALL_TOKENS, AttentionChunks, PackedEncoder, mean_pool, supports
 
 NATIVE_BF16 = cpu_path().kernel_isa == "avx512_bf16"
 INT8_KERNELS = cpu_path().kernel_isa != "portable"
@@ -152,7 +152,22 @@ def test_the_onednn_bf16_path_builds_per_shape_and_warms_up():
         pytest.skip("this CPU has no native bf16 GEMM (avx512_bf16 / amx_bf16)")
     encoder = Embedder(precision="bfloat16")._packed
     assert encoder.builds_per_shape and encoder.chunk_tokens == 128
-    assert [len(batch.input_ids) for batch in encoder.warm_up_batches(max_rows=384)] == [128, 256, 384]
+    assert [len(batch.input_ids) for batch in encoder.warm_up_batches(max_rows=384)] == [64, 128, 256, 384]
+
+
+def test_a_small_call_is_one_narrow_chunk_with_the_same_vectors(float32_embedder):
+    encoder = PackedEncoder(float32_embedder.model, 128, chunk_tokens=128)
+    small = [SENTENCES[0], SENTENCES[1], SENTENCES[4]]
+    small_lengths = encoder.pack(small).lengths
+    assert sum(small_lengths) <= SMALL_CALL_TOKENS and encoder.chunk_width(small_lengths) == SMALL_CALL_TOKENS
+    many = SENTENCES * 3
+    assert encoder.chunk_width(encoder.pack(many).lengths) == 128
+    # A sentence's vector does not depend on its call's layout.
+    alone = encoder.encode(small)
+    among_many = encoder.encode(many)[[0, 1, 4]]
+    np.testing.assert_allclose(alone, among_many, rtol=1e-4, atol=1e-5)
+    encoder.builds_per_shape = True
+    assert len(encoder.warm_up_batches(max_rows=128)[0].input_ids) == SMALL_CALL_TOKENS, "its shape is warmed up"
 
 
 def test_mean_pool_averages_each_segment():
