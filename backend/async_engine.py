@@ -311,8 +311,8 @@ class AsyncEngine:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
+            self.jobs_run += 1  # before: a caller woken by the job's result may read it at once
             _run_job(job)
-            self.jobs_run += 1
 
     def _open(self, request: GenerationRequest) -> RequestStream:
         if self._stopped:
