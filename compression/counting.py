@@ -8,6 +8,7 @@ upstreams, whose prompts are priced with cl100k_base.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, Protocol, runtime_checkable
 
@@ -52,32 +53,39 @@ class TiktokenCounter:
 
 
 class CachedCounter:
-    """Memoizes per-text counts: passages and sentences recur across requests (RAG corpora)."""
+    """Memoizes per-text counts: passages and sentences recur across requests (RAG corpora).
+
+    Shared by the gateway's compression workers: the LRU's bookkeeping is under a lock (a text
+    another worker just evicted must not raise), the counting itself is not."""
 
     def __init__(self, counter: TokenCounter, max_entries: int = 50_000):
         self.counter = counter
         self._counts: OrderedDict[str, int] = OrderedDict()
         self._max_entries = max_entries
+        self._lock = threading.Lock()
 
     def count(self, text: str) -> int:
-        cached = self._counts.get(text)
-        if cached is not None:
-            self._counts.move_to_end(text)
-            return cached
+        with self._lock:
+            cached = self._counts.get(text)
+            if cached is not None:
+                self._counts.move_to_end(text)
+                return cached
         value = self.counter.count(text)
-        self._counts[text] = value
-        if len(self._counts) > self._max_entries:
-            self._counts.popitem(last=False)
+        self._remember({text: value})
         return value
 
     def count_many(self, texts: list[str]) -> list[int]:
-        missing = [text for text in dict.fromkeys(texts) if text not in self._counts]
+        with self._lock:
+            missing = [text for text in dict.fromkeys(texts) if text not in self._counts]
         if missing:
-            for text, value in zip(missing, _batch_count(self.counter, missing), strict=True):
-                self._counts[text] = value
+            self._remember(dict(zip(missing, _batch_count(self.counter, missing), strict=True)))
+        return [self.count(text) for text in texts]
+
+    def _remember(self, counts: dict[str, int]) -> None:
+        with self._lock:
+            self._counts.update(counts)
             while len(self._counts) > self._max_entries:
                 self._counts.popitem(last=False)
-        return [self.count(text) for text in texts]
 
     def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
         """Exact: memoized on the rendered prompt text itself (rendering is cheap, BPE is not)."""

@@ -33,3 +33,43 @@ async def test_pipeline_budget_with_tiktoken_counter(embedder):
     result = await pipeline.run(request, policy)
     assert result.prompt_tokens == counter.count_chat(result.messages) <= 160
     assert "item 5 is 35" in result.context_text
+
+
+def test_the_cached_counter_is_safe_to_share_between_threads():
+    """The compression workers share one CachedCounter: a text another thread just evicted from the
+    LRU used to raise KeyError (this test failed in 3 of 4 threads before the lock)."""
+    import sys
+    import threading
+
+    class Characters:
+        def count(self, text):
+            return len(text)
+
+        def count_chat(self, messages, add_generation_prompt=True):
+            return 0
+
+    counter = CachedCounter(Characters(), max_entries=4)
+    errors: list[str] = []
+
+    def work(seed: int) -> None:
+        try:
+            for i in range(20_000):
+                text = f"text {(i * 7 + seed) % 11}"
+                assert counter.count(text) == len(text)
+                if i % 5 == 0:
+                    assert counter.count_many([text, "x" * (i % 9)]) == [len(text), i % 9]
+        except Exception as exc:  # noqa: BLE001 - any error in a worker fails the test
+            errors.append(repr(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert len(counter._counts) <= 4
