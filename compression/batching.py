@@ -7,6 +7,9 @@ arrived together usually ask within a few milliseconds of each other), encodes t
 costs much less than four of 50 (fixed per-call overhead, better matmul shapes), and only this one
 thread runs the embedding model, with its own small OpenMP budget (`threads`), so the embedder
 never starts a second OpenMP team beside the engine's (backend/openmp.py).
+
+With the embedder on the in-process engine's thread there is no batching thread: `EngineJobBatcher`
+lets the calls that wait for the engine at the same time share one forward pass there.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -103,3 +107,112 @@ class EmbedBatcher:
             call.future.set_result(vectors[[row[text] for text in call.texts]])
         self.batches += 1
         self.calls += len(batch)
+
+
+@dataclass(eq=False)  # compared by identity: a call is one caller's, whatever its batch holds
+class _PackedCall:
+    batch: Any  # compression.packed_encoder.PackedBatch
+    future: Future[np.ndarray] = field(default_factory=Future)
+
+
+class EngineJobBatcher:
+    """Coalesces the packed-encoder calls that wait for the engine thread into one forward pass.
+
+    With the embedder on the in-process engine (`AsyncEngine.run_between_steps`) every call is a job
+    on the engine's thread. Requests that arrive together (a burst of cold requests) used to run their
+    forward passes one after another, and each pass is ~150 torch ops whose every return re-takes the
+    GIL from the other compression workers' Python: a 355-word-piece pass took 18 ms alone and 77 ms
+    beside one busy Python thread (2 cores, bf16). Each call still queues its own job, but the first
+    job to run takes every call waiting by then (up to `max_tokens` word pieces) and runs them as one
+    pass: one set of ops for the burst, with all of its callers blocked (not holding the GIL)
+    meanwhile; a later job that finds its call taken returns at once. No window is waited for: the
+    time until the engine's next layer boundary is the window.
+    """
+
+    def __init__(self, runner: Callable[[Callable[[], None]], Future], encode_packed: Callable[[Any], np.ndarray],
+                 max_tokens: int):
+        self._runner = runner
+        self._encode_packed = encode_packed
+        self.max_tokens = max_tokens
+        self._pending: list[_PackedCall] = []
+        self._lock = threading.Lock()
+        # Observability (and the tests): how many forward passes served how many calls.
+        self.batches = 0
+        self.calls = 0
+
+    def encode(self, batch: Any) -> np.ndarray:
+        """Mean-pooled rows for `batch` (a PackedBatch); raises what the runner raised (EngineError
+        once the engine is gone) or what the forward pass raised."""
+        call = _PackedCall(batch)
+        with self._lock:
+            self._pending.append(call)
+        try:
+            job = self._runner(lambda: self._run_pending(call))
+        except BaseException as exc:
+            self._withdraw(call, exc)
+        else:
+            job.add_done_callback(lambda done: self._on_job_done(call, done))
+        return call.future.result()
+
+    def _on_job_done(self, call: _PackedCall, job: Future) -> None:
+        error = job.exception() if not job.cancelled() else RuntimeError("the embedding job was cancelled")
+        if error is not None:  # the job never ran (the engine stopped): its call may still be waiting
+            self._withdraw(call, error)
+
+    def _withdraw(self, call: _PackedCall, error: BaseException) -> None:
+        with self._lock:
+            if call not in self._pending:
+                return  # another job took it and answers it
+            self._pending.remove(call)
+        call.future.set_exception(error)
+
+    def _take(self, own: _PackedCall) -> list[_PackedCall]:
+        """The job's own call (unless another job took it) and the others waiting, oldest first, up
+        to `max_tokens` word pieces. The own call comes first so that a job run inline (asked from
+        the engine's thread itself) always answers the call that is waiting on it."""
+        with self._lock:
+            waiting = ([own] if own in self._pending else []) + [call for call in self._pending if call is not own]
+            taken: list[_PackedCall] = []
+            tokens = 0
+            for call in waiting:
+                call_tokens = sum(call.batch.lengths)
+                if taken and tokens + call_tokens > self.max_tokens:
+                    break
+                taken.append(call)
+                tokens += call_tokens
+            self._pending = [call for call in self._pending if call not in taken]
+        return taken
+
+    def _run_pending(self, own: _PackedCall) -> None:
+        """On the engine thread: one forward pass over the calls waiting now."""
+        calls = self._take(own)
+        if not calls:
+            return
+        try:
+            vectors = self._encode_packed(merge_packed([call.batch for call in calls]))
+        except BaseException as exc:  # every caller must be woken, with the error
+            for call in calls:
+                call.future.set_exception(exc)
+            return
+        self.batches += 1
+        self.calls += len(calls)
+        first_row = 0
+        for call in calls:
+            rows = len(call.batch.lengths)
+            call.future.set_result(vectors[first_row:first_row + rows])
+            first_row += rows
+
+
+def merge_packed(batches: list[Any]) -> Any:
+    """Several PackedBatches as one: the tokens end to end, the sentences in order."""
+    if len(batches) == 1:
+        return batches[0]
+    import torch
+
+    from compression.packed_encoder import PackedBatch
+
+    return PackedBatch(
+        torch.cat([batch.input_ids for batch in batches]),
+        torch.cat([batch.position_ids for batch in batches]),
+        [length for batch in batches for length in batch.lengths],
+    )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from compression.batching import EmbedBatcher
+from compression.batching import EmbedBatcher, EngineJobBatcher
 from compression.cache import BytesCache
 from compression.packed_encoder import PackedEncoder
 from compression.packed_encoder import supports as packed_supports
@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+# The most word pieces one shared forward pass on the engine's thread takes (EngineJobBatcher):
+# about two NQ first sights (~360 each), and within the chunk counts warmed up at startup
+# (packed_encoder.WARM_UP_ROWS), whose oneDNN GEMMs are built already.
+ENGINE_BATCH_MAX_TOKENS = 768
 
 # Runs a forward pass somewhere else and hands back its result (AsyncEngine.run_between_steps).
 Runner = Callable[[Callable[[], np.ndarray]], Future]
@@ -116,6 +121,7 @@ class Embedder:
         self._batcher: EmbedBatcher | None = None
         self._process: EmbedProcess | None = None
         self._runner: Runner | None = None
+        self._engine_jobs: EngineJobBatcher | None = None
         self._batcher_lock = threading.Lock()
         self._local: OrderedDict[str, np.ndarray] = OrderedDict()
         self._max_local = max_local_entries
@@ -228,23 +234,48 @@ class Embedder:
         wins: a gateway built later (tests build many in one process) takes the shared model over."""
         with self._batcher_lock:
             self._runner = runner
+            # Concurrent requests' packed calls share one forward pass on the engine's thread.
+            self._engine_jobs = (
+                EngineJobBatcher(runner, self._packed.encode_packed, ENGINE_BATCH_MAX_TOKENS)
+                if self._packed is not None else None
+            )
 
     def release_runner(self, runner: Runner) -> None:
         with self._batcher_lock:
             if self._runner is runner:
                 self._runner = None
+                self._engine_jobs = None
 
     def _encode_now(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
         if self._runner is not None:
             # Packed here, on the caller's thread: the word-piece tokenizer releases the GIL, so the
             # engine keeps stepping meanwhile and its thread runs only the forward pass.
-            vectors = self._on_runner(self._forward(texts, batch_size, show_progress_bar))
+            vectors = self._on_engine(texts, batch_size, show_progress_bar)
             if vectors is not None:
                 return vectors
         process = self._process
         if process is not None:
             return process.encode(texts)
         return self._encode_here(texts, batch_size, show_progress_bar)
+
+    def _on_engine(self, texts: list[str], batch_size: int, show_progress_bar: bool) -> np.ndarray | None:
+        """The texts' vectors from a forward pass on the attached runner, shared with the calls
+        waiting beside this one (EngineJobBatcher); None when there is no runner, or its engine is gone."""
+        with self._batcher_lock:
+            runner, jobs = self._runner, self._engine_jobs
+        if jobs is None or not texts:
+            return self._on_runner(self._forward(texts, batch_size, show_progress_bar))
+        from backend.api import EngineError
+
+        assert self._packed is not None  # there are engine jobs only for the packed encoder
+        batch = self._packed.pack(texts)
+        try:
+            return _normalized(jobs.encode(batch))
+        except EngineError as exc:
+            logger.warning("embedding off the engine thread from now on: %s", exc)
+            if runner is not None:
+                self.release_runner(runner)
+            return None
 
     def _on_runner(self, forward: Callable[[], np.ndarray]) -> np.ndarray | None:
         """`forward()` through the attached runner; None when there is none, or its engine is gone

@@ -134,3 +134,190 @@ async def test_passthrough_does_not_wait_for_a_busy_compression_worker(make_pipe
         release.set()
     assert (await compressing).prompt_tokens < passthrough.prompt_tokens
     pipeline.close()
+
+
+# -- EngineJobBatcher: calls waiting for the engine's thread share one forward pass ------------------
+
+
+def packed(*sentences: list[int]):
+    """A PackedBatch of sentences given as token ids."""
+    import torch
+
+    from compression.packed_encoder import PackedBatch
+
+    flat = [token for sentence in sentences for token in sentence]
+    positions = [position for sentence in sentences for position in range(len(sentence))]
+    return PackedBatch(torch.tensor(flat), torch.tensor(positions), [len(sentence) for sentence in sentences])
+
+
+class RecordingForward:
+    """A deterministic forward pass (row = sentence length and first token) that records its batches."""
+
+    def __init__(self):
+        self.batches: list[list[int]] = []
+
+    def __call__(self, batch) -> np.ndarray:
+        self.batches.append(list(batch.lengths))
+        rows, start = [], 0
+        for length in batch.lengths:
+            rows.append([length, int(batch.input_ids[start])])
+            start += length
+        return np.array(rows, dtype=np.float32)
+
+
+class HeldRunner:
+    """A one-thread runner (the engine thread's stand-in) that can be held busy by a first job."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.executor = ThreadPoolExecutor(max_workers=1)
+        self.release = threading.Event()
+        self.executor.submit(self.release.wait, 30)
+        self.jobs = 0
+
+    def __call__(self, fn):
+        self.jobs += 1
+        return self.executor.submit(fn)
+
+
+def call_in_threads(batcher, batches: list) -> tuple[dict[int, np.ndarray], list[threading.Thread]]:
+    results: dict[int, np.ndarray] = {}
+
+    def call(index: int) -> None:
+        results[index] = batcher.encode(batches[index])
+
+    threads = [threading.Thread(target=call, args=(index,)) for index in range(len(batches))]
+    for thread in threads:
+        thread.start()
+    return results, threads
+
+
+def test_calls_waiting_for_the_engine_share_one_forward_pass_and_each_gets_its_rows():
+    from compression.batching import EngineJobBatcher
+
+    runner, forward = HeldRunner(), RecordingForward()
+    batcher = EngineJobBatcher(runner, forward, max_tokens=100)
+    batches = [packed([5, 1, 1]), packed([7, 1], [8, 1, 1, 1]), packed([9])]
+    results, threads = call_in_threads(batcher, batches)
+    wait_until(lambda: runner.jobs == 3)  # every call queued its job behind the held one
+    runner.release.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(forward.batches) == 1 and sorted(forward.batches[0]) == [1, 2, 3, 4]
+    assert (batcher.batches, batcher.calls) == (1, 3)
+    np.testing.assert_array_equal(results[0], [[3, 5]])
+    np.testing.assert_array_equal(results[1], [[2, 7], [4, 8]])
+    np.testing.assert_array_equal(results[2], [[1, 9]])
+    runner.executor.shutdown()
+
+
+def test_a_shared_pass_stops_at_max_tokens_and_the_rest_runs_in_the_next():
+    from compression.batching import EngineJobBatcher
+
+    runner, forward = HeldRunner(), RecordingForward()
+    batcher = EngineJobBatcher(runner, forward, max_tokens=6)
+    batches = [packed([1, 1, 1, 1]), packed([2, 2, 2]), packed([3, 3])]
+    results, threads = call_in_threads(batcher, batches)
+    wait_until(lambda: runner.jobs == 3)
+    runner.release.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sum(len(lengths) for lengths in forward.batches) == 3 and len(forward.batches) == 2
+    assert all(sum(lengths) <= 6 for lengths in forward.batches)
+    assert {index: rows[0][1] for index, rows in results.items()} == {0: 1, 1: 2, 2: 3}
+    runner.executor.shutdown()
+
+
+def test_a_call_larger_than_max_tokens_still_runs_alone():
+    from compression.batching import EngineJobBatcher
+
+    forward = RecordingForward()
+    batcher = EngineJobBatcher(lambda fn: _done(fn), forward, max_tokens=2)
+    np.testing.assert_array_equal(batcher.encode(packed([4, 4, 4, 4, 4])), [[5, 4]])
+    assert forward.batches == [[5]]
+
+
+def _done(fn):
+    """A runner that runs the job at once, on the calling thread (as the engine does for its own thread)."""
+    from concurrent.futures import Future
+
+    future: Future = Future()
+    fn()
+    future.set_result(None)
+    return future
+
+
+def test_a_job_run_at_once_answers_its_own_call_before_older_waiting_ones():
+    """Asked from the engine's thread, the job runs inline: it must answer the call that waits on it
+    even when older calls fill the pass (else that thread would wait for itself)."""
+    from concurrent.futures import Future
+
+    from compression.batching import EngineJobBatcher
+
+    forward = RecordingForward()
+    parked: list = []
+
+    def runner(fn):
+        if not parked:  # the first job stays queued, like one behind a busy engine
+            parked.append(fn)
+            return Future()
+        return _done(fn)
+
+    batcher = EngineJobBatcher(runner, forward, max_tokens=4)
+    older, _ = call_in_threads(batcher, [packed([1, 1, 1, 1])])
+    wait_until(lambda: len(parked) == 1)
+    np.testing.assert_array_equal(batcher.encode(packed([2, 2])), [[2, 2]])
+    assert forward.batches == [[2]]
+    parked[0]()  # the queued job runs later and answers the older call
+    wait_until(lambda: 0 in older)
+    np.testing.assert_array_equal(older[0], [[4, 1]])
+
+
+def test_a_runner_that_refuses_or_drops_the_job_fails_only_its_own_call():
+    from concurrent.futures import Future
+
+    from compression.batching import EngineJobBatcher
+
+    def refusing(fn):
+        raise ConnectionError("engine gone")
+
+    with pytest.raises(ConnectionError, match="engine gone"):
+        EngineJobBatcher(refusing, RecordingForward(), max_tokens=10).encode(packed([1]))
+
+    def dropping(fn):  # queued, then failed without running (the engine shut down meanwhile)
+        future: Future = Future()
+        future.set_exception(ConnectionError("engine stopped"))
+        return future
+
+    batcher = EngineJobBatcher(dropping, RecordingForward(), max_tokens=10)
+    with pytest.raises(ConnectionError, match="engine stopped"):
+        batcher.encode(packed([1]))
+    assert batcher._pending == []
+
+
+def test_a_failing_forward_pass_reaches_every_call_it_held():
+    from compression.batching import EngineJobBatcher
+
+    def broken(batch):
+        raise RuntimeError("forward failed")
+
+    runner = HeldRunner()
+    batcher = EngineJobBatcher(runner, broken, max_tokens=100)
+    errors: list[str] = []
+
+    def call(batch) -> None:
+        try:
+            batcher.encode(batch)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=call, args=(packed([index + 1]),)) for index in range(3)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: runner.jobs == 3)
+    runner.release.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == ["forward failed"] * 3
+    runner.executor.shutdown()

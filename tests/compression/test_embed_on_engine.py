@@ -106,3 +106,38 @@ def test_warm_up_runs_each_shape_as_an_engine_job(engine, own_embedder, monkeypa
     engine.shutdown()
     assert own_embedder.warm_up() == shapes, "an engine that is gone leaves the warm-up in process"
     assert own_embedder._runner is None
+
+
+def test_calls_that_wait_for_the_engine_together_share_one_forward_pass(engine, own_embedder):
+    """A burst of cold requests: their calls queue while the engine's thread is busy, then run as
+    one pass on it, each caller with the vectors it would have got alone."""
+    import threading
+    import time
+
+    alone = {text: own_embedder._encode_now([text])[0] for text in TEXTS}
+    own_embedder.use_runner(engine.run_between_steps)
+    release = threading.Event()
+    engine.run_between_steps(lambda: release.wait(30))  # the engine thread is busy until released
+    results: dict[str, np.ndarray] = {}
+
+    def call(text: str) -> None:
+        results[text] = own_embedder._encode_now([text])
+
+    threads = [threading.Thread(target=call, args=(text,)) for text in TEXTS]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while len(own_embedder._engine_jobs._pending) < len(TEXTS):
+        assert time.monotonic() < deadline, "the calls never queued"
+        time.sleep(0.005)
+    release.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    jobs = own_embedder._engine_jobs
+    assert (jobs.batches, jobs.calls) == (1, len(TEXTS))
+    assert engine.jobs_run == 1 + len(TEXTS)  # the blocker, and one job per call (two found theirs taken)
+    # int8's activation scales are per call, over every row in it: a shared pass moves them.
+    minimum = 0.95 if own_embedder.precision == "int8" else 0.9999
+    for text in TEXTS:
+        assert results[text].shape == (1, own_embedder.dimension)
+        assert float(results[text][0] @ alone[text]) > minimum
