@@ -67,6 +67,7 @@ class E2EOptions:
     progress: bool = True
     engine_server: bool = False
     embed_on: str = "engine"  # the gateway's `serve --embed-on`
+    compression_workers: int | None = None  # the gateway's `serve --compression-workers`; None: its default
 
 
 @dataclass
@@ -429,7 +430,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Dataset: `{report['dataset']}` ({report['questions']} questions), {report['output_tokens']} output "
         "tokens per request (ignore_eos), streamed, every prompt starts with a unique tag (no prefix-cache hits)",
         f"- Policies: compressed `{report['policy']}`, full `{report['full_policy']}`; "
-        f"gateway embedder on the {report.get('embed_on', 'process')}",
+        f"gateway embedder on the {report.get('embed_on', 'process')}"
+        + (f", {report['compression_workers']} compression worker(s)" if "compression_workers" in report else ""),
         f"- CPU path: {report['cpu_path']}",
         f"- Machine load: other processes took up to {100 * report['others_cpu_frac_max']:.0f}% of the machine's "
         f"CPU during a chunk (mean {100 * report['others_cpu_frac_mean']:.0f}%); figures are noisy, compare ratios.",
@@ -537,6 +539,9 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
     target.mkdir(parents=True, exist_ok=True)
     levels: dict[str, Any] = {}
     all_runs: list[ArmRun] = []
+    from gateway.settings import default_compression_workers
+
+    compression_workers = options.compression_workers or default_compression_workers()
     with contextlib.ExitStack() as stack:
         engine_url, engine_pid, local_engine = None, None, None
         if options.engine_server:
@@ -549,7 +554,8 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
             # A fresh gateway per level, without a shared (Redis) cache: the documents are new to it.
             gateway = GatewayProcess(policy_dir=options.policy_dir, model=options.model,
                                      log_path=target / f"gateway-c{concurrency}.log", env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None},
-                                     extra_args=["--embed-on", options.embed_on])
+                                     extra_args=["--embed-on", options.embed_on, "--compression-workers",
+                                                 str(compression_workers)])
             with gateway as gateway_url:
                 endpoints = Endpoints(gateway_url, engine_url, asyncio.run(model_name(gateway_url)),
                                       [pid for pid in (gateway.pid, engine_pid) if pid], local_engine)
@@ -571,6 +577,7 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
         "policy": options.policy,
         "full_policy": options.full_policy,
         "embed_on": options.embed_on,
+        "compression_workers": compression_workers,
         "cpu_path": cpu_path_line(),
         "others_cpu_frac_max": round(max((r.others_cpu_frac for r in all_runs), default=0.0), 3),
         "others_cpu_frac_mean": round(statistics.fmean(r.others_cpu_frac for r in all_runs), 3) if all_runs else 0.0,

@@ -61,6 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--embed-on", choices=("engine", "process"), default="engine",
                        help="where the compression embedder's forward passes run: on the in-process CPU engine's "
                        "thread between its steps (default), or in a child process of their own")
+    serve.add_argument("--compression-workers", type=_at_least_one, default=None, metavar="N",
+                       help="threads that compress requests, off the event loop (default: one per two cores)")
     serve.add_argument("--vllm-metric-names", action="store_true",
                        help="also export the in-process engine's metrics under vLLM's names (vllm:...)")
     _add_engine_arguments(serve)  # --model and the in-process engine's knobs, as in `engine serve`
@@ -142,6 +144,16 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def resolve_serve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Layer command line > config file > defaults into `args` (in place) and return it."""
     import logging
@@ -176,6 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight or None, max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
         request_timeout_s=args.request_timeout or None, engine_max_waiting_requests=args.max_waiting_requests,
         drain_timeout_s=args.drain_timeout, access_log=args.access_log, embed_on=args.embed_on,
+        **({"compression_workers": args.compression_workers} if args.compression_workers is not None else {}),
     )
     _log_request_ids()
     from gateway.shutdown import DrainingServer

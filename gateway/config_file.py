@@ -47,6 +47,8 @@ class ServerSection(_Section):
     drop_params: bool | None = Field(None, description="drop request fields the engine cannot honour instead of 400")
     tokenizer: str | None = Field(None, description="count budgets with a local HF tokenizer dir or a tiktoken "
                                   "encoding name (for a remote model)")
+    compression_workers: int | None = Field(None, ge=1, description="threads that compress requests, off the "
+                                            "event loop (default: one per two cores)")
 
 
 class EngineSection(_Section):

@@ -10,6 +10,15 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 EMBED_ON = ("engine", "process")  # where the compression embedder runs (GatewaySettings.embed_on)
 
 
+def default_compression_workers() -> int:
+    """One compression worker per two cores. A worker's Python holds the GIL that the in-process
+    engine re-takes after every op, and the engine's OpenMP team wants every core: on two cores a
+    decode step at batch 4 took 40 ms alone and 118 ms beside one busy Python thread. A second
+    worker only adds a second such thread; with one, cold first sights at concurrency 4 took
+    64 / 92 ms (P50 / P95) instead of 87 / 140 ms (`ctxgate bench e2e`, same commit, 24 questions)."""
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
 @dataclass
 class GatewaySettings:
     host: str = "127.0.0.1"
@@ -50,9 +59,10 @@ class GatewaySettings:
     # Bound on the in-process engine's waiting queue (beyond it the engine refuses with 503).
     engine_max_waiting_requests: int | None = 256
     # Compression's own thread budget: requests are compressed in this many worker threads, off the
-    # event loop; the embedding model runs in one batching thread with `embed_threads` OpenMP
-    # threads, coalescing concurrent requests' sentences within `embed_batch_window_ms`.
-    compression_workers: int = 2
+    # event loop (default: default_compression_workers()); the embedding model runs in one batching
+    # thread with `embed_threads` OpenMP threads, coalescing concurrent requests' sentences within
+    # `embed_batch_window_ms` (on the engine's thread, calls waiting together share one pass instead).
+    compression_workers: int = field(default_factory=lambda: default_compression_workers())
     embed_threads: int = 1
     embed_batch_window_ms: float = 3.0
     # Where the embedding model runs. "engine": with the in-process engine on a CPU, on the engine's
@@ -71,6 +81,8 @@ class GatewaySettings:
     access_log: bool = False
 
     def __post_init__(self) -> None:
+        if self.compression_workers < 1:
+            raise ValueError(f"compression_workers must be at least 1, not {self.compression_workers}")
         if self.embed_on not in EMBED_ON:
             raise ValueError(f"embed_on must be one of {', '.join(EMBED_ON)}, not {self.embed_on!r}")
         if self.policy_dir is not None:

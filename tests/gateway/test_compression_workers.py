@@ -1,0 +1,59 @@
+"""Compression's thread budget (`serve --compression-workers`, `server.compression_workers`): one
+worker per two cores unless set, set from the flag or the config file, refused below one."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from ctxgate.cli import parse_args
+from gateway.cli import resolve_serve_args
+from gateway.settings import GatewaySettings, default_compression_workers
+
+
+def _serve_args(argv: list[str]):
+    return resolve_serve_args(parse_args(["serve", *argv]))
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(1, 1), (2, 1), (3, 1), (8, 4), (None, 1)])
+def test_the_default_is_one_worker_per_two_cores(monkeypatch, cores, workers):
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    assert default_compression_workers() == workers
+    assert GatewaySettings().compression_workers == workers
+
+
+def test_fewer_than_one_worker_is_refused():
+    with pytest.raises(ValueError, match="compression_workers must be at least 1, not 0"):
+        GatewaySettings(compression_workers=0)
+
+
+def test_the_flag_and_the_config_file_set_it(tmp_path, capsys):
+    assert _serve_args([]).compression_workers is None  # unset: the settings' default applies
+    assert _serve_args(["--compression-workers", "3"]).compression_workers == 3
+    path = tmp_path / "ctxgate.yaml"
+    path.write_text(yaml.safe_dump({"server": {"compression_workers": 2}}))
+    assert _serve_args(["--config", str(path)]).compression_workers == 2
+    assert _serve_args(["--config", str(path), "--compression-workers", "4"]).compression_workers == 4
+    for bad, message in (("0", "must be at least 1, not 0"), ("two", "expected a whole number, not 'two'")):
+        with pytest.raises(SystemExit):
+            parse_args(["serve", "--compression-workers", bad])
+        assert message in capsys.readouterr().err
+
+
+def test_the_config_file_refuses_zero_workers(tmp_path):
+    from gateway.config_file import ConfigError, load_config
+
+    path = tmp_path / "ctxgate.yaml"
+    path.write_text("server:\n  compression_workers: 0\n")
+    with pytest.raises(ConfigError, match="compression_workers"):
+        load_config(path, environ={})
+
+
+def test_the_pipeline_compresses_in_that_many_threads(tokenizer):
+    from gateway.app import default_pipeline
+
+    pipeline = default_pipeline(tokenizer, None, settings=GatewaySettings(compression_workers=3, embed_cache_url=None))
+    try:
+        assert pipeline._executor is not None and pipeline._executor._max_workers == 3
+    finally:
+        pipeline.close()
