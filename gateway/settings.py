@@ -13,9 +13,11 @@ EMBED_ON = ("engine", "process")  # where the compression embedder runs (Gateway
 def default_compression_workers() -> int:
     """One compression worker per two cores. A worker's Python holds the GIL that the in-process
     engine re-takes after every op, and the engine's OpenMP team wants every core: on two cores a
-    decode step at batch 4 took 40 ms alone and 118 ms beside one busy Python thread. A second
-    worker only adds a second such thread; with one, cold first sights at concurrency 4 took
-    64 / 92 ms (P50 / P95) instead of 87 / 140 ms (`ctxgate bench e2e`, same commit, 24 questions)."""
+    decode step at batch 4 took 52 ms alone and 131 ms beside one busy Python thread
+    (`python -m eval.gil_ab`, eval/reports/gil-switch-2026-12-02/). A second worker only adds a
+    second such thread: in two pairs of `ctxgate bench e2e` runs (concurrency 4, 24 questions), cold
+    first sights took 62-64 / 92-101 ms (P50 / P95) with one worker and 87-116 / 140-150 ms with two
+    (eval/reports/e2e-one-worker-2026-12-02/)."""
     return max(1, (os.cpu_count() or 1) // 2)
 
 
