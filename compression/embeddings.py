@@ -267,14 +267,12 @@ class Embedder:
             return self._on_runner(self._forward(texts, batch_size, show_progress_bar))
         from backend.api import EngineError
 
-        assert self._packed is not None  # there are engine jobs only for the packed encoder
+        assert self._packed is not None and runner is not None  # engine jobs come with a runner, for packed calls
         batch = self._packed.pack(texts)
         try:
             return _normalized(jobs.encode(batch))
-        except EngineError as exc:
-            logger.warning("embedding off the engine thread from now on: %s", exc)
-            if runner is not None:
-                self.release_runner(runner)
+        except EngineError as exc:  # the forward pass never raises it itself: the engine is gone
+            self._engine_gone(runner, exc)
             return None
 
     def _on_runner(self, forward: Callable[[], np.ndarray]) -> np.ndarray | None:
@@ -286,12 +284,15 @@ class Embedder:
         from backend.api import EngineError
 
         try:
-            # The forward pass never raises EngineError itself: this one says the engine is gone.
             return runner(forward).result()
-        except EngineError as exc:
-            logger.warning("embedding off the engine thread from now on: %s", exc)
-            self.release_runner(runner)
+        except EngineError as exc:  # the forward pass never raises it itself: the engine is gone
+            self._engine_gone(runner, exc)
             return None
+
+    def _engine_gone(self, runner: Runner, error: Exception) -> None:
+        """The model stays in process from now on."""
+        logger.warning("embedding off the engine thread from now on: %s", error)
+        self.release_runner(runner)
 
     def _encode_here(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
         return self._forward(texts, batch_size, show_progress_bar)()

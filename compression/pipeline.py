@@ -88,7 +88,7 @@ class CompressionPipeline:
             self._caller_loop = asyncio.get_running_loop()
             if self.services.engine is not None:
                 self.engine = LoopBridge(self.services.engine, self._caller_loop)
-        future = self._executor.submit(self._run_in_worker, request, policy)
+        future = self._executor.submit(self._run_in_worker, request, policy, time.perf_counter())
         return await asyncio.wrap_future(future)
 
     def close(self) -> None:
@@ -96,11 +96,14 @@ class CompressionPipeline:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _run_in_worker(self, request: CompressionInput, policy: Policy) -> CompressionResult:
+    def _run_in_worker(self, request: CompressionInput, policy: Policy, submitted: float) -> CompressionResult:
+        wait_ms = (time.perf_counter() - submitted) * 1000
         loop = getattr(self._worker, "loop", None)
         if loop is None:
             loop = self._worker.loop = asyncio.new_event_loop()
-        return loop.run_until_complete(self.run_here(request, policy))
+        result = loop.run_until_complete(self.run_here(request, policy))
+        result.wait_ms = wait_ms
+        return result
 
     async def run_here(self, request: CompressionInput, policy: Policy) -> CompressionResult:
         """The stages, in the calling thread and event loop."""

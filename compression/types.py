@@ -45,6 +45,9 @@ class CompressionResult:
     stages: list[StageReport] = field(default_factory=list)
     kept_documents: list[Document] = field(default_factory=list)
     context_text: str = ""  # the assembled passages block as sent
+    # Time the request waited for a free compression worker before its stages ran (not in the stages'
+    # `compression_ms`): what a small worker budget costs a burst of requests.
+    wait_ms: float = 0.0
 
     @property
     def saved_tokens(self) -> dict[str, int]:

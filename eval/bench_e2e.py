@@ -87,6 +87,7 @@ class Sample:
     prefill_ms: float | None = None
     compression_ms: float | None = None
     compression_stage_ms: dict[str, float] = field(default_factory=dict)
+    compression_wait_ms: float | None = None  # waiting for a compression worker (not in compression_ms)
     error: str | None = None
 
     @property
@@ -191,6 +192,7 @@ def sample_of(arm: str, pass_name: str, concurrency: int, example: EvalExample, 
         prefill_ms=extra.get("prefill_ms"),
         compression_ms=sum(float(v) for v in compression.values()) if isinstance(compression, dict) else None,
         compression_stage_ms={k: float(v) for k, v in compression.items()} if isinstance(compression, dict) else {},
+        compression_wait_ms=extra.get("compression_wait_ms"),
     )
 
 
@@ -329,6 +331,7 @@ def summarize_arm(runs: list[ArmRun]) -> dict[str, Any]:
         "prefill_ms": latency([s.prefill_ms for s in samples if s.prefill_ms is not None]),
         "compression_ms": latency([s.compression_ms for s in samples if s.compression_ms is not None]),
         "compression_stage_ms": stage_latencies(samples),
+        "compression_wait_ms": latency([s.compression_wait_ms for s in samples if s.compression_wait_ms is not None]),
         "cached_prompt_tokens_mean": round(statistics.fmean(s.cached_prompt_tokens for s in samples), 2)
         if samples else None,
         "others_cpu_frac_max": round(max((run.others_cpu_frac for run in runs), default=0.0), 3),
@@ -464,10 +467,15 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"{_pair(payback['compression_ms'], 1)}; compression / saving P95 "
                 f"{_f(payback['compression_share_of_saving_p95'], 3)}",
             ]
-            stages = (summary["arms"].get("compressed") or {}).get("compression_stage_ms") or {}
+            compressed = summary["arms"].get("compressed") or {}
+            stages = compressed.get("compression_stage_ms") or {}
             if stages:
                 lines.append("- compressed arm, compression ms by stage (P50 / P95): " + ", ".join(
                     f"{name} {_pair(value, 1)}" for name, value in stages.items()))
+            wait = compressed.get("compression_wait_ms") or {}
+            if wait.get("p50") is not None:
+                lines.append(f"- compressed arm, ms waiting for a compression worker (P50 / P95, in TTFT, not in "
+                             f"compression ms): {_pair(wait, 1)}")
             lines.append("")
         lines += [f"### Acceptance at concurrency {concurrency}", "", "| check | value | bar | met |",
                   "| --- | --- | --- | --- |"]

@@ -43,6 +43,10 @@ class GatewayMetrics:
             "ctxgate:compression_seconds", "compression time per stage", ["stage"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.compression_wait_seconds = Histogram(
+            "ctxgate:compression_wait_seconds", "time a compressing request waited for a compression worker",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
         self.prompt_tokens_original = Counter(
             "ctxgate:prompt_tokens_original", "prompt tokens before compression", ["tenant", "policy"], registry=r
         )

@@ -196,6 +196,8 @@ class Gateway:
             raise APIError(400, str(exc), code="invalid_request") from None
         for stage in result.stages:
             self.metrics.compression_seconds.labels(stage.name).observe(stage.ms / 1000)
+        if policy.compression_enabled:
+            self.metrics.compression_wait_seconds.observe(result.wait_ms / 1000)
         return result
 
     def encode_checked(self, result: CompressionResult, policy: Policy) -> tuple[list[int], str]:
@@ -370,6 +372,7 @@ class Gateway:
                 "prompt_tokens": result.prompt_tokens,
                 "saved_tokens": result.saved_tokens,
                 "compression_ms": result.compression_ms,
+                "compression_wait_ms": round(result.wait_ms, 3),
                 "queue_ms": round(metrics.queue_ms, 3),
                 "prefill_ms": round(metrics.prefill_ms, 3),
                 "ttft_ms": round(metrics.ttft_ms, 3),

@@ -136,6 +136,28 @@ async def test_passthrough_does_not_wait_for_a_busy_compression_worker(make_pipe
     pipeline.close()
 
 
+async def test_the_wait_for_a_busy_worker_is_reported_apart_from_the_stages(make_pipeline):
+    pipeline = make_pipeline(workers=1)
+    busy, release = threading.Event(), threading.Event()
+
+    def occupy() -> None:
+        busy.set()
+        release.wait(timeout=60)
+
+    pipeline._executor.submit(occupy)
+    busy.wait(timeout=30)
+    try:
+        queued = asyncio.ensure_future(pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), COMPRESSING))
+        await asyncio.sleep(0.3)  # the worker stays busy at least this long after the request came
+    finally:
+        release.set()
+    waited = await queued
+    alone = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), COMPRESSING)
+    passthrough = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), PASSTHROUGH)
+    pipeline.close()
+    assert waited.wait_ms >= 300 > alone.wait_ms
+    assert passthrough.wait_ms == 0.0  # passthrough never queues for a worker
+
 # -- EngineJobBatcher: calls waiting for the engine's thread share one forward pass ------------------
 
 

@@ -107,6 +107,7 @@ def test_bench_e2e_command_runs_every_arm_on_the_same_questions(tmp_path):
     assert arms["full"]["prompt_tokens_mean"] > 2 * arms["compressed"]["prompt_tokens_mean"]
     assert arms["compressed"]["compression_ms"]["p50"] > 0
     assert "dedup" in arms["compressed"]["compression_stage_ms"]  # where the embedding happens
+    assert arms["compressed"]["compression_wait_ms"]["p50"] >= 0  # reported by the gateway, apart from the stages
     markdown = (out / "bench_e2e.md").read_text()
     assert "CPU path: cpu path" in markdown and "Acceptance at concurrency 1" in markdown
     assert "2 compression worker(s)" in markdown

@@ -81,6 +81,7 @@ def test_chat_completion_budget_enforced_with_documents_five_times_over(client, 
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     for field in ("queue_ms", "prefill_ms", "ttft_ms", "cached_prompt_tokens"):
         assert field in ctx
+    assert ctx["compression_wait_ms"] >= 0  # waiting for a compression worker, apart from the stages
     assert ctx["ttft_ms"] > 0
     expected_cost = usage["prompt_tokens"] / 1000 * 0.5 + usage["completion_tokens"] / 1000 * 1.5
     assert ctx["cost"] == pytest.approx(expected_cost, rel=1e-6)
@@ -139,6 +140,8 @@ def test_usage_matches_metrics(client, server, tokenizer):
     assert delta('ctxgate:spend_total{currency="USD",tenant="anonymous"}') == pytest.approx(ctx["cost"], abs=1e-9)
     assert delta("ctxgate:gateway_ttft_seconds_count") == 1
     assert delta('ctxgate:gateway_requests_total{endpoint="/v1/chat/completions",status="200"}') == 1
+    assert delta("ctxgate:compression_wait_seconds_count") == 1
+    assert delta("ctxgate:compression_wait_seconds_sum") == pytest.approx(ctx["compression_wait_ms"] / 1000, abs=1e-5)
 
 
 def test_completions_models_and_compress(client, server, tokenizer):
