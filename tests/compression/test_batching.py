@@ -112,10 +112,9 @@ async def test_worker_compression_gives_the_same_prompt_as_inline(make_pipeline)
     assert in_worker.prompt_tokens == inline.prompt_tokens < inline.original_prompt_tokens
 
 
-async def test_passthrough_does_not_wait_for_a_busy_compression_worker(make_pipeline):
-    pipeline = make_pipeline(workers=1)
-    busy = threading.Event()
-    release = threading.Event()
+def occupy_the_worker(pipeline) -> threading.Event:
+    """Keep the pipeline's only compression worker busy until the returned event is set."""
+    busy, release = threading.Event(), threading.Event()
 
     def occupy() -> None:
         busy.set()
@@ -123,6 +122,12 @@ async def test_passthrough_does_not_wait_for_a_busy_compression_worker(make_pipe
 
     pipeline._executor.submit(occupy)
     busy.wait(timeout=30)
+    return release
+
+
+async def test_passthrough_does_not_wait_for_a_busy_compression_worker(make_pipeline):
+    pipeline = make_pipeline(workers=1)
+    release = occupy_the_worker(pipeline)
     try:
         compressing = asyncio.ensure_future(
             pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), COMPRESSING))
@@ -138,14 +143,7 @@ async def test_passthrough_does_not_wait_for_a_busy_compression_worker(make_pipe
 
 async def test_the_wait_for_a_busy_worker_is_reported_apart_from_the_stages(make_pipeline):
     pipeline = make_pipeline(workers=1)
-    busy, release = threading.Event(), threading.Event()
-
-    def occupy() -> None:
-        busy.set()
-        release.wait(timeout=60)
-
-    pipeline._executor.submit(occupy)
-    busy.wait(timeout=30)
+    release = occupy_the_worker(pipeline)
     try:
         queued = asyncio.ensure_future(pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), COMPRESSING))
         await asyncio.sleep(0.3)  # the worker stays busy at least this long after the request came
