@@ -75,11 +75,19 @@ class CachedCounter:
         return value
 
     def count_many(self, texts: list[str]) -> list[int]:
+        known: dict[str, int] = {}
         with self._lock:
-            missing = [text for text in dict.fromkeys(texts) if text not in self._counts]
+            for text in dict.fromkeys(texts):
+                cached = self._counts.get(text)
+                if cached is not None:
+                    self._counts.move_to_end(text)
+                    known[text] = cached
+        missing = [text for text in dict.fromkeys(texts) if text not in known]
         if missing:
-            self._remember(dict(zip(missing, _batch_count(self.counter, missing), strict=True)))
-        return [self.count(text) for text in texts]
+            fresh = dict(zip(missing, _batch_count(self.counter, missing), strict=True))
+            self._remember(fresh)
+            known.update(fresh)
+        return [known[text] for text in texts]
 
     def _remember(self, counts: dict[str, int]) -> None:
         with self._lock:

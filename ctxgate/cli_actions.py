@@ -1,9 +1,20 @@
-"""argparse actions shared by the per-package `cli` modules (import-light)."""
+"""argparse actions and types shared by the per-package `cli` modules (import-light)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+def at_least_one(text: str) -> int:
+    """argparse type: a whole number >= 1, else an error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def warn_deprecated(old: str, new: str) -> None:

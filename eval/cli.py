@@ -9,7 +9,7 @@ import logging
 import shlex
 import sys
 
-from ctxgate.cli_actions import StoreWithDeprecatedAliases
+from ctxgate.cli_actions import StoreWithDeprecatedAliases, at_least_one
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -261,7 +261,7 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
                      help="engine-alone arm over HTTP (`ctxgate engine serve`) instead of the engine in this process")
     e2e.add_argument("--embed-on", choices=("engine", "process"), default="engine",
                      help="the gateway's `serve --embed-on`: where its embedding model runs (default engine)")
-    e2e.add_argument("--compression-workers", type=int, default=None, metavar="N",
+    e2e.add_argument("--compression-workers", type=at_least_one, default=None, metavar="N",
                      help="the gateway's `serve --compression-workers` (default: its own, one per two cores)")
     e2e.set_defaults(func=_bench_e2e)
 
@@ -271,11 +271,8 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     from eval.bench_e2e import E2EOptions, render_markdown, run_bench_e2e
 
     levels = [int(value) for value in args.concurrency.split(",") if value.strip()]
-    workers = args.compression_workers
-    if not levels or min(levels) <= 0 or args.output_tokens <= 0 or args.rounds_per_chunk <= 0 or (
-        workers is not None and workers <= 0
-    ):
-        raise ValueError("--concurrency, --output-tokens, --rounds-per-chunk and --compression-workers must be positive")
+    if not levels or min(levels) <= 0 or args.output_tokens <= 0 or args.rounds_per_chunk <= 0:
+        raise ValueError("--concurrency, --output-tokens and --rounds-per-chunk must be positive")
     options = E2EOptions(
         dataset=args.dataset, limit=args.limit, concurrencies=levels, output_tokens=args.output_tokens,
         policy=args.policy, full_policy=args.full_policy, warm_pass=not args.no_warm_pass,

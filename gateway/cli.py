@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ctxgate.cli_actions import DeprecatedOption
+from ctxgate.cli_actions import DeprecatedOption, at_least_one
 from gateway.config_file import defer_defaults, exclusive_groups
 
 
@@ -61,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--embed-on", choices=("engine", "process"), default="engine",
                        help="where the compression embedder's forward passes run: on the in-process CPU engine's "
                        "thread between its steps (default), or in a child process of their own")
-    serve.add_argument("--compression-workers", type=_at_least_one, default=None, metavar="N",
+    serve.add_argument("--compression-workers", type=at_least_one, default=None, metavar="N",
                        help="threads that compress requests, off the event loop (default: one per two cores)")
     serve.add_argument("--vllm-metric-names", action="store_true",
                        help="also export the in-process engine's metrics under vLLM's names (vllm:...)")
@@ -142,16 +142,6 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model", default=None, help="Hugging Face model dir (default: SmolLM2-135M)")
         return
     add_engine_arguments(parser)
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 def resolve_serve_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -40,6 +40,12 @@ def test_the_flag_and_the_config_file_set_it(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_bench_e2e_refuses_zero_workers_before_starting_anything(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["bench", "e2e", "--compression-workers", "0"])
+    assert "must be at least 1, not 0" in capsys.readouterr().err
+
+
 def test_the_config_file_refuses_zero_workers(tmp_path):
     from gateway.config_file import ConfigError, load_config
 
