@@ -67,6 +67,10 @@ class GenerationRequest:
     # logprobs, vendor extras, ...): an engine that `forwards_fields` sends them on untouched and
     # relays its server's chunks (`GenerationDelta.raw`); other engines never see them.
     forward: dict[str, Any] | None = None
+    # time.perf_counter() when the request was handed to the engine. The async engine stamps it on
+    # submission: a request that waits for the step in progress to end is queued, and its queue time
+    # and TTFT say so. None: the moment the engine takes the request.
+    arrival_time: float | None = None
 
 
 @dataclass

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from backend.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
@@ -69,7 +69,6 @@ class _StreamState:
     """Engine-thread bookkeeping for one live request."""
 
     stream: RequestStream
-    arrival: float
     last_token_time: float | None = None
 
 
@@ -320,6 +319,10 @@ class AsyncEngine:
         if self._fatal_error is not None:
             raise EngineError(f"the engine failed: {self._fatal_error}", 503)
         self.start()
+        if request.arrival_time is None:
+            # The engine thread takes new requests between steps; one submitted mid-step (a 512-token
+            # prefill step takes ~0.4 s on 2 cores) waits for it, and that wait is queue time.
+            request = replace(request, arrival_time=time.perf_counter())
         stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
         self._submit(_Add(request, stream))
         return stream
@@ -404,7 +407,7 @@ class AsyncEngine:
         except (ValueError, TypeError) as exc:
             self._send(stream, EngineError(str(exc), 400))
             return
-        self._live[request.request_id] = _StreamState(stream=stream, arrival=time.monotonic())
+        self._live[request.request_id] = _StreamState(stream=stream)
         stream._loop.call_soon_threadsafe(stream._mark_accepted)
 
     def _apply_abort(self, command: _Abort) -> None:

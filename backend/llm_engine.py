@@ -217,6 +217,8 @@ class LLMEngine:
             priority=request.priority,
             cache_salt=request.cache_salt,
         )
+        if request.arrival_time is not None:
+            seq.arrival_time = request.arrival_time
         if sampling.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer)

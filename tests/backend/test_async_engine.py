@@ -188,3 +188,25 @@ async def test_a_job_that_asks_for_a_job_gets_it_run_inline(engine):
         return engine.run_between_steps(lambda: 7).result(timeout=5) * 6
 
     assert await asyncio.wrap_future(engine.run_between_steps(outer)) == 42
+
+
+async def test_the_wait_for_the_engine_thread_counts_as_queue_time(engine):
+    """The engine thread takes requests between steps: one submitted while it is busy (here a job
+    stands in for a long prefill step) waits, and its queue time and TTFT include the wait."""
+    import threading
+    import time
+
+    busy = threading.Event()
+
+    def hold_the_thread() -> None:
+        busy.set()
+        time.sleep(0.3)
+
+    held = engine.run_between_steps(hold_the_thread)
+    await asyncio.to_thread(busy.wait, 30)
+    deltas = [d async for d in engine.generate(_request(engine, "Queued:", max_tokens=2))]
+    held.result(timeout=30)
+    metrics = deltas[-1].metrics
+    assert metrics is not None
+    assert metrics.queue_ms >= 250, metrics
+    assert metrics.ttft_ms >= metrics.queue_ms + metrics.prefill_ms * 0.99
