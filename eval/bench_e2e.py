@@ -68,6 +68,7 @@ class E2EOptions:
     engine_server: bool = False
     embed_on: str = "engine"  # the gateway's `serve --embed-on`
     compression_workers: int | None = None  # the gateway's `serve --compression-workers`; None: its default
+    max_num_batched_tokens: int | None = None  # the engine's token budget per step (gateway and engine alone)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Sample:
     compression_ms: float | None = None
     compression_stage_ms: dict[str, float] = field(default_factory=dict)
     compression_wait_ms: float | None = None  # waiting for a compression worker (not in compression_ms)
+    queue_ms: float | None = None  # the engine's queue time (incl. the wait for the step in progress)
     error: str | None = None
 
     @property
@@ -166,15 +168,16 @@ async def local_generate(engine: Any, messages: list[dict[str, Any]], max_tokens
                                 sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     first: float | None = None
     tokens = 0
-    prefill_ms = None
+    prefill_ms = queue_ms = None
     async for delta in engine.generate(request):
         if delta.token_ids and first is None:
             first = time.perf_counter()
         tokens += len(delta.token_ids)
         if delta.finish_reason is not None and delta.metrics is not None:
-            prefill_ms = delta.metrics.prefill_ms
+            prefill_ms, queue_ms = delta.metrics.prefill_ms, delta.metrics.queue_ms
     ended = time.perf_counter()
-    usage = {"prompt_tokens": len(ids), "completion_tokens": tokens, "ctxgate": {"prefill_ms": prefill_ms}}
+    usage = {"prompt_tokens": len(ids), "completion_tokens": tokens,
+             "ctxgate": {"prefill_ms": prefill_ms, "queue_ms": queue_ms}}
     return {"ttft_ms": ((first or ended) - started) * 1000, "e2e_ms": (ended - started) * 1000, "usage": usage}
 
 
@@ -193,6 +196,7 @@ def sample_of(arm: str, pass_name: str, concurrency: int, example: EvalExample, 
         compression_ms=sum(float(v) for v in compression.values()) if isinstance(compression, dict) else None,
         compression_stage_ms={k: float(v) for k, v in compression.items()} if isinstance(compression, dict) else {},
         compression_wait_ms=extra.get("compression_wait_ms"),
+        queue_ms=extra.get("queue_ms"),
     )
 
 
@@ -332,6 +336,7 @@ def summarize_arm(runs: list[ArmRun]) -> dict[str, Any]:
         "compression_ms": latency([s.compression_ms for s in samples if s.compression_ms is not None]),
         "compression_stage_ms": stage_latencies(samples),
         "compression_wait_ms": latency([s.compression_wait_ms for s in samples if s.compression_wait_ms is not None]),
+        "queue_ms": latency([s.queue_ms for s in samples if s.queue_ms is not None]),
         "cached_prompt_tokens_mean": round(statistics.fmean(s.cached_prompt_tokens for s in samples), 2)
         if samples else None,
         "others_cpu_frac_max": round(max((run.others_cpu_frac for run in runs), default=0.0), 3),
@@ -434,7 +439,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "tokens per request (ignore_eos), streamed, every prompt starts with a unique tag (no prefix-cache hits)",
         f"- Policies: compressed `{report['policy']}`, full `{report['full_policy']}`; "
         f"gateway embedder on the {report.get('embed_on', 'process')}"
-        + (f", {report['compression_workers']} compression worker(s)" if "compression_workers" in report else ""),
+        + (f", {report['compression_workers']} compression worker(s)" if "compression_workers" in report else "")
+        + (f", engine step budget {report['max_num_batched_tokens']} tokens"
+           if report.get("max_num_batched_tokens") else ""),
         f"- CPU path: {report['cpu_path']}",
         f"- Machine load: other processes took up to {100 * report['others_cpu_frac_max']:.0f}% of the machine's "
         f"CPU during a chunk (mean {100 * report['others_cpu_frac_mean']:.0f}%); figures are noisy, compare ratios.",
@@ -476,6 +483,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             if wait.get("p50") is not None:
                 lines.append(f"- compressed arm, ms waiting for a compression worker (P50 / P95, in TTFT, not in "
                              f"compression ms): {_pair(wait, 1)}")
+            queues = {arm: (row.get("queue_ms") or {}) for arm, row in summary["arms"].items()}
+            if any(queue.get("p50") is not None for queue in queues.values()):
+                lines.append("- engine queue ms, from submission to the first step (P50 / P95, in TTFT; most of it "
+                             "the wait for the step in progress): " + ", ".join(
+                                 f"{arm} {_pair(queue, 1)}" for arm, queue in queues.items() if queue.get("p50") is not None))
             lines.append("")
         lines += [f"### Acceptance at concurrency {concurrency}", "", "| check | value | bar | met |",
                   "| --- | --- | --- | --- |"]
@@ -527,13 +539,14 @@ async def model_name(url: str) -> str:
         return str(response.json()["data"][0]["id"])
 
 
-def start_local_engine(model: str | None) -> Any:
+def start_local_engine(model: str | None, max_num_batched_tokens: int | None = None) -> Any:
     """The built-in engine in this process, configured as `ctxgate serve` configures its own."""
     from backend.async_engine import AsyncEngine
     from backend.config import EngineConfig
     from backend.model_prepare import prepare_default_model
 
-    engine = AsyncEngine(EngineConfig(model=str(model or prepare_default_model())))
+    budget = {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}
+    engine = AsyncEngine(EngineConfig(model=str(model or prepare_default_model()), **budget))
     engine.start()
     return engine
 
@@ -550,20 +563,23 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
     from gateway.settings import default_compression_workers
 
     compression_workers = options.compression_workers or default_compression_workers()
+    step_budget = (["--max-num-batched-tokens", str(options.max_num_batched_tokens)]
+                   if options.max_num_batched_tokens else [])
     with contextlib.ExitStack() as stack:
         engine_url, engine_pid, local_engine = None, None, None
         if options.engine_server:
-            engine_server = EngineServerProcess(model=options.model, log_path=target / "engine.log")
+            engine_server = EngineServerProcess(model=options.model, log_path=target / "engine.log",
+                                                extra_args=step_budget)
             engine_url, engine_pid = stack.enter_context(engine_server), engine_server.pid
         else:
-            local_engine = start_local_engine(options.model)
+            local_engine = start_local_engine(options.model, options.max_num_batched_tokens)
             stack.callback(local_engine.shutdown)
         for concurrency in options.concurrencies:
             # A fresh gateway per level, without a shared (Redis) cache: the documents are new to it.
             gateway = GatewayProcess(policy_dir=options.policy_dir, model=options.model,
                                      log_path=target / f"gateway-c{concurrency}.log", env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None},
                                      extra_args=["--embed-on", options.embed_on, "--compression-workers",
-                                                 str(compression_workers)])
+                                                 str(compression_workers)] + step_budget)
             with gateway as gateway_url:
                 endpoints = Endpoints(gateway_url, engine_url, asyncio.run(model_name(gateway_url)),
                                       [pid for pid in (gateway.pid, engine_pid) if pid], local_engine)
@@ -586,6 +602,7 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
         "full_policy": options.full_policy,
         "embed_on": options.embed_on,
         "compression_workers": compression_workers,
+        "max_num_batched_tokens": options.max_num_batched_tokens,
         "cpu_path": cpu_path_line(),
         "others_cpu_frac_max": round(max((r.others_cpu_frac for r in all_runs), default=0.0), 3),
         "others_cpu_frac_mean": round(statistics.fmean(r.others_cpu_frac for r in all_runs), 3) if all_runs else 0.0,

@@ -263,6 +263,9 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
                      help="the gateway's `serve --embed-on`: where its embedding model runs (default engine)")
     e2e.add_argument("--compression-workers", type=at_least_one, default=None, metavar="N",
                      help="the gateway's `serve --compression-workers` (default: its own, one per two cores)")
+    e2e.add_argument("--max-num-batched-tokens", type=at_least_one, default=None, metavar="N",
+                     help="the engine's token budget per step, for the gateway's engine and the engine-alone arm "
+                          "(default: the engine's own)")
     e2e.set_defaults(func=_bench_e2e)
 
 
@@ -278,7 +281,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         policy=args.policy, full_policy=args.full_policy, warm_pass=not args.no_warm_pass,
         rounds_per_chunk=args.rounds_per_chunk, model=args.model, policy_dir=args.policy_dir,
         progress=not args.no_progress, engine_server=args.engine_server, embed_on=args.embed_on,
-        compression_workers=args.compression_workers,
+        compression_workers=args.compression_workers, max_num_batched_tokens=args.max_num_batched_tokens,
     )
     from backend.cpu_features import cpu_path
 

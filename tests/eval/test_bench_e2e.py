@@ -91,12 +91,14 @@ def test_bench_e2e_command_runs_every_arm_on_the_same_questions(tmp_path):
     out = tmp_path / "e2e"
     result = subprocess.run(
         [sys.executable, "-m", "ctxgate", "bench", "e2e", "--limit", "2", "--output-tokens", "4",
-         "--concurrency", "1", "--no-warm-pass", "--no-progress", "--compression-workers", "2", "--out", str(out)],
+         "--concurrency", "1", "--no-warm-pass", "--no-progress", "--compression-workers", "2",
+         "--max-num-batched-tokens", "256", "--out", str(out)],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "bench_e2e.json").read_text())
     assert report["compression_workers"] == 2  # handed to the gateway as `serve --compression-workers`
+    assert report["max_num_batched_tokens"] == 256  # and the step budget to both engines
     arms = report["levels"]["1"]["summary"]["cold"]["arms"]
     assert {arm: arms[arm]["requests"] for arm in arms} == {"full": 2, "compressed": 2, "ideal": 2, "engine": 2}
     assert all(arms[arm]["errors"] == 0 for arm in arms)
@@ -108,7 +110,10 @@ def test_bench_e2e_command_runs_every_arm_on_the_same_questions(tmp_path):
     assert arms["compressed"]["compression_ms"]["p50"] > 0
     assert "dedup" in arms["compressed"]["compression_stage_ms"]  # where the embedding happens
     assert arms["compressed"]["compression_wait_ms"]["p50"] >= 0  # reported by the gateway, apart from the stages
+    # The engine's queue time, through the gateway (usage) and from the engine alone (its metrics).
+    assert all(arms[arm]["queue_ms"]["p50"] >= 0 for arm in arms)
     markdown = (out / "bench_e2e.md").read_text()
     assert "CPU path: cpu path" in markdown and "Acceptance at concurrency 1" in markdown
-    assert "2 compression worker(s)" in markdown
+    assert "2 compression worker(s)" in markdown and "engine step budget 256 tokens" in markdown
+    assert "engine queue ms, from submission to the first step" in markdown
     assert (out / "bench_e2e.png").stat().st_size > 0
