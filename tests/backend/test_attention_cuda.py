@@ -344,7 +344,11 @@ def test_static_decode_runner_matches_the_regular_runner(make_engine, monkeypatc
     got = engine.runner.execute(scheduled)  # 3 rows padded to 4
     assert calls == [3]
     assert got.sampled_sequences == expected.sampled_sequences == [decoding, short]
-    torch.testing.assert_close(got.logits, expected.logits)
+    # Padding changes the GEMMs' row count, and some CPUs' BLAS sums a row in another order for 4 rows
+    # than for 3 (AMD EPYC: up to 5e-5 per float32 Linear, 3.4e-3 on these logits after 30 layers);
+    # on the Intel machines the two agreed within 1e-5.
+    torch.testing.assert_close(got.logits, expected.logits, atol=2e-2, rtol=1e-3)
+    assert torch.equal(got.logits.argmax(-1), expected.logits.argmax(-1))
     for keys, before in zip(kv.keys, pool_after_regular, strict=True):
         assert torch.equal(keys[:, real_slots], before), "a padding row wrote into a real block"
 
