@@ -314,18 +314,23 @@ class Embedder:
 
         return padded
 
-    def warm_up(self) -> int:
+    def warm_up(self, stop: threading.Event | None = None) -> int:
         """Run the model once on each chunk count the packed encoder will meet, by the path real calls
         take (the engine's thread when attached), so that the first requests do not pay oneDNN's
-        per-shape builds (packed_encoder.WARM_UP_ROWS). Returns the number of calls. With
-        a child process the child warms its own model as it starts, and this one is left alone."""
+        per-shape builds (packed_encoder.WARM_UP_ROWS). Returns the number of calls run; it ends
+        early once `stop` is set (a server shutting down). With a child process the child warms its
+        own model as it starts, and this one is left alone."""
         packed = self._packed
         batches = packed.warm_up_batches() if packed is not None and self._process is None else []
+        calls = 0
         for batch in batches:
+            if stop is not None and stop.is_set():
+                break
             forward = functools.partial(packed.encode_packed, batch)
             if self._on_runner(forward) is None:
                 forward()
-        return len(batches)
+            calls += 1
+        return calls
 
 
 def _normalized(vectors: np.ndarray) -> np.ndarray:

@@ -197,7 +197,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway.engine.start()
     await gateway.engine.check_health()
     watcher = asyncio.create_task(_watch_files(gateway), name="ctxgate-reload")
-    warm_up = asyncio.create_task(_load_embedder(gateway), name="ctxgate-embedder-load")
+    embedder_load = _EmbedderLoad(gateway)
+    warm_up = asyncio.create_task(embedder_load.run(), name="ctxgate-embedder-load")
     try:
         yield
     finally:
@@ -205,6 +206,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+        # Before the engine stops: a warm-up call waiting on the engine's thread finishes there.
+        await embedder_load.stop()
         await gateway.store.close()
         close_pipeline = getattr(gateway.pipeline, "close", None)
         if close_pipeline is not None:
@@ -213,44 +216,69 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await gateway.engine.stop()
 
 
-async def _load_embedder(gateway: Gateway) -> None:
-    """Load the embedding model (and start its process) in the background at startup, and run it once
-    on each shape it will meet (`Embedder.warm_up`), so the first compressing requests pay for
-    neither; a request that comes sooner waits for the same load, not for the warm-up."""
-    services = getattr(gateway.pipeline, "services", None)
-    if services is None:
-        return
-    def load() -> None:
+class _EmbedderLoad:
+    """Loads the embedding model (and starts its process) on a thread of its own at startup, and runs
+    it once on each shape it will meet (`Embedder.warm_up`), so the first compressing requests pay for
+    neither; a request that comes sooner waits for the same load, not for the warm-up.
+
+    Not asyncio.to_thread: shutdown must not wait for the whole warm-up (on a busy 2-core machine the
+    load and warm-up can outlast a supervisor's stop timeout), so `stop` ends it between two calls.
+    But the thread must have left torch before the interpreter finalizes: a daemon thread still in a
+    forward pass then aborts the process ("terminate called without an active exception", exit -6
+    after a clean drain). So it is not a daemon, and `stop` waits for it.
+    """
+
+    STOP_TIMEOUT_S = 30.0
+
+    def __init__(self, gateway: Gateway):
+        self.services = getattr(gateway.pipeline, "services", None)
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    async def run(self) -> None:
+        if self.services is None:
+            return
+        loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            # Running from here on: cancelling the awaiting task at shutdown no longer cancels
+            # `loaded`, so setting its result below cannot fail.
+            loaded.set_running_or_notify_cancel()
+            try:
+                self._load()
+            except Exception as exc:  # the first request that needs it will report the error too
+                loaded.set_exception(exc)
+            else:
+                loaded.set_result(None)
+
+        self.thread = threading.Thread(target=run, name="ctxgate-embedder-load")
+        self.thread.start()
+        try:
+            await asyncio.wrap_future(loaded)
+        except Exception:
+            logger.exception("loading the embedding model failed")
+
+    def _load(self) -> None:
         from backend import openmp
         from compression.text import normalize_for_dedup
 
+        if self.stopping.is_set():
+            return
         openmp.limit_calling_thread(1)  # no OpenMP team beside the engine's (backend/openmp.py)
         started = time.perf_counter()
-        calls = services.embedder.warm_up()  # the property loads the model
+        calls = self.services.embedder.warm_up(self.stopping)  # the property loads the model
         normalize_for_dedup("\u00e9")  # builds its combining-marks table (~0.15 s) before a request does
         logger.info("embedding model loaded and warmed up (%d calls) in %.1f s", calls, time.perf_counter() - started)
 
-    # A daemon thread, not asyncio.to_thread: shutdown must not wait for a load still in progress
-    # (the default executor's threads are joined at exit; on a busy 2-core machine loading the model
-    # and starting its process can take longer than a supervisor's stop timeout).
-    loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-    def run() -> None:
-        # Running from here on: cancelling the awaiting task at shutdown no longer cancels `loaded`,
-        # so setting its result below cannot fail.
-        loaded.set_running_or_notify_cancel()
-        try:
-            load()
-        except Exception as exc:  # the first request that needs it will report the error too
-            loaded.set_exception(exc)
-        else:
-            loaded.set_result(None)
-
-    threading.Thread(target=run, name="ctxgate-embedder-load", daemon=True).start()
-    try:
-        await asyncio.wrap_future(loaded)
-    except Exception:
-        logger.exception("loading the embedding model failed")
+    async def stop(self) -> None:
+        """End the warm-up after its current call and wait for the thread (bounded, then logged)."""
+        self.stopping.set()
+        thread = self.thread
+        if thread is None or not thread.is_alive():
+            return
+        await asyncio.to_thread(thread.join, self.STOP_TIMEOUT_S)
+        if thread.is_alive():
+            logger.warning("the embedding model is still loading after %.0f s; exit waits for it", self.STOP_TIMEOUT_S)
 
 
 async def _watch_files(gateway: Gateway) -> None:

@@ -4,6 +4,8 @@ costs nothing but the move back in process."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -74,7 +76,6 @@ def test_pipelines_route_the_model_through_their_runner_and_release_it_on_close(
 
 
 def test_only_the_forward_pass_runs_on_the_engine_thread(engine, own_embedder):
-    import threading
 
     packed = own_embedder._packed
     pack, forward = packed.pack, packed.encode_packed
@@ -103,6 +104,9 @@ def test_warm_up_runs_each_shape_as_an_engine_job(engine, own_embedder, monkeypa
     # Three chunk counts, plus a small call's narrow chunk where the usual chunk is wider.
     shapes = 3 + (own_embedder._packed.chunk_tokens > packed_encoder.SMALL_CALL_TOKENS)
     assert own_embedder.warm_up() == shapes and engine.jobs_run == shapes
+    stop = threading.Event()
+    stop.set()
+    assert own_embedder.warm_up(stop) == 0 and engine.jobs_run == shapes, "a server shutting down ends it"
     engine.shutdown()
     assert own_embedder.warm_up() == shapes, "an engine that is gone leaves the warm-up in process"
     assert own_embedder._runner is None
@@ -111,7 +115,6 @@ def test_warm_up_runs_each_shape_as_an_engine_job(engine, own_embedder, monkeypa
 def test_calls_that_wait_for_the_engine_together_share_one_forward_pass(engine, own_embedder):
     """A burst of cold requests: their calls queue while the engine's thread is busy, then run as
     one pass on it, each caller with the vectors it would have got alone."""
-    import threading
     import time
 
     alone = {text: own_embedder._encode_now([text])[0] for text in TEXTS}

@@ -25,17 +25,15 @@ SLOW_POLICY = ("name: rel\nmax_input_tokens: 256\nreserve_output_tokens: 64\ncom
                "dedup: {enabled: false}\nrerank: {enabled: false}\nextraction: {enabled: false}\n")
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("served")
+def _start_server(root, key_name: str = "acme") -> tuple[subprocess.Popen, str, str, object]:
+    """A `ctxgate serve` process on a free port, logging to root/server.log: (process, url, key, log file)."""
     policies = root / "policies"
     policies.mkdir()
     write_policy(policies, "rel", SLOW_POLICY)
     keys_file = root / "keys.yaml"
-    key = add_key(keys_file, "acme")
+    key = add_key(keys_file, key_name)
     port = free_port()
-    log_path = root / "server.log"
-    log = open(log_path, "w")  # noqa: SIM115 (closed at teardown)
+    log = open(root / "server.log", "w")  # noqa: SIM115 (closed by the caller)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("REDIS_URL", None)
     process = subprocess.Popen(
@@ -44,10 +42,16 @@ def served(tmp_path_factory):
          "--max-in-flight", "2", "--max-queued", "0", "--drain-timeout", "60"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
-    url = f"http://127.0.0.1:{port}"
+    return process, f"http://127.0.0.1:{port}", key, log
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    process, url, key, log = _start_server(root)
     try:
         wait_http(f"{url}/ready", timeout_s=180)
-        yield {"url": url, "key": key, "process": process, "log_path": log_path}
+        yield {"url": url, "key": key, "process": process, "log_path": root / "server.log"}
     finally:
         if process.poll() is None:
             process.kill()
@@ -128,7 +132,32 @@ def test_sigterm_drains_in_flight_and_refuses_new_requests(served):
         assert events[-1] == "[DONE]"
         finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e).get("choices", [])]
         assert finishes[-1] == "length", events[-3:]
-    assert process.wait(timeout=60) == 0
+    exit_code = process.wait(timeout=60)
     log = served["log_path"].read_text()
+    assert exit_code == 0, log[-3000:]
     assert "draining" in log and "drained" in log
     assert key not in log
+
+
+def test_sigterm_while_the_embedding_model_loads_exits_cleanly(tmp_path):
+    """The embedding model loads and warms up on a thread after startup. A SIGTERM that lands then
+    used to abort the process after a clean drain (exit -6, "terminate called without an active
+    exception": the thread was still in torch when the interpreter finalized)."""
+    process, url, _key, log = _start_server(tmp_path)
+    log_path = tmp_path / "server.log"
+    try:
+        wait_http(f"{url}/ready", timeout_s=180)
+        deadline = time.monotonic() + 120
+        while "Loading SentenceTransformer model" not in log_path.read_text():
+            assert time.monotonic() < deadline, "the embedding model never started loading"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM)
+        exit_code = process.wait(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        log.close()
+    text = log_path.read_text()
+    assert exit_code == 0, text[-3000:]
+    assert "drained" in text and "terminate called" not in text
