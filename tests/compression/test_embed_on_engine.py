@@ -76,7 +76,6 @@ def test_pipelines_route_the_model_through_their_runner_and_release_it_on_close(
 
 
 def test_only_the_forward_pass_runs_on_the_engine_thread(engine, own_embedder):
-
     packed = own_embedder._packed
     pack, forward = packed.pack, packed.encode_packed
     threads: dict[str, str] = {}
