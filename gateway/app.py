@@ -11,6 +11,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -197,7 +199,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway.engine.start()
     await gateway.engine.check_health()
     watcher = asyncio.create_task(_watch_files(gateway), name="ctxgate-reload")
-    embedder_load = _EmbedderLoad(gateway)
+    embedder_load = app.state.embedder_load = _EmbedderLoad(gateway)
     warm_up = asyncio.create_task(embedder_load.run(), name="ctxgate-embedder-load")
     try:
         yield
@@ -221,14 +223,15 @@ class _EmbedderLoad:
     it once on each shape it will meet (`Embedder.warm_up`), so the first compressing requests pay for
     neither; a request that comes sooner waits for the same load, not for the warm-up.
 
-    Not asyncio.to_thread: shutdown must not wait for the whole warm-up (on a busy 2-core machine the
-    load and warm-up can outlast a supervisor's stop timeout), so `stop` ends it between two calls.
-    But the thread must have left torch before the interpreter finalizes: a daemon thread still in a
-    forward pass then aborts the process ("terminate called without an active exception", exit -6
-    after a clean drain). So it is not a daemon, and `stop` waits for it.
+    Not asyncio.to_thread: shutdown must not wait for the whole load (on a busy 2-core machine
+    loading the model and starting its process can outlast a supervisor's stop timeout), so `stop`
+    ends the warm-up between two calls and waits a few seconds at most. A daemon thread still inside
+    torch when the interpreter finalizes aborts the process ("terminate called without an active
+    exception", exit -6 after a clean drain), so `ctxgate serve` skips finalization while the thread
+    runs (`exit_if_still_loading`).
     """
 
-    STOP_TIMEOUT_S = 30.0
+    STOP_TIMEOUT_S = 5.0
 
     def __init__(self, gateway: Gateway):
         self.services = getattr(gateway.pipeline, "services", None)
@@ -251,7 +254,7 @@ class _EmbedderLoad:
             else:
                 loaded.set_result(None)
 
-        self.thread = threading.Thread(target=run, name="ctxgate-embedder-load")
+        self.thread = threading.Thread(target=run, name="ctxgate-embedder-load", daemon=True)
         self.thread.start()
         try:
             await asyncio.wrap_future(loaded)
@@ -271,14 +274,29 @@ class _EmbedderLoad:
         logger.info("embedding model loaded and warmed up (%d calls) in %.1f s", calls, time.perf_counter() - started)
 
     async def stop(self) -> None:
-        """End the warm-up after its current call and wait for the thread (bounded, then logged)."""
+        """End the warm-up after its current call and wait a little for the thread."""
         self.stopping.set()
         thread = self.thread
-        if thread is None or not thread.is_alive():
-            return
-        await asyncio.to_thread(thread.join, self.STOP_TIMEOUT_S)
-        if thread.is_alive():
-            logger.warning("the embedding model is still loading after %.0f s; exit waits for it", self.STOP_TIMEOUT_S)
+        if thread is not None and thread.is_alive():
+            await asyncio.to_thread(thread.join, self.STOP_TIMEOUT_S)
+
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+
+def exit_if_still_loading(app: FastAPI) -> None:
+    """After a clean shutdown, end the process at once if the embedding model is still loading:
+    interpreter finalization beside a thread in torch aborts (see `_EmbedderLoad`). Everything the
+    gateway owns is closed by then; the log is flushed first."""
+    embedder_load = getattr(app.state, "embedder_load", None)
+    if embedder_load is None or not embedder_load.running():
+        return
+    logger.info("the embedding model is still loading; exiting without waiting for it")
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 async def _watch_files(gateway: Gateway) -> None:

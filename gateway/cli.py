@@ -202,6 +202,9 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if engine is not None:
             engine.shutdown()
+    from gateway.app import exit_if_still_loading
+
+    exit_if_still_loading(app)
     return 0
 
 
