@@ -1,5 +1,5 @@
-"""The embedding model's precision follows the CPU: bfloat16 where a native bf16 GEMM exists, int8
-dynamic quantization elsewhere; vectors of different precisions never share a cache entry."""
+"""The embedding model's precision follows the CPU: bfloat16 on AMX, int8 dynamic quantization on
+AVX-512 without AMX and on AVX2, float32 below; vectors of different precisions never share a cache entry."""
 
 from __future__ import annotations
 
@@ -20,20 +20,22 @@ SENTENCES = [
 
 
 @pytest.mark.parametrize(
-    ("kernel_isa", "requested", "expected"),
+    ("kernel_isa", "amx", "requested", "expected"),
     [
-        ("avx512_bf16", None, "bfloat16"),
-        ("avx512_bf16", "auto", "bfloat16"),
-        ("avx2", None, "int8"),
-        ("avx2", "", "int8"),
-        ("portable", None, "float32"),
-        ("avx512_bf16", "int8", "int8"),
-        ("avx2", "float32", "float32"),
-        ("avx512_bf16", " Float32 ", "float32"),
+        ("avx512_bf16", True, None, "bfloat16"),
+        ("avx512_bf16", True, "auto", "bfloat16"),
+        ("avx512_bf16", False, None, "int8"),
+        ("avx512_bf16", False, "bfloat16", "bfloat16"),
+        ("avx2", False, None, "int8"),
+        ("avx2", False, "", "int8"),
+        ("portable", False, None, "float32"),
+        ("avx512_bf16", True, "int8", "int8"),
+        ("avx2", False, "float32", "float32"),
+        ("avx512_bf16", True, " Float32 ", "float32"),
     ],
 )
-def test_precision_follows_the_cpu_unless_asked(kernel_isa, requested, expected):
-    assert choose_precision(kernel_isa, requested) == expected
+def test_precision_follows_the_cpu_unless_asked(kernel_isa, amx, requested, expected):
+    assert choose_precision(kernel_isa, requested, amx=amx) == expected
 
 
 def test_bf16_without_a_native_gemm_and_unknown_names_are_refused_by_name():
