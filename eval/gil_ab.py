@@ -27,6 +27,9 @@ ARMS = {
     "beside a Python thread, 0.5 ms": {"busy": True, "switch_s": 0.0005},
     "beside a Python thread, 0.1 ms": {"busy": True, "switch_s": 0.0001},
     "beside a Python thread, 0.05 ms": {"busy": True, "switch_s": 0.00005},
+    # One OpenMP thread: the busy thread gets a core of its own, so what remains is the GIL alone.
+    "alone, 0.5 ms, 1 OpenMP thread": {"busy": False, "switch_s": 0.0005, "engine_threads": 1},
+    "beside a Python thread, 0.5 ms, 1 OpenMP thread": {"busy": True, "switch_s": 0.0005, "engine_threads": 1},
 }
 
 
@@ -41,17 +44,21 @@ def _busy_python(stop: threading.Event, done: list[int]) -> None:
         done[0] += 1
 
 
-def measure_arm(busy: bool, switch_s: float, rounds: int) -> dict[str, float]:
+def measure_arm(busy: bool, switch_s: float, rounds: int, engine_threads: int | None = None) -> dict[str, float]:
     """Median decode step (ms) at batch 1 and batch 4 in this process, and the busy thread's splits
-    per second meanwhile (how much the compressing side still gets done)."""
+    per second meanwhile (how much the compressing side still gets done). The engine steps in this
+    (main) thread with its configured OpenMP threads, or `engine_threads`; the busy thread runs no
+    torch op, so it starts no OpenMP team of its own."""
     from backend import openmp
     from backend.config import EngineConfig
     from backend.llm_engine import LLMEngine
     from eval.cpu_paths_ab import _run_requests
 
     engine = LLMEngine(EngineConfig(dtype="auto", kv_cache_memory_mb=256))
-    openmp.hand_cores_to_engine()
     _run_requests(engine, 1, 64, 4, "warm-up")
+    if engine_threads is not None:
+        # After the warm-up: the engine's first step re-applies its own count (read back: 1, then 2).
+        openmp.limit_calling_thread(engine_threads)
     sys.setswitchinterval(switch_s)
     stop = threading.Event()
     done = [0]
@@ -66,8 +73,11 @@ def measure_arm(busy: bool, switch_s: float, rounds: int) -> dict[str, float]:
     stop.set()
     if busy:
         thread.join()
+    import torch
+
     return {"decode_step_ms_batch1": statistics.median(batch1), "decode_step_ms_batch4": statistics.median(batch4),
-            "busy_splits_per_s": round(done[0] / (time.perf_counter() - started), 1)}
+            "busy_splits_per_s": round(done[0] / (time.perf_counter() - started), 1),
+            "engine_openmp_threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:

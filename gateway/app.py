@@ -225,13 +225,13 @@ class _EmbedderLoad:
 
     Not asyncio.to_thread: shutdown must not wait for the whole load (on a busy 2-core machine
     loading the model and starting its process can outlast a supervisor's stop timeout), so `stop`
-    ends the warm-up between two calls and waits a few seconds at most. A daemon thread still inside
+    ends the warm-up between two calls and waits two seconds at most. A daemon thread still inside
     torch when the interpreter finalizes aborts the process ("terminate called without an active
     exception", exit -6 after a clean drain), so `ctxgate serve` skips finalization while the thread
     runs (`exit_if_still_loading`).
     """
 
-    STOP_TIMEOUT_S = 5.0
+    STOP_TIMEOUT_S = 2.0
 
     def __init__(self, gateway: Gateway):
         self.services = getattr(gateway.pipeline, "services", None)
