@@ -60,6 +60,8 @@ class AttentionBackend:
     name = "base"
     # True when a decode-only step has static shapes and no host sync (CUDA graph capture).
     supports_decode_graphs = False
+    # True when a CPU decode-only step over static buffers needs no per-step mask (a traced step).
+    supports_traced_decode = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads
@@ -169,6 +171,8 @@ class CPUBatchedAttention(PagedAttentionBackend):
         from backend import cpu_kernels
 
         self.use_kernel = cpu_kernels.load()
+        # The kernel masks each row by its context length; the gathered path needs a per-step bias.
+        self.supports_traced_decode = self.use_kernel
 
     def prefill(self, layer, q, k, v, kv_cache, chunk):
         if chunk.mask is None:

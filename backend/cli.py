@@ -69,6 +69,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
         help="decode through captured CUDA graphs (default: on where they run)",
     )
+    parser.add_argument(
+        "--cpu-decode-graphs", action=argparse.BooleanOptionalAction, default=None,
+        help="CPU: decode steps traced into TorchScript, one per padded batch size (default: on where they run)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
 
 
@@ -93,10 +97,12 @@ def engine_config_from_args(args: argparse.Namespace):
         "attention_backend": args.attention_backend,
         "gpu_memory_utilization": getattr(args, "gpu_memory_utilization", None),
         "cuda_graphs": getattr(args, "cuda_graphs", None),
+        "cpu_decode_graphs": getattr(args, "cpu_decode_graphs", None),
         "enable_prefix_caching": not args.no_prefix_caching,
     }
     # Optional fields left unset fall back to EngineConfig's defaults.
-    keep_none = {"model", "num_kv_blocks", "kv_cache_memory_mb", "max_model_len", "num_threads", "cuda_graphs"}
+    keep_none = {"model", "num_kv_blocks", "kv_cache_memory_mb", "max_model_len", "num_threads", "cuda_graphs",
+                 "cpu_decode_graphs"}
     return EngineConfig(**{k: v for k, v in fields.items() if v is not None or k in keep_none})
 
 

@@ -22,6 +22,9 @@ class EngineConfig:
     # Decode CUDA graphs: None = on where they run (CUDA, the cuda attention backend, 16/32-bit
     # KV); True = required (a start-up error where they cannot run); False = off.
     cuda_graphs: bool | None = None
+    # CPU decode steps traced into TorchScript, one function per padded batch size: None = on where
+    # they run (the C++ kernels, bfloat16 weights and KV); True = required; False = off.
+    cpu_decode_graphs: bool | None = None
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8
     # none | int4: decode-sized matmuls read 4-bit weights (groups of 32, asymmetric); the default
     # model ships as Q4_1, whose grid int4 reproduces up to bfloat16 scale rounding.

@@ -11,22 +11,34 @@ block manager never hands out (the pool is allocated one block larger), attend t
 
 Everything but capture and replay is device-independent: with `capture=False` the same padded,
 static-buffer forward runs eagerly, which is how the CPU tests check it.
+
+On a CPU the same buffers serve traced decode steps (`trace=True`): each size's forward is recorded
+once with `torch.jit.trace` and replayed by TorchScript's interpreter in C++. The eager step makes
+~400 Python-level op calls, each of which releases the GIL and must take it back; beside a busy
+Python thread (the gateway's compression) each take-back can wait a whole switch interval
+(eval/reports/gil-threads-2026-12-02/). The traced step runs its ops without returning to Python.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from backend.attention import AttentionBackend, AttentionMetadata
-from backend.kv_cache import KVCache
+from backend.kv_cache import KVCache, KVCacheSpec
 from backend.model import LlamaModel
 
 logger = logging.getLogger(__name__)
 
 CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+# Traced CPU decode steps run every matmul through the C++ GEMV, which streams the weights once
+# for all rows; beyond this many rows oneDNN's GEMM is the faster path and the step runs eagerly.
+TRACED_DECODE_MAX_BATCH = 8
 
 
 def capture_sizes(max_num_seqs: int, sizes: tuple[int, ...] = CAPTURE_BATCH_SIZES) -> tuple[int, ...]:
@@ -103,18 +115,44 @@ class DecodeInputBuffers:
 
     def metadata(self, size: int, kv_cache: KVCache) -> AttentionMetadata:
         """Attention metadata over the first `size` rows (views of the buffers: static addresses)."""
-        return AttentionMetadata(
-            write_plan=kv_cache.make_write_plan(self.slot_mapping[:size]),
-            num_decodes=size,
-            decode_blocks=self.block_tables[:size],
-            decode_context_lens=self.context_lens[:size],
-            decode_bias=None,  # graph-capable backends mask from decode_context_lens on the device
-            prefills=[],
+        return static_decode_metadata(
+            kv_cache, self.slot_mapping[:size], self.context_lens[:size], self.block_tables[:size]
         )
+
+    def step_inputs(self, size: int) -> tuple[torch.Tensor, ...]:
+        """The first `size` rows of every buffer, in `DecodeGraphs.forward_from`'s argument order."""
+        return (self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
+                self.context_lens[:size], self.block_tables[:size], self.logits_rows[:size])
+
+
+def static_decode_metadata(
+    kv_cache: KVCache, slot_mapping: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor
+) -> AttentionMetadata:
+    return AttentionMetadata(
+        write_plan=kv_cache.make_write_plan(slot_mapping),
+        num_decodes=slot_mapping.shape[0],
+        decode_blocks=block_tables,
+        decode_context_lens=context_lens,
+        decode_bias=None,  # static-shape backends mask from decode_context_lens
+        prefills=[],
+    )
+
+
+def untraceable_reason(model: LlamaModel, kv_spec: KVCacheSpec) -> str | None:
+    """Why this model's decode step cannot be traced on a CPU; None when it can."""
+    if kv_spec.quantized or kv_spec.dtype != torch.bfloat16:
+        return "traced decode steps need a bfloat16 KV cache (the C++ paged-attention kernel)"
+    for linear in model.linears():
+        if not linear.gemv_max_rows:
+            return "a matmul has no C++ GEMV (the CPU kernels are not loaded, or the weights are not bfloat16)"
+        if linear.bias is not None:
+            return "a matmul has a bias, which the C++ GEMV does not take"
+    return None
 
 
 class DecodeGraphs:
-    """Runs decode-only steps padded to `sizes`, replaying one captured CUDA graph per size."""
+    """Runs decode-only steps padded to `sizes`, replaying one captured CUDA graph (or, on a CPU,
+    one traced TorchScript function) per size."""
 
     def __init__(
         self,
@@ -124,11 +162,18 @@ class DecodeGraphs:
         buffers: DecodeInputBuffers,
         sizes: tuple[int, ...],
         capture: bool,
+        trace: bool = False,
     ):
-        if not attention.supports_decode_graphs:
+        if trace and capture:
+            raise ValueError("decode steps are either captured (CUDA) or traced (CPU), not both")
+        static = attention.supports_traced_decode if trace else attention.supports_decode_graphs
+        if not static:
             raise ValueError(f"attention backend {attention.name!r} cannot run static-shape decode steps")
         if kv_cache.quantized:
             raise ValueError("decode graphs need a 16/32-bit KV cache: int8 writes have data-dependent shapes")
+        reason = untraceable_reason(model, kv_cache.spec) if trace else None
+        if reason is not None:
+            raise ValueError(reason)
         if max(sizes) > buffers.max_batch:
             raise ValueError(f"buffers hold {buffers.max_batch} rows, fewer than the largest size {max(sizes)}")
         self.model = model
@@ -137,26 +182,35 @@ class DecodeGraphs:
         self.buffers = buffers
         self.sizes = tuple(sorted(sizes))
         self.capture = capture
+        self.trace = trace
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.traced: dict[int, torch.jit.ScriptFunction] = {}
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
     def _forward(self, size: int) -> torch.Tensor:
-        buffers = self.buffers
-        return self.model(
-            buffers.input_ids[:size],
-            buffers.positions[:size],
-            self.attention,
-            self.kv_cache,
-            buffers.metadata(size, self.kv_cache),
-            buffers.logits_rows[:size],
-        )
+        return self.forward_from(*self.buffers.step_inputs(size))
+
+    def forward_from(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The padded decode forward over these buffer views (what a trace records)."""
+        metadata = static_decode_metadata(self.kv_cache, slot_mapping, context_lens, block_tables)
+        return self.model(input_ids, positions, self.attention, self.kv_cache, metadata, logits_rows)
 
     def capture_all(self) -> None:
         """Record one graph per size, largest first so the smaller ones reuse its memory pool."""
+        if self.trace:
+            self.trace_all()
         if not self.capture:
             return
         pool = None
@@ -172,6 +226,39 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", ", ".join(map(str, self.sizes)))
 
+    def trace_all(self) -> None:
+        """Trace one function per size over padding rows. The buffers are its inputs, the weights
+        and the KV pool its constants (the same storage: its K/V writes land in the pool)."""
+        for size in self.sizes:
+            self.buffers.fill(DecodeBatch([], [], [], [], []), size)
+            inputs = self.buffers.step_inputs(size)
+            with self._traceable(size), warnings.catch_warnings(), torch.inference_mode():
+                # The tracer warns about every Python int it freezes (sizes, the decode-only branch):
+                # all fixed for a padded size by construction.
+                warnings.simplefilter("ignore")
+                traced = torch.jit.trace(self.forward_from, inputs, check_trace=False)
+                for _ in range(2):  # TorchScript's profiling runs, here rather than in a request's step
+                    traced(*inputs)
+            self.traced[size] = traced
+        logger.info("traced CPU decode steps for batch sizes %s", ", ".join(map(str, self.sizes)))
+
+    @contextlib.contextmanager
+    def _traceable(self, size: int) -> Iterator[None]:
+        """While tracing: no side work between layers (a trace cannot call back into Python), and
+        every C++ GEMV takes `size` rows (oneDNN's packed matmul has an argument the tracer cannot record)."""
+        model = self.model
+        between, model.between_layers = model.between_layers, None
+        linears = [linear for linear in model.linears() if linear.gemv_max_rows]
+        saved = [linear.gemv_max_rows for linear in linears]
+        for linear in linears:
+            linear.gemv_max_rows = max(linear.gemv_max_rows, size)
+        try:
+            yield
+        finally:
+            model.between_layers = between
+            for linear, rows in zip(linears, saved, strict=True):
+                linear.gemv_max_rows = rows
+
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """Float32 logits [len(batch), vocab]. With graphs this is a view of the graph's output
         buffer, valid until the next `run`: sample from it before stepping again."""
@@ -182,7 +269,9 @@ class DecodeGraphs:
         if size in self.graphs:
             self.graphs[size].replay()
             logits = self.outputs[size]
+        elif size in self.traced:
+            with torch.inference_mode():
+                logits = self.traced[size](*self.buffers.step_inputs(size))
         else:
             logits = self._forward(size)
         return logits[: len(batch)]
-

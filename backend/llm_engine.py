@@ -18,8 +18,15 @@ from backend.attention import AttentionBackend, create_backend, resolve_backend_
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.cpu_features import cpu_path
-from backend.decode_graphs import DecodeGraphs, DecodeInputBuffers, capture_sizes
+from backend.decode_graphs import (
+    TRACED_DECODE_MAX_BATCH,
+    DecodeGraphs,
+    DecodeInputBuffers,
+    capture_sizes,
+    untraceable_reason,
+)
 from backend.kv_cache import KVCache, KVCacheSpec, activation_reserve_bytes, kv_blocks_for_gpu_memory
+from backend.model import LlamaModel
 from backend.model_loader import load_model
 from backend.model_runner import ModelRunner
 from backend.sampler import sample
@@ -90,6 +97,25 @@ def use_decode_graphs(config: EngineConfig, device: torch.device, attention: Att
     return not reasons
 
 
+def use_traced_decode(config: EngineConfig, device: torch.device, attention: AttentionBackend,
+                      model: LlamaModel, kv_spec: KVCacheSpec) -> bool:
+    """Whether CPU decode steps run as traced functions (config.cpu_decode_graphs None = where they can)."""
+    if config.cpu_decode_graphs is False:
+        return False
+    reasons = []
+    if device.type != "cpu":
+        reasons.append(f"the device is {device}")
+    if not attention.supports_traced_decode:
+        reasons.append(f"attention backend {attention.name!r} has no static-shape CPU decode")
+    if device.type == "cpu":
+        reason = untraceable_reason(model, kv_spec)
+        if reason:
+            reasons.append(reason)
+    if reasons and config.cpu_decode_graphs:
+        raise ValueError(f"--cpu-decode-graphs cannot run: {'; '.join(reasons)}")
+    return not reasons
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # bfloat16 halves the weight bytes a decode step streams; on CPU the choice depends on
@@ -136,13 +162,14 @@ class LLMEngine:
             num_blocks * config.block_size,
         )
         self.model.init_rotary(self.max_model_len)
+        traced = not graphs and use_traced_decode(config, self.device, self.attention, self.model, spec)
         # Decode graphs pad batches with rows writing to a scratch block beyond the manager's pool.
-        self.kv_cache = KVCache(spec, num_blocks + (1 if graphs else 0), self.device)
+        self.kv_cache = KVCache(spec, num_blocks + (1 if graphs or traced else 0), self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, config.ttft_target_ms
         )
-        decode_graphs = self._capture_decode_graphs(num_blocks) if graphs else None
+        decode_graphs = self._capture_decode_graphs(num_blocks, traced) if graphs or traced else None
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, decode_graphs)
         self.vocab_size = arch.vocab_size
         self.sequences: dict[str, Sequence] = {}
@@ -178,15 +205,19 @@ class LLMEngine:
         )
         return num_blocks
 
-    def _capture_decode_graphs(self, scratch_block: int) -> DecodeGraphs:
+    def _capture_decode_graphs(self, scratch_block: int, traced: bool = False) -> DecodeGraphs:
         config = self.config
         sizes = capture_sizes(config.max_num_seqs)
+        if traced:
+            sizes = tuple(size for size in sizes if size <= TRACED_DECODE_MAX_BATCH)
         max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         buffers = DecodeInputBuffers(max(sizes), max_blocks_per_seq, scratch_block, config.block_size, self.device)
-        graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, buffers, sizes, capture=True)
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, buffers, sizes, capture=not traced,
+                              trace=traced)
         started = time.perf_counter()
         graphs.capture_all()
-        logger.info("decode CUDA graphs captured in %.1f s", time.perf_counter() - started)
+        logger.info("decode %s in %.1f s", "steps traced" if traced else "CUDA graphs captured",
+                    time.perf_counter() - started)
         return graphs
 
     # ---- requests ---------------------------------------------------------------------------
@@ -352,6 +383,7 @@ class LLMEngine:
                 "cpu_kernel_isa": path.kernel_isa if self.model.use_fused_layers else "none",
                 "cpu_isa_capped_by": path.capped_by,
                 "matmul": plan.summary() if plan else "plain",
+                "traced_decode_batch_sizes": list(graphs.sizes) if (graphs := self.runner.decode_graphs) else [],
             })
         return info
 
@@ -359,7 +391,9 @@ class LLMEngine:
         info = self.path_info()
         if self.device.type != "cpu":
             return f"device {info['device']}"
-        return f"cpu kernels {info['cpu_kernel_isa']}, {info['matmul']}, flags {' '.join(info['cpu_flags'])}"
+        traced = info["traced_decode_batch_sizes"]
+        decode = f"traced decode up to {max(traced)} rows" if traced else "eager decode"  # type: ignore[type-var]
+        return f"cpu kernels {info['cpu_kernel_isa']}, {info['matmul']}, {decode}, flags {' '.join(info['cpu_flags'])}"
 
     def stats(self) -> EngineStats:
         total = self.block_manager.num_blocks

@@ -71,6 +71,8 @@ class EngineSection(_Section):
     prefix_caching: bool | None = Field(None, description="automatic prefix caching (default true)")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="CUDA: fraction of GPU memory")
     cuda_graphs: bool | None = Field(None, description="CUDA: decode through captured graphs (default: where they run)")
+    cpu_decode_graphs: bool | None = Field(
+        None, description="CPU: decode steps traced into TorchScript per batch size (default: where they run)")
     max_waiting_requests: int | None = Field(None, ge=1, description="refuse with 503 beyond this many waiting")
     embed_on: Literal["engine", "process"] | None = Field(
         None, description="where the compression embedder runs: the CPU engine's thread between its steps "

@@ -17,7 +17,7 @@ def kernels():
     assert cpu_kernels.load(), "the C++ kernels did not build (see the log for the compiler error)"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("inner", [576, 100])
 def test_gemv_matches_float_matmul(rows, inner):
     generator = torch.Generator().manual_seed(rows * 1000 + inner)
