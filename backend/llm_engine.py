@@ -169,7 +169,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, config.ttft_target_ms
         )
-        decode_graphs = self._capture_decode_graphs(num_blocks, traced) if graphs or traced else None
+        decode_graphs = None
+        if graphs:
+            decode_graphs = self._capture_decode_graphs(num_blocks)
+        elif traced:
+            decode_graphs = self._trace_decode_steps(num_blocks)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, decode_graphs)
         self.vocab_size = arch.vocab_size
         self.sequences: dict[str, Sequence] = {}
@@ -219,6 +223,17 @@ class LLMEngine:
         logger.info("decode %s in %.1f s", "steps traced" if traced else "CUDA graphs captured",
                     time.perf_counter() - started)
         return graphs
+
+    def _trace_decode_steps(self, scratch_block: int) -> DecodeGraphs | None:
+        """Traced CPU decode steps; where they were not asked for explicitly, a trace that fails
+        (a torch build whose tracer rejects an op) leaves the engine eager instead of down."""
+        try:
+            return self._capture_decode_graphs(scratch_block, traced=True)
+        except Exception:
+            if self.config.cpu_decode_graphs:
+                raise
+            logger.warning("tracing the CPU decode steps failed; decode steps run eagerly", exc_info=True)
+            return None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:

@@ -119,3 +119,15 @@ def test_a_required_trace_that_cannot_run_is_a_clear_error(make_engine):
     with pytest.raises(ValueError, match="--cpu-decode-graphs cannot run: .*bfloat16"):
         make_engine(dtype="float32", cpu_decode_graphs=True)
     assert make_engine(dtype="float32").runner.decode_graphs is None, "by default an untraceable engine runs eagerly"
+
+
+def test_a_trace_that_fails_leaves_the_engine_eager_unless_it_was_required(make_engine, monkeypatch):
+    from backend.decode_graphs import DecodeGraphs
+
+    def refuse(self):
+        raise RuntimeError("this tracer rejects an op")
+
+    monkeypatch.setattr(DecodeGraphs, "trace_all", refuse)
+    assert make_engine(dtype="bfloat16").runner.decode_graphs is None
+    with pytest.raises(RuntimeError, match="rejects an op"):
+        make_engine(dtype="bfloat16", cpu_decode_graphs=True)
