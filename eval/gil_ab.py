@@ -4,9 +4,10 @@ engine's (backend/async_engine.py), each arm in a fresh child process.
 
     python -m eval.gil_ab [--rounds 3] [--out DIR]
 
-The busy thread splits sentences in a loop (the pure-Python part of compression). The engine thread
-re-takes the GIL between every op of a forward pass, and each re-take can wait a whole switch
-interval while the other thread runs bytecode.
+The busy thread splits sentences in a loop (the pure-Python part of compression). An eager forward
+pass re-takes the GIL between every op, and each re-take can wait a whole switch interval while the
+other thread runs bytecode; a traced decode step (the default on CPUs with the C++ kernels,
+backend/decode_graphs.py) is one call. The "eager decode" arms show the difference.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ ARMS = {
     # One OpenMP thread: the busy thread gets a core of its own, so what remains is the GIL alone.
     "alone, 0.5 ms, 1 OpenMP thread": {"busy": False, "switch_s": 0.0005, "engine_threads": 1},
     "beside a Python thread, 0.5 ms, 1 OpenMP thread": {"busy": True, "switch_s": 0.0005, "engine_threads": 1},
+    # The engine's decode steps as eager Python op calls instead of traced functions (--no-cpu-decode-graphs).
+    "alone, 0.5 ms, eager decode": {"busy": False, "switch_s": 0.0005, "traced": False},
+    "beside a Python thread, 0.5 ms, eager decode": {"busy": True, "switch_s": 0.0005, "traced": False},
 }
 
 
@@ -44,7 +48,9 @@ def _busy_python(stop: threading.Event, done: list[int]) -> None:
         done[0] += 1
 
 
-def measure_arm(busy: bool, switch_s: float, rounds: int, engine_threads: int | None = None) -> dict[str, float]:
+def measure_arm(
+    busy: bool, switch_s: float, rounds: int, engine_threads: int | None = None, traced: bool = True
+) -> dict[str, object]:
     """Median decode step (ms) at batch 1 and batch 4 in this process, and the busy thread's splits
     per second meanwhile (how much the compressing side still gets done). The engine steps in this
     (main) thread with its configured OpenMP threads, or `engine_threads`; the busy thread runs no
@@ -54,7 +60,7 @@ def measure_arm(busy: bool, switch_s: float, rounds: int, engine_threads: int | 
     from backend.llm_engine import LLMEngine
     from eval.cpu_paths_ab import _run_requests
 
-    engine = LLMEngine(EngineConfig(dtype="auto", kv_cache_memory_mb=256))
+    engine = LLMEngine(EngineConfig(dtype="auto", kv_cache_memory_mb=256, cpu_decode_graphs=None if traced else False))
     _run_requests(engine, 1, 64, 4, "warm-up")
     if engine_threads is not None:
         # After the warm-up: the engine's first step re-applies its own count (read back: 1, then 2).
@@ -77,7 +83,8 @@ def measure_arm(busy: bool, switch_s: float, rounds: int, engine_threads: int | 
 
     return {"decode_step_ms_batch1": statistics.median(batch1), "decode_step_ms_batch4": statistics.median(batch4),
             "busy_splits_per_s": round(done[0] / (time.perf_counter() - started), 1),
-            "engine_openmp_threads": torch.get_num_threads()}
+            "engine_openmp_threads": torch.get_num_threads(),
+            "traced_decode_batch_sizes": engine.path_info().get("traced_decode_batch_sizes", [])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from eval.report import cpu_path_line
 
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, object]] = {}
     for name in ARMS:
         started = time.perf_counter()
         child = subprocess.run([sys.executable, "-m", "eval.gil_ab", "--arm", name, "--rounds", str(args.rounds)],
