@@ -81,10 +81,16 @@ def check_device_support(config: EngineConfig, device: torch.device) -> None:
         raise ValueError(f"--cuda-graphs needs a CUDA device; this engine runs on {device}")
 
 
+def _where_possible(asked: bool | None, option: str, reasons: list[str]) -> bool:
+    """An optional engine path: off when asked off, else on unless `reasons` stand in its way,
+    which is a start-up error when it was asked for explicitly."""
+    if reasons and asked:
+        raise ValueError(f"{option} cannot run: {'; '.join(reasons)}")
+    return asked is not False and not reasons
+
+
 def use_decode_graphs(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> bool:
     """Whether decode steps run through captured CUDA graphs (config.cuda_graphs None = where they can)."""
-    if config.cuda_graphs is False:
-        return False
     reasons = []
     if device.type != "cuda":
         reasons.append(f"the device is {device}")
@@ -92,28 +98,20 @@ def use_decode_graphs(config: EngineConfig, device: torch.device, attention: Att
         reasons.append(f"attention backend {attention.name!r} has no static-shape decode")
     if config.kv_cache_dtype == "int8":
         reasons.append("int8 KV writes have data-dependent shapes")
-    if reasons and config.cuda_graphs:
-        raise ValueError(f"--cuda-graphs cannot run: {'; '.join(reasons)}")
-    return not reasons
+    return _where_possible(config.cuda_graphs, "--cuda-graphs", reasons)
 
 
 def use_traced_decode(config: EngineConfig, device: torch.device, attention: AttentionBackend,
                       model: LlamaModel, kv_spec: KVCacheSpec) -> bool:
     """Whether CPU decode steps run as traced functions (config.cpu_decode_graphs None = where they can)."""
-    if config.cpu_decode_graphs is False:
-        return False
     reasons = []
     if device.type != "cpu":
         reasons.append(f"the device is {device}")
     if not attention.supports_traced_decode:
         reasons.append(f"attention backend {attention.name!r} has no static-shape CPU decode")
-    if device.type == "cpu":
-        reason = untraceable_reason(model, kv_spec)
-        if reason:
-            reasons.append(reason)
-    if reasons and config.cpu_decode_graphs:
-        raise ValueError(f"--cpu-decode-graphs cannot run: {'; '.join(reasons)}")
-    return not reasons
+    if device.type == "cpu" and (reason := untraceable_reason(model, kv_spec)):
+        reasons.append(reason)
+    return _where_possible(config.cpu_decode_graphs, "--cpu-decode-graphs", reasons)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
