@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from backend import cpu_kernels
-from backend.cpu_features import ISA_CAP_ENV, ISA_FEATURES, KERNEL_ISAS, TORCH_ISA_CAPS, runnable_kernel_isas
+from backend.cpu_features import ISA_CAP_ENV, ISA_FEATURES, KERNEL_ISAS, runnable_kernel_isas
 from backend.kv_cache import KVCache, KVCacheSpec
+from tests.backend.capped_cpu import run_capped
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -199,21 +200,13 @@ def test_every_kernel_build_this_cpu_runs(isa, tmp_path):
     into a fresh cache folder and put through the kernel tests above in a child process with the
     CPU capped to it; the machine's own best build is what the tests above already ran."""
     import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     runnable = runnable_kernel_isas()
     if isa not in runnable:
         pytest.skip(f"the {isa} kernels need CPU features this machine lacks: {', '.join(ISA_FEATURES[isa])}")
     if isa == runnable[0] and not os.environ.get(ISA_CAP_ENV):
         pytest.skip(f"{isa} is this machine's own build, covered by the tests above in this process")
-    env = {**os.environ, ISA_CAP_ENV: isa, "CTXGATE_CACHE_DIR": str(tmp_path), **TORCH_ISA_CAPS.get(isa, {})}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "gemv or paged_decode or elementwise"],
-        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600,
-    )
+    result = run_capped(isa, __file__, tmp_path, "gemv or paged_decode or elementwise")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "passed" in result.stdout and "skipped" not in result.stdout
     assert [p.name for p in (tmp_path / "kernels").iterdir()][0].startswith(f"cpu-{isa}-")

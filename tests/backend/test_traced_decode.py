@@ -1,6 +1,7 @@
 """CPU decode steps traced into TorchScript (`backend/decode_graphs.py`, `cpu_decode_graphs`): a
 traced step computes what the eager step computes, its padding rows never touch a real block, the
-engine generates through it, and a trace that cannot run is a clear start-up error."""
+engine generates through it, and a trace that cannot run is a clear start-up error; on this CPU's
+own kernel build and, in a child process, capped to AVX2 (the other build that traces)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 
 from backend import cpu_kernels
 from backend.api import GenerationRequest, SamplingParams
-from backend.cpu_features import cpu_path
+from backend.cpu_features import ISA_CAP_ENV, cpu_path, runnable_kernel_isas
 from backend.scheduler import ScheduledSequence
 from backend.sequence import Sequence
+from tests.backend.capped_cpu import run_capped
 
 # Traced steps run every matmul through the C++ GEMV over bfloat16 weights.
 TRACEABLE = cpu_path().auto_dtype == "bfloat16" and cpu_kernels.load()
@@ -131,3 +133,16 @@ def test_a_trace_that_fails_leaves_the_engine_eager_unless_it_was_required(make_
     assert make_engine(dtype="bfloat16").runner.decode_graphs is None
     with pytest.raises(RuntimeError, match="rejects an op"):
         make_engine(dtype="bfloat16", cpu_decode_graphs=True)
+
+
+def test_traced_decode_on_the_avx2_build(tmp_path):
+    """AVX2 is the other kernel build that traces (portable runs float32, eagerly): where this CPU's
+    own build is AVX-512, the tests above run again capped to AVX2."""
+    import os
+
+    runnable = runnable_kernel_isas()
+    if os.environ.get(ISA_CAP_ENV) or runnable[0] == "avx2":
+        pytest.skip("this process already runs the AVX2 build (the tests above cover it)")
+    result = run_capped("avx2", __file__, tmp_path, "not avx2_build")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "5 passed" in result.stdout, result.stdout[-1000:]
