@@ -17,6 +17,17 @@ def at_least_one(text: str) -> int:
     return value
 
 
+def positive_number(text: str) -> float:
+    """argparse type: a finite number > 0, else an error naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return value
+
+
 def warn_deprecated(old: str, new: str) -> None:
     print(f"ctxgate: warning: {old} is deprecated; use {new}", file=sys.stderr)
 

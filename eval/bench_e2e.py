@@ -12,6 +12,10 @@ Four arms on the same questions and load, in one run:
   an `AsyncEngine` in the bench process (token ids in, deltas out: no HTTP at all, the strictest
   baseline), or `ctxgate engine serve` over HTTP with `--engine-server`.
 
+With `--arrival-rate R` the load is open loop instead: each chunk's requests arrive at Poisson times
+at R requests/s (the same schedule for every arm), whatever the replies; a closed loop builds convoys
+that a stream of independent users does not (eval/reports/e2e-avx2-native-2026-12-02/).
+
 Arms are interleaved chunk by chunk (a chunk is a few closed-loop "rounds" of `concurrency` clients),
 the order rotated per chunk, because a shared two-core machine drifts over minutes. Every request
 starts with a unique tag, so nothing is served from the prefix cache, and generates exactly
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import statistics
 import time
 import uuid
@@ -50,6 +55,11 @@ ARM_ORDERS: tuple[tuple[str, ...], ...] = (
     ("compressed", "ideal", "engine", "full"),
 )
 TAG_PLACEHOLDER = "bench-tag-000000000000"
+OPEN_LOOP = 0  # the level (Sample.concurrency) of an open-loop run
+OPEN_LOOP_CHUNK_CLIENTS = 4
+# Open loop, requests/s is the rate the arm was offered, not what it can serve: these checks need
+# the closed loop and are left undecided.
+CLOSED_LOOP_ONLY_CHECKS = ("gateway_vs_engine_req_s", "efficiency", "gain")
 
 
 @dataclass
@@ -69,6 +79,18 @@ class E2EOptions:
     embed_on: str = "engine"  # the gateway's `serve --embed-on`
     compression_workers: int | None = None  # the gateway's `serve --compression-workers`; None: its default
     max_num_batched_tokens: int | None = None  # the engine's token budget per step (gateway and engine alone)
+    # Open loop: requests arrive at this Poisson rate (requests/s), whether or not earlier ones have
+    # finished, instead of `concurrency` clients that each wait for their last reply. One level.
+    arrival_rate: float | None = None
+
+    @property
+    def levels(self) -> list[int]:
+        """The concurrency levels; open loop runs one level, labelled 0 (no client count)."""
+        return [OPEN_LOOP] if self.arrival_rate else self.concurrencies
+
+    def chunk_size(self, concurrency: int) -> int:
+        """Requests per interleaved chunk: open loop, as many as four closed-loop clients' chunk."""
+        return max(1, (concurrency or OPEN_LOOP_CHUNK_CLIENTS) * self.rounds_per_chunk)
 
 
 @dataclass
@@ -213,6 +235,29 @@ async def closed_loop(items: Sequence[Any], concurrency: int, one: Callable) -> 
     return results
 
 
+def arrival_offsets(count: int, rate_per_s: float, seed: int) -> list[float]:
+    """Poisson arrival times (seconds from the start) of `count` requests; the same for a given seed,
+    so every arm of a chunk is offered the same schedule."""
+    rng = random.Random(seed)
+    offsets, at = [], 0.0
+    for _ in range(count):
+        offsets.append(at)
+        at += rng.expovariate(rate_per_s)
+    return offsets
+
+
+async def open_loop(items: Sequence[Any], rate_per_s: float, one: Callable, seed: int) -> list[Any]:
+    """Send each item at its Poisson arrival time, without waiting for earlier replies."""
+    started = time.perf_counter()
+
+    async def send(item: Any, offset: float) -> Any:
+        await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
+        return await one(item)
+
+    offsets = arrival_offsets(len(items), rate_per_s, seed)
+    return list(await asyncio.gather(*(send(item, offset) for item, offset in zip(items, offsets, strict=True))))
+
+
 # ---------------------------------------------------------------------------- the run
 @dataclass
 class Endpoints:
@@ -271,7 +316,7 @@ class E2ERun:
             self.compress_reports[example.id] = payload["report"]
 
     async def run_arm(self, client: httpx.AsyncClient, arm: str, pass_name: str,
-                      examples: list[EvalExample]) -> ArmRun:
+                      examples: list[EvalExample], chunk_index: int = 0) -> ArmRun:
         async def one(example: EvalExample) -> Sample:
             try:
                 if arm == "engine":
@@ -286,15 +331,18 @@ class E2ERun:
         meter = CpuMeter(exclude_pids=self.endpoints.server_pids)
         meter.start()
         started = time.perf_counter()
-        samples = await closed_loop(examples, self.concurrency, one)
+        if self.options.arrival_rate:
+            samples = await open_loop(examples, self.options.arrival_rate, one, seed=chunk_index)
+        else:
+            samples = await closed_loop(examples, self.concurrency, one)
         wall = time.perf_counter() - started
         return ArmRun(arm, samples, wall, meter.stop()["others_cpu_frac"])
 
     async def run(self, examples: list[EvalExample]) -> None:
-        chunk_size = max(1, self.concurrency * self.options.rounds_per_chunk)
+        chunk_size = self.options.chunk_size(self.concurrency)
         chunks = [examples[i:i + chunk_size] for i in range(0, len(examples), chunk_size)]
         passes = PASSES if self.options.warm_pass else PASSES[:1]
-        limits = httpx.Limits(max_connections=self.concurrency + 4)
+        limits = httpx.Limits(max_connections=(self.concurrency or chunk_size) + 4)
         async with httpx.AsyncClient(timeout=httpx.Timeout(900), limits=limits) as client:
             await self.warm_up(client, examples)
             for pass_name in passes:
@@ -303,10 +351,10 @@ class E2ERun:
                     for arm in order:
                         if arm in ("ideal", "engine"):
                             await self.fetch_ideal(client, chunk)
-                        self.runs.append((pass_name, await self.run_arm(client, arm, pass_name, chunk)))
+                        self.runs.append((pass_name, await self.run_arm(client, arm, pass_name, chunk, index)))
                         if self.options.progress:
                             last = self.runs[-1][1]
-                            print(f"  c={self.concurrency} {pass_name} chunk {index + 1}/{len(chunks)} {arm}: "
+                            print(f"  {level_label(self.concurrency, self.options.arrival_rate)} {pass_name} chunk {index + 1}/{len(chunks)} {arm}: "
                                   f"{len(last.samples)} req in {last.wall_s:.1f} s "
                                   f"(others' CPU {100 * last.others_cpu_frac:.0f}%)", flush=True)
 
@@ -418,12 +466,14 @@ ACCEPTANCE = (
 )
 
 
-def acceptance(level_summary: dict[str, Any]) -> list[dict[str, Any]]:
+def acceptance(level_summary: dict[str, Any], open_loop: bool = False) -> list[dict[str, Any]]:
     checks = []
     for name, pass_name, path, comparison, bar in ACCEPTANCE:
         value: Any = level_summary.get(pass_name, {})
         for key in path:
             value = value.get(key) if isinstance(value, dict) else None
+        if open_loop and path[0] in CLOSED_LOOP_ONLY_CHECKS:
+            value = None
         met = None if value is None else (value >= bar if comparison == ">=" else value <= bar)
         checks.append({"check": name, "value": value, "bar": f"{comparison} {bar}", "met": met})
     return checks
@@ -447,9 +497,15 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"CPU during a chunk (mean {100 * report['others_cpu_frac_mean']:.0f}%); figures are noisy, compare ratios.",
         "",
     ]
+    arrival_rate = report.get("arrival_rate")
+    if arrival_rate:
+        lines[-1:-1] = [f"- Open loop: requests arrive at {arrival_rate:g} requests/s (Poisson, the same schedule "
+                        "for every arm of a chunk) whether or not earlier ones finished; req/s is what an arm "
+                        "served of that, so gain, efficiency and passthrough req/s are left to closed-loop runs."]
     for concurrency, level in report["levels"].items():
+        label = level_label(int(concurrency), arrival_rate, long=True)
         for pass_name, summary in level["summary"].items():
-            lines += [f"## Concurrency {concurrency}, {pass_name} pass", ""]
+            lines += [f"## {label[0].upper() + label[1:]}, {pass_name} pass", ""]
             lines += ["| arm | req/s | out tok/s | prompt tok | TTFT P50 / P95 ms | TPOT P50 / P95 ms | "
                       "e2e P50 / P95 ms | prefill P50 ms | compression P50 / P95 ms | others' CPU max |",
                       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -489,7 +545,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                              "the wait for the step in progress): " + ", ".join(
                                  f"{arm} {_pair(queue, 1)}" for arm, queue in queues.items() if queue.get("p50") is not None))
             lines.append("")
-        lines += [f"### Acceptance at concurrency {concurrency}", "", "| check | value | bar | met |",
+        lines += [f"### Acceptance at {label}", "", "| check | value | bar | met |",
                   "| --- | --- | --- | --- |"]
         for check in level["acceptance"]:
             met = "–" if check["met"] is None else ("yes" if check["met"] else "**no**")
@@ -497,6 +553,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append("")
     lines += [f"![requests/s and TTFT per arm]({report['plot']})", ""] if report.get("plot") else []
     return "\n".join(lines)
+
+
+def level_label(concurrency: int, arrival_rate: float | None, long: bool = False) -> str:
+    if arrival_rate:
+        return f"open loop at {arrival_rate:g} requests/s" if long else f"rate={arrival_rate:g}/s"
+    return f"concurrency {concurrency}" if long else f"c={concurrency}"
 
 
 def _f(value: Any, digits: int = 3) -> str:
@@ -522,7 +584,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         right.bar(positions, [row["ttft_ms"]["p95"] or 0 for row in rows], width, color=f"C{index}", alpha=0.35)
         right.bar(positions, [row["ttft_ms"]["p50"] or 0 for row in rows], width, color=f"C{index}", label=arm)
     for axis, title in ((left, "requests/s (cold pass)"), (right, "TTFT ms: P50 (solid) / P95 (light)")):
-        axis.set_xticks(range(len(levels)), [f"c={c}" for c in levels])
+        axis.set_xticks(range(len(levels)), [level_label(int(c), report.get("arrival_rate")) for c in levels])
         axis.set_title(title)
         axis.grid(axis="y", alpha=0.3)
     left.legend()
@@ -574,7 +636,7 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
         else:
             local_engine = start_local_engine(options.model, options.max_num_batched_tokens)
             stack.callback(local_engine.shutdown)
-        for concurrency in options.concurrencies:
+        for concurrency in options.levels:
             # A fresh gateway per level, without a shared (Redis) cache: the documents are new to it.
             gateway = GatewayProcess(policy_dir=options.policy_dir, model=options.model,
                                      log_path=target / f"gateway-c{concurrency}.log", env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None},
@@ -589,7 +651,7 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
             summary = summarize_level(level)
             levels[str(concurrency)] = {
                 "summary": summary,
-                "acceptance": acceptance(summary),
+                "acceptance": acceptance(summary, open_loop=bool(options.arrival_rate)),
                 "samples": [asdict(run_sample) for _, run in level.runs for run_sample in run.samples],
             }
     report: dict[str, Any] = {
@@ -603,6 +665,7 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
         "embed_on": options.embed_on,
         "compression_workers": compression_workers,
         "max_num_batched_tokens": options.max_num_batched_tokens,
+        "arrival_rate": options.arrival_rate,
         "cpu_path": cpu_path_line(),
         "others_cpu_frac_max": round(max((r.others_cpu_frac for r in all_runs), default=0.0), 3),
         "others_cpu_frac_mean": round(statistics.fmean(r.others_cpu_frac for r in all_runs), 3) if all_runs else 0.0,

@@ -9,7 +9,7 @@ import logging
 import shlex
 import sys
 
-from ctxgate.cli_actions import StoreWithDeprecatedAliases, at_least_one
+from ctxgate.cli_actions import StoreWithDeprecatedAliases, at_least_one, positive_number
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -266,6 +266,10 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
     e2e.add_argument("--max-num-batched-tokens", type=at_least_one, default=None, metavar="N",
                      help="the engine's token budget per step, for the gateway's engine and the engine-alone arm "
                           "(default: the engine's own)")
+    e2e.add_argument("--arrival-rate", type=positive_number, default=None, metavar="R",
+                     help="open loop: requests arrive at R requests/s (Poisson, the same schedule for every arm) "
+                          "instead of --concurrency clients that wait for their replies; one level, chunks of "
+                          "4 x --rounds-per-chunk requests; req/s-based checks are left to closed-loop runs")
     e2e.set_defaults(func=_bench_e2e)
 
 
@@ -282,6 +286,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         rounds_per_chunk=args.rounds_per_chunk, model=args.model, policy_dir=args.policy_dir,
         progress=not args.no_progress, engine_server=args.engine_server, embed_on=args.embed_on,
         compression_workers=args.compression_workers, max_num_batched_tokens=args.max_num_batched_tokens,
+        arrival_rate=args.arrival_rate,
     )
     from backend.cpu_features import cpu_path
 

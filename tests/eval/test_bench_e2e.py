@@ -3,20 +3,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from eval.bench_e2e import (
+    OPEN_LOOP,
     TAG_PLACEHOLDER,
     ArmRun,
+    E2EOptions,
     Sample,
     acceptance,
+    arrival_offsets,
     compression_payback,
     new_tag,
+    open_loop,
+    render_markdown,
     summarize_arm,
     tagged,
 )
@@ -84,6 +91,87 @@ def test_acceptance_reads_the_cold_pass_and_leaves_missing_figures_undecided():
     assert met["efficiency (compressed/ideal req/s) >= 0.9, cold"] is False
     assert met["gateway passthrough TPOT P50 <= 1.1x engine-alone"] is None
     assert met["first-sight compression <= 1/10 of prefill saved (P95)"] is False
+
+
+def test_open_loop_acceptance_leaves_the_rate_checks_undecided():
+    summary = {"cold": {"gain": 3.5, "efficiency": 0.95, "gateway_vs_engine_req_s": 0.95,
+                        "gateway_vs_engine_tpot_p50": 1.0, "compressed_vs_ideal_ttft_p95": 1.2,
+                        "payback": {"compression_share_of_saving_p95": 0.05}}}
+    met = {check["check"]: check["met"] for check in acceptance(summary, open_loop=True)}
+    # requests/s is what was offered, not what an arm can serve
+    assert met["gain (compressed/full req/s) >= 3"] is None
+    assert met["efficiency (compressed/ideal req/s) >= 0.9, cold"] is None
+    assert met["gateway passthrough req/s >= 0.9x engine-alone"] is None
+    assert met["TTFT P95 compressed <= 1.1x ideal, cold"] is False
+    assert met["gateway passthrough TPOT P50 <= 1.1x engine-alone"] is True
+    assert met["first-sight compression <= 1/10 of prefill saved (P95)"] is True
+
+
+def test_arrival_offsets_are_poisson_and_the_same_for_a_seed():
+    offsets = arrival_offsets(2000, rate_per_s=4.0, seed=3)
+    assert offsets == arrival_offsets(2000, rate_per_s=4.0, seed=3)
+    assert offsets != arrival_offsets(2000, rate_per_s=4.0, seed=4)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)  # 1 / rate
+    assert max(gaps) > 3 * 0.25 > min(gaps)  # exponential gaps, not a fixed interval
+
+
+async def test_open_loop_sends_on_schedule_without_waiting_for_replies():
+    sent: list[float] = []
+    started = time.perf_counter()
+
+    async def one(item: int) -> int:
+        sent.append(time.perf_counter() - started)
+        await asyncio.sleep(0.5)  # a slow reply: a closed-loop client would wait for it
+        return item * 10
+
+    results = await open_loop(list(range(6)), rate_per_s=50.0, one=one, seed=1)
+    took = time.perf_counter() - started
+    assert results == [0, 10, 20, 30, 40, 50]
+    offsets = arrival_offsets(6, 50.0, seed=1)
+    assert all(abs(at - offset) < 0.1 for at, offset in zip(sorted(sent), offsets, strict=True))
+    assert took < 0.5 + offsets[-1] + 0.3  # the replies overlapped: not 6 x 0.5 s
+
+
+def test_open_loop_runs_one_level_in_chunks_of_four_clients_rounds():
+    closed = E2EOptions(dataset="d", concurrencies=[1, 16])
+    assert closed.levels == [1, 16] and closed.chunk_size(16) == 32
+    opened = E2EOptions(dataset="d", concurrencies=[1, 16], arrival_rate=0.5, rounds_per_chunk=3)
+    assert opened.levels == [OPEN_LOOP] and opened.chunk_size(OPEN_LOOP) == 12
+
+
+def test_open_loop_report_says_what_its_request_rates_are():
+    arm = {"req_s": 0.4, "output_tok_s": 12.0, "prompt_tokens_mean": 600.0, "ttft_ms": {"p50": 1.0, "p95": 2.0},
+           "tpot_ms": {"p50": 1.0, "p95": 2.0}, "e2e_ms": {"p50": 1.0, "p95": 2.0}, "prefill_ms": {"p50": 1.0},
+           "compression_ms": {"p50": None, "p95": None}, "others_cpu_frac_max": 0.0}
+    summary = {"cold": {"arms": {"full": arm, "compressed": arm, "ideal": arm, "engine": arm}, "gain": 1.0,
+                        "efficiency": 1.0, "gateway_vs_engine_req_s": 1.0, "gateway_vs_engine_tpot_p50": 1.0,
+                        "compressed_vs_ideal_ttft_p95": 1.0, "token_reduction": 4.0,
+                        "payback": {"prefill_ms_saved": {"p50": 1.0, "mean": 1.0},
+                                    "compression_ms": {"p50": 1.0, "p95": 1.0},
+                                    "compression_share_of_saving_p95": 0.01}}}
+    report = {"command": "c", "dataset": "d", "questions": 8, "output_tokens": 32, "policy": "rag-default",
+              "full_policy": "passthrough", "cpu_path": "p", "others_cpu_frac_max": 0.0, "others_cpu_frac_mean": 0.0,
+              "arrival_rate": 0.4, "levels": {"0": {"summary": summary,
+                                                    "acceptance": acceptance(summary, open_loop=True)}}}
+    markdown = render_markdown(report)
+    assert "## Open loop at 0.4 requests/s, cold pass" in markdown
+    assert "### Acceptance at open loop at 0.4 requests/s" in markdown
+    assert "gain, efficiency and passthrough req/s are left to closed-loop runs" in markdown
+    assert "| gain (compressed/full req/s) >= 3 | – | >= 3.0 | – |" in markdown
+
+
+def test_arrival_rate_must_be_a_positive_number(capsys):
+    from ctxgate.cli import parse_args
+
+    assert parse_args(["bench", "e2e", "--arrival-rate", "0.4"]).arrival_rate == 0.4
+    assert parse_args(["bench", "e2e"]).arrival_rate is None
+    for bad, message in (("0", "must be a positive number, not 0"), ("fast", "expected a number, not 'fast'"),
+                         ("inf", "must be a positive number, not inf")):
+        with pytest.raises(SystemExit):
+            parse_args(["bench", "e2e", "--arrival-rate", bad])
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow
