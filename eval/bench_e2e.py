@@ -406,6 +406,29 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return round(numerator / denominator, 3)
 
 
+def p95_ratio_interval(numerators: Sequence[float], denominators: Sequence[float], confidence: float = 0.9,
+                       resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """A percentile-bootstrap interval for P95(numerators) / P95(denominators).
+
+    A P95 over a few dozen requests stands on its top one or two, so a ratio of two of them moves by
+    more than a 10% bar from run to run; the interval says how far. Requests are resampled
+    independently within each arm; those of one burst are not independent, so the true spread is if
+    anything wider. Seeded: the same samples give the same interval.
+    """
+    if len(numerators) < 2 or len(denominators) < 2:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        denominator = percentile(rng.choices(denominators, k=len(denominators)), 95)
+        if denominator > 0:
+            ratios.append(percentile(rng.choices(numerators, k=len(numerators)), 95) / denominator)
+    if not ratios:
+        return None
+    tail = (1 - confidence) / 2 * 100
+    return [round(percentile(ratios, tail), 3), round(percentile(ratios, 100 - tail), 3)]
+
+
 def compression_payback(samples: list[Sample]) -> dict[str, Any]:
     """Per question: compression ms against the prefill ms it saved (full's prefill - compressed's)."""
     by_question: dict[str, dict[str, Sample]] = {}
@@ -441,6 +464,7 @@ def summarize_level(level: E2ERun) -> dict[str, Any]:
         arms = {arm: summarize_arm([run for run in runs if run.arm == arm]) for arm in ARMS}
         req_s = {arm: arms[arm]["req_s"] for arm in ARMS}
         samples = [s for run in runs for s in run.samples]
+        ttfts = {arm: [s.ttft_ms for s in samples if s.arm == arm and not s.error] for arm in ("compressed", "ideal")}
         out[pass_name] = {
             "arms": arms,
             "gain": ratio(req_s["compressed"], req_s["full"]),
@@ -448,11 +472,15 @@ def summarize_level(level: E2ERun) -> dict[str, Any]:
             "gateway_vs_engine_req_s": ratio(req_s["ideal"], req_s["engine"]),
             "gateway_vs_engine_tpot_p50": ratio(arms["ideal"]["tpot_ms"]["p50"], arms["engine"]["tpot_ms"]["p50"]),
             "compressed_vs_ideal_ttft_p95": ratio(arms["compressed"]["ttft_ms"]["p95"], arms["ideal"]["ttft_ms"]["p95"]),
+            "compressed_vs_ideal_ttft_p95_interval": p95_ratio_interval(ttfts["compressed"], ttfts["ideal"]),
             "token_reduction": ratio(arms["full"]["prompt_tokens_mean"], arms["compressed"]["prompt_tokens_mean"]),
             "payback": compression_payback(samples),
         }
     return out
 
+
+# Checks whose value has a bootstrap interval beside it in the summary (key path -> interval key).
+INTERVALS = {("compressed_vs_ideal_ttft_p95",): "compressed_vs_ideal_ttft_p95_interval"}
 
 ACCEPTANCE = (
     # (name, pass, key path, comparison, bar)
@@ -475,7 +503,10 @@ def acceptance(level_summary: dict[str, Any], open_loop: bool = False) -> list[d
         if open_loop and path[0] in CLOSED_LOOP_ONLY_CHECKS:
             value = None
         met = None if value is None else (value >= bar if comparison == ">=" else value <= bar)
-        checks.append({"check": name, "value": value, "bar": f"{comparison} {bar}", "met": met})
+        check = {"check": name, "value": value, "bar": f"{comparison} {bar}", "met": met}
+        if path in INTERVALS and value is not None:
+            check["interval"] = level_summary[pass_name].get(INTERVALS[path])
+        checks.append(check)
     return checks
 
 
@@ -524,7 +555,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"efficiency (compressed / ideal req/s): **{_f(summary['efficiency'], 2)}**",
                 f"- gateway with passthrough prompts vs engine alone: req/s x{_f(summary['gateway_vs_engine_req_s'], 2)}, "
                 f"TPOT P50 x{_f(summary['gateway_vs_engine_tpot_p50'], 2)}; "
-                f"TTFT P95 compressed / ideal: x{_f(summary['compressed_vs_ideal_ttft_p95'], 2)}",
+                f"TTFT P95 compressed / ideal: x{_f(summary['compressed_vs_ideal_ttft_p95'], 2)}"
+                + _interval(summary.get("compressed_vs_ideal_ttft_p95_interval"), " (90% bootstrap interval ", ")"),
                 f"- prefill ms saved per request (full - compressed): P50 {_f(payback['prefill_ms_saved']['p50'], 0)}, "
                 f"mean {_f(payback['prefill_ms_saved']['mean'], 0)}; compression ms P50 / P95 "
                 f"{_pair(payback['compression_ms'], 1)}; compression / saving P95 "
@@ -549,7 +581,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "| --- | --- | --- | --- |"]
         for check in level["acceptance"]:
             met = "–" if check["met"] is None else ("yes" if check["met"] else "**no**")
-            lines.append(f"| {check['check']} | {_f(check['value'])} | {check['bar']} | {met} |")
+            value = _f(check["value"]) + _interval(check.get("interval"), " [", "]")
+            lines.append(f"| {check['check']} | {value} | {check['bar']} | {met} |")
+        if any(check.get("interval") for check in level["acceptance"]):
+            lines += ["", "In brackets: a 90% bootstrap interval (each arm's requests resampled); a bar inside it "
+                          "is within this run's noise."]
         lines.append("")
     lines += [f"![requests/s and TTFT per arm]({report['plot']})", ""] if report.get("plot") else []
     return "\n".join(lines)
@@ -559,6 +595,10 @@ def level_label(concurrency: int, arrival_rate: float | None, long: bool = False
     if arrival_rate:
         return f"open loop at {arrival_rate:g} requests/s" if long else f"rate={arrival_rate:g}/s"
     return f"concurrency {concurrency}" if long else f"c={concurrency}"
+
+
+def _interval(interval: list[float] | None, before: str, after: str) -> str:
+    return f"{before}{interval[0]:.2f}-{interval[1]:.2f}{after}" if interval else ""
 
 
 def _f(value: Any, digits: int = 3) -> str:

@@ -23,6 +23,7 @@ from eval.bench_e2e import (
     compression_payback,
     new_tag,
     open_loop,
+    p95_ratio_interval,
     render_markdown,
     summarize_arm,
     tagged,
@@ -107,6 +108,32 @@ def test_open_loop_acceptance_leaves_the_rate_checks_undecided():
     assert met["first-sight compression <= 1/10 of prefill saved (P95)"] is True
 
 
+def test_p95_ratio_interval_brackets_the_ratio_and_narrows_with_more_requests():
+    import random
+
+    rng = random.Random(7)
+    # the same latency distribution, 10% slower: the ratio of P95s is 1.1 in the limit
+    def draw(count: int, scale: float) -> list[float]:
+        return [scale * rng.lognormvariate(7.0, 0.4) for _ in range(count)]
+
+    few = p95_ratio_interval(draw(24, 1.1), draw(24, 1.0))
+    many = p95_ratio_interval(draw(960, 1.1), draw(960, 1.0))
+    assert few is not None and many is not None
+    assert few[0] < few[1] and many[0] < 1.1 < many[1]
+    assert many[1] - many[0] < (few[1] - few[0]) / 2  # 40x the requests, a much tighter interval
+    assert p95_ratio_interval([1.0, 2.0, 3.0], [1.0, 2.0]) == p95_ratio_interval([1.0, 2.0, 3.0], [1.0, 2.0])
+    assert p95_ratio_interval([1.0], [1.0, 2.0]) is None  # one request has no spread to resample
+
+
+def test_acceptance_shows_the_ttft_ratio_with_its_interval():
+    summary = {"cold": {"compressed_vs_ideal_ttft_p95": 1.08, "compressed_vs_ideal_ttft_p95_interval": [0.93, 1.27],
+                        "payback": {}}}
+    checks = {check["check"]: check for check in acceptance(summary)}
+    ttft = checks["TTFT P95 compressed <= 1.1x ideal, cold"]
+    assert ttft["met"] is True and ttft["interval"] == [0.93, 1.27]
+    assert "interval" not in checks["gain (compressed/full req/s) >= 3"]
+
+
 def test_arrival_offsets_are_poisson_and_the_same_for_a_seed():
     offsets = arrival_offsets(2000, rate_per_s=4.0, seed=3)
     assert offsets == arrival_offsets(2000, rate_per_s=4.0, seed=3)
@@ -147,7 +174,8 @@ def test_open_loop_report_says_what_its_request_rates_are():
            "compression_ms": {"p50": None, "p95": None}, "others_cpu_frac_max": 0.0}
     summary = {"cold": {"arms": {"full": arm, "compressed": arm, "ideal": arm, "engine": arm}, "gain": 1.0,
                         "efficiency": 1.0, "gateway_vs_engine_req_s": 1.0, "gateway_vs_engine_tpot_p50": 1.0,
-                        "compressed_vs_ideal_ttft_p95": 1.0, "token_reduction": 4.0,
+                        "compressed_vs_ideal_ttft_p95": 1.0, "compressed_vs_ideal_ttft_p95_interval": [0.9, 1.2],
+                        "token_reduction": 4.0,
                         "payback": {"prefill_ms_saved": {"p50": 1.0, "mean": 1.0},
                                     "compression_ms": {"p50": 1.0, "p95": 1.0},
                                     "compression_share_of_saving_p95": 0.01}}}
@@ -160,6 +188,9 @@ def test_open_loop_report_says_what_its_request_rates_are():
     assert "### Acceptance at open loop at 0.4 requests/s" in markdown
     assert "gain, efficiency and passthrough req/s are left to closed-loop runs" in markdown
     assert "| gain (compressed/full req/s) >= 3 | – | >= 3.0 | – |" in markdown
+    assert "TTFT P95 compressed / ideal: x1.00 (90% bootstrap interval 0.90-1.20)" in markdown
+    assert "| TTFT P95 compressed <= 1.1x ideal, cold | 1.000 [0.90-1.20] | <= 1.1 | yes |" in markdown
+    assert "In brackets: a 90% bootstrap interval" in markdown
 
 
 def test_arrival_rate_must_be_a_positive_number(capsys):
