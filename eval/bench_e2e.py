@@ -406,8 +406,12 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return round(numerator / denominator, 3)
 
 
-def p95_ratio_interval(numerators: Sequence[float], denominators: Sequence[float], confidence: float = 0.9,
-                       resamples: int = 2000, seed: int = 0) -> list[float] | None:
+INTERVAL_CONFIDENCE = 0.9  # of the bootstrap intervals in the summary and the report
+
+
+def p95_ratio_interval(numerators: Sequence[float], denominators: Sequence[float],
+                       confidence: float = INTERVAL_CONFIDENCE, resamples: int = 2000,
+                       seed: int = 0) -> list[float] | None:
     """A percentile-bootstrap interval for P95(numerators) / P95(denominators).
 
     A P95 over a few dozen requests stands on its top one or two, so a ratio of two of them moves by
@@ -479,9 +483,6 @@ def summarize_level(level: E2ERun) -> dict[str, Any]:
     return out
 
 
-# Checks whose value has a bootstrap interval beside it in the summary (key path -> interval key).
-INTERVALS = {("compressed_vs_ideal_ttft_p95",): "compressed_vs_ideal_ttft_p95_interval"}
-
 ACCEPTANCE = (
     # (name, pass, key path, comparison, bar)
     ("gateway passthrough req/s >= 0.9x engine-alone", "cold", ("gateway_vs_engine_req_s",), ">=", 0.9),
@@ -504,8 +505,9 @@ def acceptance(level_summary: dict[str, Any], open_loop: bool = False) -> list[d
             value = None
         met = None if value is None else (value >= bar if comparison == ">=" else value <= bar)
         check = {"check": name, "value": value, "bar": f"{comparison} {bar}", "met": met}
-        if path in INTERVALS and value is not None:
-            check["interval"] = level_summary[pass_name].get(INTERVALS[path])
+        interval = level_summary.get(pass_name, {}).get(f"{path[0]}_interval") if len(path) == 1 else None
+        if interval is not None and value is not None:  # a summary figure with a bootstrap interval beside it
+            check["interval"] = interval
         checks.append(check)
     return checks
 
@@ -556,7 +558,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"- gateway with passthrough prompts vs engine alone: req/s x{_f(summary['gateway_vs_engine_req_s'], 2)}, "
                 f"TPOT P50 x{_f(summary['gateway_vs_engine_tpot_p50'], 2)}; "
                 f"TTFT P95 compressed / ideal: x{_f(summary['compressed_vs_ideal_ttft_p95'], 2)}"
-                + _interval(summary.get("compressed_vs_ideal_ttft_p95_interval"), " (90% bootstrap interval ", ")"),
+                + _interval(summary.get("compressed_vs_ideal_ttft_p95_interval"),
+                            f" ({INTERVAL_CONFIDENCE:.0%} bootstrap interval ", ")"),
                 f"- prefill ms saved per request (full - compressed): P50 {_f(payback['prefill_ms_saved']['p50'], 0)}, "
                 f"mean {_f(payback['prefill_ms_saved']['mean'], 0)}; compression ms P50 / P95 "
                 f"{_pair(payback['compression_ms'], 1)}; compression / saving P95 "
@@ -584,8 +587,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             value = _f(check["value"]) + _interval(check.get("interval"), " [", "]")
             lines.append(f"| {check['check']} | {value} | {check['bar']} | {met} |")
         if any(check.get("interval") for check in level["acceptance"]):
-            lines += ["", "In brackets: a 90% bootstrap interval (each arm's requests resampled); a bar inside it "
-                          "is within this run's noise."]
+            lines += ["", f"In brackets: a {INTERVAL_CONFIDENCE:.0%} bootstrap interval (each arm's requests "
+                          "resampled); a bar inside it is within this run's noise."]
         lines.append("")
     lines += [f"![requests/s and TTFT per arm]({report['plot']})", ""] if report.get("plot") else []
     return "\n".join(lines)
