@@ -11,6 +11,9 @@ with every system message and the question verbatim; when those alone do not fit
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +33,8 @@ from policies.schema import Policy
 
 __all__ = ["CompressionPipeline", "PrefillCostEstimator"]
 
+logger = logging.getLogger(__name__)
+
 
 class CompressionPipeline:
     def __init__(
@@ -45,6 +50,7 @@ class CompressionPipeline:
         embed_threads: int = 1,
         embed_process: bool = False,
         embed_runner: Any = None,
+        worker_nice: int = 0,
     ):
         """`workers` > 0: compressing runs in that many threads of its own, off the caller's event
         loop (the loop keeps streaming other requests' tokens meanwhile); requests whose policy
@@ -53,7 +59,9 @@ class CompressionPipeline:
         `embed_process`: the embedding model runs in a child process, off this process's GIL
         (compression/embed_process.py), which an engine thread in this process needs.
         `embed_runner`: the model's forward passes run through it instead (the in-process CPU
-        engine's `run_between_steps`), which takes precedence over `embed_process`."""
+        engine's `run_between_steps`), which takes precedence over `embed_process`. `worker_nice`: the
+        workers run that much below the calling process's CPU priority (Linux), so that their Python
+        yields the cores to an engine thread in this process (GatewaySettings.compression_nice)."""
         self.tokenizer = tokenizer
         self.counter = CachedCounter(tokenizer)
         self.cache = cache if cache is not None else LRUBytesCache()
@@ -65,7 +73,9 @@ class CompressionPipeline:
         self.services.embed_process = embed_process
         self.services.embed_runner = embed_runner
         self._executor = (
-            ThreadPoolExecutor(workers, thread_name_prefix="ctxgate-compress", initializer=_limit_openmp)
+            ThreadPoolExecutor(
+                workers, thread_name_prefix="ctxgate-compress", initializer=_init_worker, initargs=(worker_nice,)
+            )
             if workers > 0 else None
         )
         self._worker = threading.local()
@@ -120,11 +130,29 @@ class CompressionPipeline:
         return result_of(state, reports, policy)
 
 
-def _limit_openmp() -> None:
-    """A compression worker runs torch ops (if any) inline: no OpenMP team beside the engine's."""
+def _init_worker(nice: int) -> None:
+    """A compression worker runs torch ops (if any) inline, with no OpenMP team beside the engine's,
+    and at `nice` below the process's CPU priority."""
     from backend import openmp
 
     openmp.limit_calling_thread(1)
+    lower_thread_priority(nice)
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Lower the calling thread's CPU priority by `nice` steps (at most to 19); False where that
+    cannot be done for one thread. On Linux a thread is a task of its own and setpriority on its id
+    changes that thread only; elsewhere it would renice the whole process, so nothing is done."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return False
+    thread_id = threading.get_native_id()
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, thread_id)
+        os.setpriority(os.PRIO_PROCESS, thread_id, min(19, current + nice))
+    except OSError as exc:
+        logger.warning("could not lower the compression worker's CPU priority: %s", exc)
+        return False
+    return True
 
 
 class LoopBridge:

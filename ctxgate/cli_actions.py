@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+MAX_NICE = 19  # the lowest CPU priority Linux gives
+
 
 def at_least_one(text: str) -> int:
     """argparse type: a whole number >= 1, else an error naming the value."""
@@ -14,6 +16,17 @@ def at_least_one(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def nice_increment(text: str) -> int:
+    """argparse type: a CPU-priority step, a whole number from 0 to 19 (Linux `nice` values)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if not 0 <= value <= MAX_NICE:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_NICE}, not {value}")
     return value
 
 

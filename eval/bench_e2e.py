@@ -78,6 +78,7 @@ class E2EOptions:
     engine_server: bool = False
     embed_on: str = "engine"  # the gateway's `serve --embed-on`
     compression_workers: int | None = None  # the gateway's `serve --compression-workers`; None: its default
+    compression_nice: int | None = None  # the gateway's `serve --compression-nice`; None: its default
     max_num_batched_tokens: int | None = None  # the engine's token budget per step (gateway and engine alone)
     # Open loop: requests arrive at this Poisson rate (requests/s), whether or not earlier ones have
     # finished, instead of `concurrency` clients that each wait for their last reply. One level.
@@ -523,6 +524,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Policies: compressed `{report['policy']}`, full `{report['full_policy']}`; "
         f"gateway embedder on the {report.get('embed_on', 'process')}"
         + (f", {report['compression_workers']} compression worker(s)" if "compression_workers" in report else "")
+        + (f" at nice {report['compression_nice']}" if "compression_nice" in report else "")
         + (f", engine step budget {report['max_num_batched_tokens']} tokens"
            if report.get("max_num_batched_tokens") else ""),
         f"- CPU path: {report['cpu_path']}",
@@ -665,9 +667,10 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
     target.mkdir(parents=True, exist_ok=True)
     levels: dict[str, Any] = {}
     all_runs: list[ArmRun] = []
-    from gateway.settings import default_compression_workers
+    from gateway.settings import DEFAULT_COMPRESSION_NICE, default_compression_workers
 
     compression_workers = options.compression_workers or default_compression_workers()
+    compression_nice = DEFAULT_COMPRESSION_NICE if options.compression_nice is None else options.compression_nice
     step_budget = (["--max-num-batched-tokens", str(options.max_num_batched_tokens)]
                    if options.max_num_batched_tokens else [])
     with contextlib.ExitStack() as stack:
@@ -684,7 +687,8 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
             gateway = GatewayProcess(policy_dir=options.policy_dir, model=options.model,
                                      log_path=target / f"gateway-c{concurrency}.log", env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None},
                                      extra_args=["--embed-on", options.embed_on, "--compression-workers",
-                                                 str(compression_workers)] + step_budget)
+                                                 str(compression_workers), "--compression-nice",
+                                                 str(compression_nice)] + step_budget)
             with gateway as gateway_url:
                 endpoints = Endpoints(gateway_url, engine_url, asyncio.run(model_name(gateway_url)),
                                       [pid for pid in (gateway.pid, engine_pid) if pid], local_engine)
@@ -707,6 +711,7 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
         "full_policy": options.full_policy,
         "embed_on": options.embed_on,
         "compression_workers": compression_workers,
+        "compression_nice": compression_nice,
         "max_num_batched_tokens": options.max_num_batched_tokens,
         "arrival_rate": options.arrival_rate,
         "cpu_path": cpu_path_line(),

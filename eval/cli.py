@@ -9,7 +9,7 @@ import logging
 import shlex
 import sys
 
-from ctxgate.cli_actions import StoreWithDeprecatedAliases, at_least_one, positive_number
+from ctxgate.cli_actions import StoreWithDeprecatedAliases, at_least_one, nice_increment, positive_number
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -263,6 +263,8 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
                      help="the gateway's `serve --embed-on`: where its embedding model runs (default engine)")
     e2e.add_argument("--compression-workers", type=at_least_one, default=None, metavar="N",
                      help="the gateway's `serve --compression-workers` (default: its own, one per two cores)")
+    e2e.add_argument("--compression-nice", type=nice_increment, default=None, metavar="N",
+                     help="the gateway's `serve --compression-nice` (default: its own)")
     e2e.add_argument("--max-num-batched-tokens", type=at_least_one, default=None, metavar="N",
                      help="the engine's token budget per step, for the gateway's engine and the engine-alone arm "
                           "(default: the engine's own)")
@@ -285,7 +287,8 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         policy=args.policy, full_policy=args.full_policy, warm_pass=not args.no_warm_pass,
         rounds_per_chunk=args.rounds_per_chunk, model=args.model, policy_dir=args.policy_dir,
         progress=not args.no_progress, engine_server=args.engine_server, embed_on=args.embed_on,
-        compression_workers=args.compression_workers, max_num_batched_tokens=args.max_num_batched_tokens,
+        compression_workers=args.compression_workers, compression_nice=args.compression_nice,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         arrival_rate=args.arrival_rate,
     )
     from backend.cpu_features import cpu_path

@@ -1,8 +1,9 @@
 """Why the gateway keeps Python work away from the engine thread: decode-step time with and without
 one busy Python thread in the same process, at CPython's default GIL switch interval and at the
-engine's (backend/async_engine.py), each arm in a fresh child process.
+engine's (backend/async_engine.py), and with the busy thread at a lower CPU priority (the compression
+workers', GatewaySettings.compression_nice), each arm in a fresh child process.
 
-    python -m eval.gil_ab [--rounds 3] [--out DIR]
+    python -m eval.gil_ab [--rounds 3] [--arms TEXT] [--out DIR]
 
 The busy thread splits sentences in a loop (the pure-Python part of compression). An eager forward
 pass re-takes the GIL between every op, and each re-take can wait a whole switch interval while the
@@ -34,13 +35,20 @@ ARMS = {
     # The engine's decode steps as eager Python op calls instead of traced functions (--no-cpu-decode-graphs).
     "alone, 0.5 ms, eager decode": {"busy": False, "switch_s": 0.0005, "traced": False},
     "beside a Python thread, 0.5 ms, eager decode": {"busy": True, "switch_s": 0.0005, "traced": False},
+    # The busy thread at a lower CPU priority (the compression workers', GatewaySettings.compression_nice).
+    "beside a Python thread, 0.5 ms, busy thread at nice 5": {"busy": True, "switch_s": 0.0005, "busy_nice": 5},
+    "beside a Python thread, 0.5 ms, busy thread at nice 10": {"busy": True, "switch_s": 0.0005, "busy_nice": 10},
+    "beside a Python thread, 0.5 ms, busy thread at nice 19": {"busy": True, "switch_s": 0.0005, "busy_nice": 19},
 }
 
 
-def _busy_python(stop: threading.Event, done: list[int]) -> None:
-    """Splits sentences until stopped; `done[0]` counts the splits (the busy thread's own progress)."""
+def _busy_python(stop: threading.Event, done: list[int], nice: int = 0) -> None:
+    """Splits sentences until stopped; `done[0]` counts the splits (the busy thread's own progress).
+    `nice`: the thread first lowers its CPU priority by that much, as a compression worker does."""
+    from compression.pipeline import lower_thread_priority
     from compression.text import default_splitter
 
+    lower_thread_priority(nice)
     splitter = default_splitter()
     text = "Dr. Smith went to Washington. He arrived on Jan. 5th at 3 p.m. and met Mr. Jones. " * 20
     while not stop.is_set():
@@ -49,12 +57,13 @@ def _busy_python(stop: threading.Event, done: list[int]) -> None:
 
 
 def measure_arm(
-    busy: bool, switch_s: float, rounds: int, engine_threads: int | None = None, traced: bool = True
+    busy: bool, switch_s: float, rounds: int, engine_threads: int | None = None, traced: bool = True,
+    busy_nice: int = 0,
 ) -> dict[str, object]:
-    """Median decode step (ms) at batch 1 and batch 4 in this process, and the busy thread's splits
-    per second meanwhile (how much the compressing side still gets done). The engine steps in this
-    (main) thread with its configured OpenMP threads, or `engine_threads`; the busy thread runs no
-    torch op, so it starts no OpenMP team of its own."""
+    """Median decode step (ms) at batch 1 and batch 4 and the median prefill of 4 x 512 tokens (ms)
+    in this process, and the busy thread's splits per second meanwhile (how much the compressing side
+    still gets done). The engine steps in this (main) thread with its configured OpenMP threads, or
+    `engine_threads`; the busy thread runs no torch op, so it starts no OpenMP team of its own."""
     from backend import openmp
     from backend.config import EngineConfig
     from backend.llm_engine import LLMEngine
@@ -68,20 +77,22 @@ def measure_arm(
     sys.setswitchinterval(switch_s)
     stop = threading.Event()
     done = [0]
-    thread = threading.Thread(target=_busy_python, args=(stop, done), daemon=True)
+    thread = threading.Thread(target=_busy_python, args=(stop, done, busy_nice), daemon=True)
     started = time.perf_counter()
     if busy:
         thread.start()
-    batch1, batch4 = [], []
+    batch1, batch4, prefill = [], [], []
     for round_index in range(rounds):
         batch1.append(_run_requests(engine, 1, 256, 24, f"b1-{round_index}")[1] * 1e3)
         batch4.append(_run_requests(engine, 4, 128, 24, f"b4-{round_index}")[1] * 1e3)
+        prefill.append(_run_requests(engine, 4, 512, 1, f"p4-{round_index}")[0] * 1e3)
     stop.set()
     if busy:
         thread.join()
     import torch
 
     return {"decode_step_ms_batch1": statistics.median(batch1), "decode_step_ms_batch4": statistics.median(batch4),
+            "prefill_ms_4x512": round(statistics.median(prefill), 1),
             "busy_splits_per_s": round(done[0] / (time.perf_counter() - started), 1),
             "engine_openmp_threads": torch.get_num_threads(),
             "traced_decode_batch_sizes": engine.path_info().get("traced_decode_batch_sizes", [])}
@@ -92,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="write gil_ab.json into this folder")
     parser.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # a child runs one arm
+    parser.add_argument("--arms", default=None, help="only the arms whose names contain this text, and the first")
     args = parser.parse_args(argv)
     if args.arm is not None:
         print(json.dumps(measure_arm(**ARMS[args.arm], rounds=args.rounds)))
@@ -99,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     from eval.report import cpu_path_line
 
     results: dict[str, dict[str, object]] = {}
-    for name in ARMS:
+    names = [name for index, name in enumerate(ARMS) if index == 0 or args.arms is None or args.arms in name]
+    for name in names:
         started = time.perf_counter()
         child = subprocess.run([sys.executable, "-m", "eval.gil_ab", "--arm", name, "--rounds", str(args.rounds)],
                                capture_output=True, text=True, check=True, env=os.environ.copy())

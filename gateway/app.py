@@ -110,6 +110,7 @@ def default_pipeline(
     # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
     return CompressionPipeline(
         tokenizer, engine=engine, index_dir=index_dir, cache=cache, workers=settings.compression_workers,
+        worker_nice=settings.compression_nice,
         embed_batch_window_ms=settings.embed_batch_window_ms, embed_threads=settings.embed_threads,
         embed_process=runner is None, embed_runner=runner,
     )

@@ -6,8 +6,9 @@ import argparse
 import os
 import sys
 
-from ctxgate.cli_actions import DeprecatedOption, at_least_one
+from ctxgate.cli_actions import DeprecatedOption, at_least_one, nice_increment
 from gateway.config_file import defer_defaults, exclusive_groups
+from gateway.settings import DEFAULT_COMPRESSION_NICE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,6 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "thread between its steps (default), or in a child process of their own")
     serve.add_argument("--compression-workers", type=at_least_one, default=None, metavar="N",
                        help="threads that compress requests, off the event loop (default: one per two cores)")
+    serve.add_argument("--compression-nice", type=nice_increment, default=None, metavar="N",
+                       help="run the compression workers N steps below the engine's CPU priority, 0-19 "
+                       f"(Linux nice; default {DEFAULT_COMPRESSION_NICE}): they yield the cores to the engine")
     serve.add_argument("--vllm-metric-names", action="store_true",
                        help="also export the in-process engine's metrics under vLLM's names (vllm:...)")
     _add_engine_arguments(serve)  # --model and the in-process engine's knobs, as in `engine serve`
@@ -179,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout or None, engine_max_waiting_requests=args.max_waiting_requests,
         drain_timeout_s=args.drain_timeout, access_log=args.access_log, embed_on=args.embed_on,
         **({"compression_workers": args.compression_workers} if args.compression_workers is not None else {}),
+        **({"compression_nice": args.compression_nice} if args.compression_nice is not None else {}),
     )
     _log_request_ids()
     from gateway.shutdown import DrainingServer

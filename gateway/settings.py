@@ -8,6 +8,15 @@ from pathlib import Path
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 EMBED_ON = ("engine", "process")  # where the compression embedder runs (GatewaySettings.embed_on)
+MAX_NICE = 19
+# The compression workers' CPU priority below the engine's. Beside the engine's OpenMP team a worker
+# at the same priority takes half a core from it whenever it runs Python, and every parallel region
+# of the engine waits for the member that shares that core: measured on 2 cores (AMD EPYC,
+# `python -m eval.gil_ab --arms nice`), a 2,400-token prefill took 2.5 s alone and 7.8-8.8 s beside
+# a busy Python thread at nice 0, 3.6 s at nice 10, 2.5 s at nice 19.
+# Lower priority only matters while the cores are contended: an idle engine leaves them to
+# compression.
+DEFAULT_COMPRESSION_NICE = 10
 
 
 def default_compression_workers() -> int:
@@ -65,6 +74,9 @@ class GatewaySettings:
     # thread with `embed_threads` OpenMP threads, coalescing concurrent requests' sentences within
     # `embed_batch_window_ms` (on the engine's thread, calls waiting together share one pass instead).
     compression_workers: int = field(default_factory=lambda: default_compression_workers())
+    # How much lower than the engine's the workers' CPU priority is (a Linux nice increment, 0-19;
+    # 0: the same). See DEFAULT_COMPRESSION_NICE.
+    compression_nice: int = field(default_factory=lambda: DEFAULT_COMPRESSION_NICE)
     embed_threads: int = 1
     embed_batch_window_ms: float = 3.0
     # Where the embedding model runs. "engine": with the in-process engine on a CPU, on the engine's
@@ -85,6 +97,8 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if self.compression_workers < 1:
             raise ValueError(f"compression_workers must be at least 1, not {self.compression_workers}")
+        if not 0 <= self.compression_nice <= MAX_NICE:
+            raise ValueError(f"compression_nice must be from 0 to {MAX_NICE}, not {self.compression_nice}")
         if self.embed_on not in EMBED_ON:
             raise ValueError(f"embed_on must be one of {', '.join(EMBED_ON)}, not {self.embed_on!r}")
         if self.policy_dir is not None:

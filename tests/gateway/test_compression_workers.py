@@ -1,7 +1,10 @@
 """Compression's thread budget (`serve --compression-workers`, `server.compression_workers`): one
-worker per two cores unless set, set from the flag or the config file, refused below one."""
+worker per two cores unless set, set from the flag or the config file, refused below one; and the
+workers' CPU priority below the engine's (`--compression-nice`, `server.compression_nice`)."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import yaml
@@ -63,3 +66,57 @@ def test_the_pipeline_compresses_in_that_many_threads(tokenizer):
         assert pipeline._executor is not None and pipeline._executor._max_workers == 3
     finally:
         pipeline.close()
+
+
+def test_the_workers_run_below_the_engines_cpu_priority_by_default():
+    from gateway.settings import DEFAULT_COMPRESSION_NICE
+
+    assert GatewaySettings().compression_nice == DEFAULT_COMPRESSION_NICE > 0
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match=f"compression_nice must be from 0 to 19, not {bad}"):
+            GatewaySettings(compression_nice=bad)
+
+
+def test_the_nice_flag_and_config_key_set_it(tmp_path, capsys):
+    assert _serve_args([]).compression_nice is None  # unset: the settings' default applies
+    assert _serve_args(["--compression-nice", "0"]).compression_nice == 0
+    path = tmp_path / "ctxgate.yaml"
+    path.write_text(yaml.safe_dump({"server": {"compression_nice": 5}}))
+    assert _serve_args(["--config", str(path)]).compression_nice == 5
+    assert _serve_args(["--config", str(path), "--compression-nice", "19"]).compression_nice == 19
+    for command in (["serve"], ["bench", "e2e"]):
+        for bad, message in (("20", "must be from 0 to 19, not 20"), ("low", "expected a whole number, not 'low'")):
+            with pytest.raises(SystemExit):
+                parse_args([*command, "--compression-nice", bad])
+            assert message in capsys.readouterr().err
+
+
+def test_the_config_file_refuses_a_nice_beyond_19(tmp_path):
+    from gateway.config_file import ConfigError, load_config
+
+    path = tmp_path / "ctxgate.yaml"
+    path.write_text("server:\n  compression_nice: 25\n")
+    with pytest.raises(ConfigError, match="compression_nice"):
+        load_config(path, environ={})
+
+
+def _own_priority() -> int:
+    import os
+    import threading
+
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+@pytest.mark.parametrize("nice", [0, 7, 19])
+def test_a_worker_thread_runs_that_much_lower_and_the_caller_keeps_its_priority(tokenizer, nice):
+    from gateway.app import default_pipeline
+
+    caller = _own_priority()
+    settings = GatewaySettings(compression_workers=1, compression_nice=nice, embed_cache_url=None)
+    pipeline = default_pipeline(tokenizer, None, settings=settings)
+    try:
+        assert pipeline._executor.submit(_own_priority).result(timeout=30) == min(19, caller + nice)
+    finally:
+        pipeline.close()
+    assert _own_priority() == caller  # the thread's, not the process's
