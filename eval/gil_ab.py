@@ -98,6 +98,11 @@ def measure_arm(
             "traced_decode_batch_sizes": engine.path_info().get("traced_decode_batch_sizes", [])}
 
 
+def select_arms(text: str | None) -> list[str]:
+    """The arms whose names contain `text` (all when None), always with the first: the baseline."""
+    return [name for index, name in enumerate(ARMS) if index == 0 or text is None or text in name]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.gil_ab", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -111,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from eval.report import cpu_path_line
 
     results: dict[str, dict[str, object]] = {}
-    names = [name for index, name in enumerate(ARMS) if index == 0 or args.arms is None or args.arms in name]
-    for name in names:
+    for name in select_arms(args.arms):
         started = time.perf_counter()
         child = subprocess.run([sys.executable, "-m", "eval.gil_ab", "--arm", name, "--rounds", str(args.rounds)],
                                capture_output=True, text=True, check=True, env=os.environ.copy())

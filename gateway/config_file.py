@@ -50,7 +50,7 @@ class ServerSection(_Section):
     compression_workers: int | None = Field(None, ge=1, description="threads that compress requests, off the "
                                             "event loop (default: one per two cores)")
     compression_nice: int | None = Field(None, ge=0, le=19, description="the compression workers' CPU priority "
-                                         "below the engine's (Linux nice steps, 0-19; default 10)")
+                                         "below the engine's (Linux nice steps, 0-19; default 0)")
 
 
 class EngineSection(_Section):

@@ -9,14 +9,16 @@ from pathlib import Path
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 EMBED_ON = ("engine", "process")  # where the compression embedder runs (GatewaySettings.embed_on)
 MAX_NICE = 19
-# The compression workers' CPU priority below the engine's. Beside the engine's OpenMP team a worker
-# at the same priority takes half a core from it whenever it runs Python, and every parallel region
-# of the engine waits for the member that shares that core: measured on 2 cores (AMD EPYC,
-# `python -m eval.gil_ab --arms nice`), a 2,400-token prefill took 2.5 s alone and 7.8-8.8 s beside
-# a busy Python thread at nice 0, 3.6 s at nice 10, 2.5 s at nice 19.
-# Lower priority only matters while the cores are contended: an idle engine leaves them to
-# compression.
-DEFAULT_COMPRESSION_NICE = 10
+# The compression workers' CPU priority below the engine's. Beside the engine's OpenMP team a busy
+# Python thread at the same priority takes half a core from it, and every parallel region of the
+# engine waits for the member that shares that core (`python -m eval.gil_ab --arms "0.5 ms"`: a 4 x
+# 512-token prefill 2.8x slower beside it at nice 0, 1.08x at nice 10). End to end the workers are
+# not that busy thread: their Python is ~13 ms a request and on the critical path of the request it
+# compresses, so at nice 10 compression took 99-107 ms (P50) instead of 65-67, the wait for a worker
+# doubled, and neither efficiency nor the TTFT P95 ratio improved (eval/reports/compression-nice-
+# 2026-12-04/, AMD EPYC AVX-512, two A/B pairs). The default is therefore the engine's own priority;
+# a deployment whose gateway does heavier Python work beside the engine can lower the workers'.
+DEFAULT_COMPRESSION_NICE = 0
 
 
 def default_compression_workers() -> int:

@@ -68,10 +68,10 @@ def test_the_pipeline_compresses_in_that_many_threads(tokenizer):
         pipeline.close()
 
 
-def test_the_workers_run_below_the_engines_cpu_priority_by_default():
+def test_the_workers_run_at_the_engines_cpu_priority_by_default_and_refuse_a_bad_nice():
     from gateway.settings import DEFAULT_COMPRESSION_NICE
 
-    assert GatewaySettings().compression_nice == DEFAULT_COMPRESSION_NICE > 0
+    assert GatewaySettings().compression_nice == DEFAULT_COMPRESSION_NICE == 0
     for bad in (-1, 20):
         with pytest.raises(ValueError, match=f"compression_nice must be from 0 to 19, not {bad}"):
             GatewaySettings(compression_nice=bad)
