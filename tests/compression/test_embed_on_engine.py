@@ -143,3 +143,51 @@ def test_calls_that_wait_for_the_engine_together_share_one_forward_pass(engine, 
     for text in TEXTS:
         assert results[text].shape == (1, own_embedder.dimension)
         assert float(results[text][0] @ alone[text]) > minimum
+
+
+def burst_requests():
+    from compression.types import CompressionInput, Document
+
+    requests = []
+    for town in range(3):
+        documents = [Document(text=f"Town {town}{i} lies on river R{town}{i}. Its mayor is M{town}{i}. "
+                                   f"It has {i}00 people and a mill.", title=f"T{town}{i}") for i in range(6)]
+        question = [{"role": "user", "content": f"Who is the mayor of Town {town}3?"}]
+        requests.append(CompressionInput(messages=question, documents=documents))
+    return requests
+
+
+async def test_a_burst_compressed_by_one_worker_shares_one_forward_pass_on_the_engine(engine, tokenizer, embedder):
+    """Three cold requests handed to one compression worker at once: each does its Python while the
+    others wait, their embeddings go to the engine's thread as one pass, and each gets the prompt it
+    gets alone."""
+    import asyncio
+
+    from compression.cache import LRUBytesCache
+    from compression.embeddings import Embedder
+    from compression.pipeline import CompressionPipeline
+    from policies.schema import Policy
+
+    policy = Policy(name="c", max_input_tokens=400, documents={"max_tokens": 60}, rerank={"top_k": 3})
+    alone = CompressionPipeline(tokenizer, cache=LRUBytesCache())
+    alone.services._embedder = Embedder(embedder.model_path, precision="float32")
+    expected = [await alone.run(request, policy) for request in burst_requests()]
+
+    on_engine = Embedder(embedder.model_path, precision="float32")
+    on_engine.use_runner(engine.run_between_steps)
+    pipeline = CompressionPipeline(tokenizer, cache=LRUBytesCache(), workers=1)
+    pipeline.services._embedder = on_engine
+    release = threading.Event()
+    pipeline.workers.call_in_worker(lambda: release.wait(30))  # all three arrive while the worker is busy
+    try:
+        burst = asyncio.gather(*(pipeline.run(request, policy) for request in burst_requests()))
+        await asyncio.sleep(0.1)
+        release.set()
+        results = await burst
+    finally:
+        release.set()
+        pipeline.close()
+    jobs = on_engine._engine_jobs
+    assert (jobs.batches, jobs.calls) == (1, 3)
+    for got, wanted in zip(results, expected, strict=True):
+        assert got.messages == wanted.messages and got.prompt_tokens < got.original_prompt_tokens
