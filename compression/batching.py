@@ -162,13 +162,10 @@ class EngineJobBatcher:
         return call.future.result()
 
     async def encode_async(self, batch: Any) -> np.ndarray:
-        """`encode(batch)` for a caller on an event loop (compression/workers.py). Before its job
-        is queued, the loop runs whatever else is ready on it, so that the compressions of a burst
-        register their calls first and the engine's thread takes them all in one forward pass (a job
-        that finds its call taken is a no-op). Then the loop's thread blocks until the pass is done:
-        the pass is ~150 eager torch ops on the engine's thread, each re-taking the GIL, and Python
-        run beside it (the next compressions' splitting and counting) slowed it and the engine's
-        steps more than the overlap saved (eval/reports/compression-event-loop-2026-12-04/)."""
+        """`encode(batch)` for a caller on an event loop (compression/workers.py): the call waits
+        without blocking the loop's thread. Before its job is queued, the loop runs whatever else is
+        ready on it, so that the compressions of a burst register their calls first and the engine's
+        thread takes them all in one forward pass; a job that finds its call taken is a no-op."""
         call = _PackedCall(batch)
         with self._lock:
             self._pending.append(call)
@@ -181,7 +178,7 @@ class EngineJobBatcher:
                 self._withdraw(call, exc)
             else:
                 job.add_done_callback(lambda done: self._on_job_done(call, done))
-        return call.future.result()
+        return await asyncio.wrap_future(call.future)
 
     def _on_job_done(self, call: _PackedCall, job: Future) -> None:
         error = job.exception() if not job.cancelled() else RuntimeError("the embedding job was cancelled")
