@@ -14,7 +14,6 @@ lets the calls that wait for the engine at the same time share one forward pass 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -110,12 +109,6 @@ class EmbedBatcher:
         self.calls += len(batch)
 
 
-# Loop iterations an awaited call lets pass before queuing its job: a compression handed to the
-# loop just before this one starts two iterations after it came (the hand-over callback, then the
-# task's first step), and its Python up to its own embedding call runs in one step.
-YIELDS_BEFORE_JOB = 3
-
-
 @dataclass(eq=False)  # compared by identity: a call is one caller's, whatever its batch holds
 class _PackedCall:
     batch: Any  # compression.packed_encoder.PackedBatch
@@ -160,25 +153,6 @@ class EngineJobBatcher:
         else:
             job.add_done_callback(lambda done: self._on_job_done(call, done))
         return call.future.result()
-
-    async def encode_async(self, batch: Any) -> np.ndarray:
-        """`encode(batch)` for a caller on an event loop (compression/workers.py): the call waits
-        without blocking the loop's thread. Before its job is queued, the loop runs whatever else is
-        ready on it, so that the compressions of a burst register their calls first and the engine's
-        thread takes them all in one forward pass; a job that finds its call taken is a no-op."""
-        call = _PackedCall(batch)
-        with self._lock:
-            self._pending.append(call)
-        for _ in range(YIELDS_BEFORE_JOB):
-            await asyncio.sleep(0)
-        if not call.future.done():
-            try:
-                job = self._runner(lambda: self._run_pending(call))
-            except BaseException as exc:
-                self._withdraw(call, exc)
-            else:
-                job.add_done_callback(lambda done: self._on_job_done(call, done))
-        return await asyncio.wrap_future(call.future)
 
     def _on_job_done(self, call: _PackedCall, job: Future) -> None:
         error = job.exception() if not job.cancelled() else RuntimeError("the embedding job was cancelled")

@@ -14,7 +14,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,15 +94,6 @@ def quantize_linear_layers(model: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-
-
-@dataclass
-class _Lookup:
-    """One embed call's texts by content hash: the vectors found so far, and the texts still missing."""
-
-    keys: list[str]
-    vectors: dict[str, np.ndarray] = field(default_factory=dict)
-    missing: dict[str, str] = field(default_factory=dict)
 
 
 class Embedder:
@@ -188,62 +178,31 @@ class Embedder:
         """(len(texts), dimension) float32, rows L2-normalized."""
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
-        lookup = self._look_up(texts)
-        if lookup.missing:
-            self._store(lookup, self._encode(list(lookup.missing.values()), batch_size, show_progress_bar))
-        return self._rows(lookup)
-
-    async def embed_async(self, texts: list[str]) -> np.ndarray:
-        """`embed(texts)`, except that a forward pass on the engine's thread is awaited instead of
-        blocking the calling thread: the other compressions on the caller's event loop go on
-        meanwhile, and those that reach their own embedding before the engine takes the job share
-        its forward pass (EngineJobBatcher.encode_async). Without an engine, as `embed`."""
-        with self._batcher_lock:
-            runner, jobs = self._runner, self._engine_jobs
-        if jobs is None or runner is None or self._packed is None or not texts:
-            return self.embed(texts)
-        lookup = self._look_up(texts)
-        if lookup.missing:
-            from backend.api import EngineError
-
-            missing = list(lookup.missing.values())
-            try:
-                encoded = _normalized(await jobs.encode_async(self._packed.pack(missing)))
-            except EngineError as exc:  # the forward pass never raises it itself: the engine is gone
-                self._engine_gone(runner, exc)
-                encoded = self._encode(missing, 64, False)
-            self._store(lookup, encoded)
-        return self._rows(lookup)
-
-    def _look_up(self, texts: list[str]) -> _Lookup:
-        """The vectors of `texts` found in the in-process cache, then in the shared byte cache."""
-        lookup = _Lookup([content_hash(text) for text in texts])
+        keys = [content_hash(text) for text in texts]
+        vectors: dict[str, np.ndarray] = {}
+        missing: dict[str, str] = {}
         with self._lock:
-            for key, text in zip(lookup.keys, texts, strict=True):
+            for key, text in zip(keys, texts, strict=True):
                 found = self._local.get(key)
                 if found is not None:
                     self._local.move_to_end(key)
-                    lookup.vectors[key] = found
+                    vectors[key] = found
                 else:
-                    lookup.missing[key] = text
-        if lookup.missing and self._cache is not None:
-            for key, raw in zip(list(lookup.missing), self._cache_get(list(lookup.missing)), strict=True):
+                    missing[key] = text
+        if missing and self._cache is not None:
+            for key, raw in zip(list(missing), self._cache_get(list(missing)), strict=True):
                 if raw is not None and len(raw) == 4 * self.dimension:
-                    lookup.vectors[key] = np.frombuffer(raw, dtype=np.float32).copy()
-                    del lookup.missing[key]
-        return lookup
-
-    def _store(self, lookup: _Lookup, encoded: np.ndarray) -> None:
-        """The model's rows for `lookup.missing` (in its order) join the lookup and the caches."""
-        for key, vector in zip(lookup.missing, encoded, strict=True):
-            lookup.vectors[key] = vector
-        if self._cache is not None:
-            self._cache_set({key: lookup.vectors[key].tobytes() for key in lookup.missing})
-        self.encoded_texts += len(lookup.missing)
-
-    def _rows(self, lookup: _Lookup) -> np.ndarray:
-        self._remember(lookup.keys, [lookup.vectors[key] for key in lookup.keys])
-        return np.stack([lookup.vectors[key] for key in lookup.keys]).astype(np.float32, copy=False)
+                    vectors[key] = np.frombuffer(raw, dtype=np.float32).copy()
+                    del missing[key]
+        if missing:
+            encoded = self._encode(list(missing.values()), batch_size, show_progress_bar)
+            for key, vector in zip(missing, encoded, strict=True):
+                vectors[key] = vector
+            if self._cache is not None:
+                self._cache_set({key: vectors[key].tobytes() for key in missing})
+            self.encoded_texts += len(missing)
+        self._remember(keys, [vectors[key] for key in keys])
+        return np.stack([vectors[key] for key in keys]).astype(np.float32, copy=False)
 
     def _cache_get(self, keys: list[str]) -> list[bytes | None]:
         """One round trip when the cache can batch (Redis MGET), else one call per key."""

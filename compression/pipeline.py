@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,6 @@ from compression.services import PrefillCostEstimator, Services
 from compression.stages import STAGES, Stage, StageContext, run_timed
 from compression.state import PipelineState, split_messages
 from compression.types import CompressionInput, CompressionResult, Document, StageReport
-from compression.workers import CompressionWorkers
 from policies.schema import Policy
 
 __all__ = ["CompressionPipeline", "PrefillCostEstimator"]
@@ -69,7 +72,13 @@ class CompressionPipeline:
             self.services.embed_batching = (embed_batch_window_ms, embed_threads)
         self.services.embed_process = embed_process
         self.services.embed_runner = embed_runner
-        self.workers = CompressionWorkers(workers, worker_nice) if workers > 0 else None
+        self._executor = (
+            ThreadPoolExecutor(
+                workers, thread_name_prefix="ctxgate-compress", initializer=_init_worker, initargs=(worker_nice,)
+            )
+            if workers > 0 else None
+        )
+        self._worker = threading.local()
         self._caller_loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -82,21 +91,29 @@ class CompressionPipeline:
         self.services.summarizer.engine = engine
 
     async def run(self, request: CompressionInput, policy: Policy) -> CompressionResult:
-        if self.workers is None or not policy.compression_enabled:
+        if self._executor is None or not policy.compression_enabled:
             # Nothing to compress (counting only): no reason to wait for a compression worker.
             return await self.run_here(request, policy)
         if self._caller_loop is None:
             self._caller_loop = asyncio.get_running_loop()
             if self.services.engine is not None:
                 self.engine = LoopBridge(self.services.engine, self._caller_loop)
-        result, wait_ms = await self.workers.run(self.run_here, request, policy)
-        result.wait_ms = wait_ms
-        return result
+        future = self._executor.submit(self._run_in_worker, request, policy, time.perf_counter())
+        return await asyncio.wrap_future(future)
 
     def close(self) -> None:
         self.services.release()
-        if self.workers is not None:
-            self.workers.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _run_in_worker(self, request: CompressionInput, policy: Policy, submitted: float) -> CompressionResult:
+        wait_ms = (time.perf_counter() - submitted) * 1000
+        loop = getattr(self._worker, "loop", None)
+        if loop is None:
+            loop = self._worker.loop = asyncio.new_event_loop()
+        result = loop.run_until_complete(self.run_here(request, policy))
+        result.wait_ms = wait_ms
+        return result
 
     async def run_here(self, request: CompressionInput, policy: Policy) -> CompressionResult:
         """The stages, in the calling thread and event loop."""
@@ -111,6 +128,31 @@ class CompressionPipeline:
             self.cost_estimator.observe_compression((time.perf_counter() - started) * 1000)
         report_kept(state, reports, self.counter)
         return result_of(state, reports, policy)
+
+
+def _init_worker(nice: int) -> None:
+    """A compression worker runs torch ops (if any) inline, with no OpenMP team beside the engine's,
+    and at `nice` below the process's CPU priority."""
+    from backend import openmp
+
+    openmp.limit_calling_thread(1)
+    lower_thread_priority(nice)
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Lower the calling thread's CPU priority by `nice` steps (at most to 19); False where that
+    cannot be done for one thread. On Linux a thread is a task of its own and setpriority on its id
+    changes that thread only; elsewhere it would renice the whole process, so nothing is done."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return False
+    thread_id = threading.get_native_id()
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, thread_id)
+        os.setpriority(os.PRIO_PROCESS, thread_id, min(19, current + nice))
+    except OSError as exc:
+        logger.warning("could not lower the compression worker's CPU priority: %s", exc)
+        return False
+    return True
 
 
 class LoopBridge:

@@ -123,28 +123,15 @@ def ensure_candidates(ctx: StageContext, state: PipelineState) -> None:
     mark_embedding_candidates(state.question_text, state.passages, documents_budget(state, ctx))
 
 
-async def embed_with_question(ctx: StageContext, state: PipelineState, texts: list[str]) -> None:
+def embed_with_question(ctx: StageContext, state: PipelineState, texts: list[str]) -> None:
     """Embed `texts` and the question in one model call (later calls find them in the embedder's
     cache): every call has a fixed cost, ~10 ms for the question alone, and in the gateway each is
-    a round trip to the embedding process. Awaited: on the engine's thread the forward pass is
-    shared with the other compressions waiting then (Embedder.embed_async)."""
-    wanted = texts if state.question_vector is not None else [*texts, state.question_text]
-    vectors = await embed_async(ctx.services.embedder, wanted)
-    if state.question_vector is None:
-        state.question_vector = vectors[-1]
-
-
-async def embed_candidates(ctx: StageContext, state: PipelineState) -> None:
-    """The pre-filter's candidate sentences, the titles and the question, embedded in one awaited
-    call, so that the scoring code after it (synchronous) finds every vector in the cache."""
-    ensure_candidates(ctx, state)
-    await embed_with_question(ctx, state, passage_embedding_texts(state.passages))
-
-
-async def embed_async(embedder: Any, texts: list[str]) -> np.ndarray:
-    """`embedder.embed_async(texts)` where the embedder has it (an injected one may not)."""
-    embed = getattr(embedder, "embed_async", None)
-    return await embed(texts) if embed is not None else embedder.embed(texts)
+    a round trip to the embedding process."""
+    if state.question_vector is not None:
+        ctx.services.embedder.embed(texts)
+        return
+    vectors = ctx.services.embedder.embed([*texts, state.question_text])
+    state.question_vector = vectors[-1]
 
 
 class Stage(ABC):
@@ -395,7 +382,8 @@ class DedupStage(Stage):
         texts = [passage_text_for_scoring(p) for p in state.passages]
         vectors = None
         if embedder is not None:
-            await embed_candidates(ctx, state)
+            ensure_candidates(ctx, state)
+            embed_with_question(ctx, state, passage_embedding_texts(state.passages))
             vectors = passage_vectors(embedder, state.passages)
         priority = [p.document.score if p.document.score is not None else 0.0 for p in state.passages]
         dropped = duplicate_indices(texts, vectors, policy.exact, near, priority)
@@ -434,10 +422,6 @@ def priority_of(passage: Passage) -> float:
     return passage.document.score if passage.document.score is not None else -passage.position * 1e-6
 
 
-# Rerank methods that score with the embedding model (RerankStage.reranker).
-EMBEDDING_RERANKERS = ("embedding", "embedding-bm25")
-
-
 class RerankStage(Stage):
     name = "rerank"
 
@@ -464,10 +448,7 @@ class RerankStage(Stage):
         if not state.passages:
             return report
         before = passages_tokens(ctx.counter, state.passages)
-        if policy.method in EMBEDDING_RERANKERS:
-            await embed_candidates(ctx, state)
-        else:
-            ensure_candidates(ctx, state)
+        ensure_candidates(ctx, state)
         reranker = self.reranker(ctx)
         scores = reranker.score(state.question_text, state.passages)
         limit = min(policy.top_k or len(state.passages), ctx.policy.documents.max_documents or len(state.passages))
@@ -534,7 +515,7 @@ class ExtractionStage(Stage):
         if before <= budget and ctx.counter.count(render_context(state.passages, policy.keep_titles)) <= budget:
             return report
         if policy.enabled and policy.unit == "sentence":
-            await embed_candidates(ctx, state)
+            ensure_candidates(ctx, state)
             question_vector = ctx.question_vector(state)
             embed = ctx.services.embedder.embed
             units = score_sentences(state.question_text, question_vector, state.passages, embed, policy)

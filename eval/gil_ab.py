@@ -45,8 +45,8 @@ ARMS = {
 def _busy_python(stop: threading.Event, done: list[int], nice: int = 0) -> None:
     """Splits sentences until stopped; `done[0]` counts the splits (the busy thread's own progress).
     `nice`: the thread first lowers its CPU priority by that much, as a compression worker does."""
+    from compression.pipeline import lower_thread_priority
     from compression.text import default_splitter
-    from compression.workers import lower_thread_priority
 
     lower_thread_priority(nice)
     splitter = default_splitter()

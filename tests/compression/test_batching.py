@@ -120,7 +120,7 @@ def occupy_the_worker(pipeline) -> threading.Event:
         busy.set()
         release.wait(timeout=60)
 
-    pipeline.workers.call_in_worker(occupy)
+    pipeline._executor.submit(occupy)
     busy.wait(timeout=30)
     return release
 
@@ -340,59 +340,4 @@ def test_a_failing_forward_pass_reaches_every_call_it_held():
     for thread in threads:
         thread.join(timeout=30)
     assert errors == ["forward failed"] * 3
-    runner.executor.shutdown()
-
-
-class InstantRunner:
-    """A one-thread runner (the engine thread's stand-in) that runs every job as soon as it comes."""
-
-    def __init__(self):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.executor = ThreadPoolExecutor(max_workers=1)
-        self.jobs = 0
-
-    def __call__(self, fn):
-        self.jobs += 1
-        return self.executor.submit(fn)
-
-
-async def test_awaited_calls_of_one_event_loop_share_one_forward_pass():
-    """Compressions on one worker's loop: each registers its call before any job is queued, so an
-    engine that runs jobs at once still gets the burst in one pass."""
-    from compression.batching import EngineJobBatcher
-
-    runner, forward = InstantRunner(), RecordingForward()
-    batcher = EngineJobBatcher(runner, forward, max_tokens=100)
-    results = await asyncio.gather(
-        batcher.encode_async(packed([5, 1, 1])), batcher.encode_async(packed([7, 1], [8, 1, 1, 1])),
-        batcher.encode_async(packed([9])),
-    )
-    assert len(forward.batches) == 1 and sorted(forward.batches[0]) == [1, 2, 3, 4]
-    assert (batcher.batches, batcher.calls) == (1, 3)
-    np.testing.assert_array_equal(results[0], [[3, 5]])
-    np.testing.assert_array_equal(results[1], [[2, 7], [4, 8]])
-    np.testing.assert_array_equal(results[2], [[1, 9]])
-    runner.executor.shutdown()
-
-
-async def test_an_awaited_call_fails_with_its_runner_and_leaves_nothing_pending():
-    from compression.batching import EngineJobBatcher
-
-    def refusing(fn):
-        raise ConnectionError("engine gone")
-
-    batcher = EngineJobBatcher(refusing, RecordingForward(), max_tokens=10)
-    with pytest.raises(ConnectionError, match="engine gone"):
-        await batcher.encode_async(packed([1]))
-    assert batcher._pending == []
-
-    def broken(batch):
-        raise RuntimeError("forward failed")
-
-    runner = InstantRunner()
-    batcher = EngineJobBatcher(runner, broken, max_tokens=10)
-    outcomes = await asyncio.gather(batcher.encode_async(packed([1])), batcher.encode_async(packed([2])),
-                                    return_exceptions=True)
-    assert [str(outcome) for outcome in outcomes] == ["forward failed", "forward failed"]
     runner.executor.shutdown()

@@ -122,12 +122,9 @@ async def test_stable_assembly_gives_requests_with_the_same_kept_passages_the_sa
     assert forward.messages == backward.messages
 
 
-async def test_first_sight_embeds_question_and_candidates_in_one_model_call(make_pipeline, embedder, monkeypatch):
+async def test_first_sight_embeds_question_and_candidates_in_one_model_call(make_pipeline, embedder):
     # Every model call has a fixed cost (and in the gateway a round trip to the embedding process),
     # so the question rides with the candidate sentences instead of going alone.
-    # In process, whatever engine an earlier test's gateway attached to the shared model.
-    monkeypatch.setattr(embedder, "_runner", None)
-    monkeypatch.setattr(embedder, "_engine_jobs", None)
     documents = [Document(text=d.text.replace("Town", "Village"), title=d.title.replace("Town", "Hamlet"))
                  for d in DOCUMENTS]  # texts this session's embedder has not cached
     policy = Policy(name="p", max_input_tokens=400, documents={"max_tokens": 60}, rerank={"top_k": 3})

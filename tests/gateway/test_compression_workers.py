@@ -63,7 +63,7 @@ def test_the_pipeline_compresses_in_that_many_threads(tokenizer):
 
     pipeline = default_pipeline(tokenizer, None, settings=GatewaySettings(compression_workers=3, embed_cache_url=None))
     try:
-        assert pipeline.workers is not None and pipeline.workers.count == 3
+        assert pipeline._executor is not None and pipeline._executor._max_workers == 3
     finally:
         pipeline.close()
 
@@ -116,7 +116,7 @@ def test_a_worker_thread_runs_that_much_lower_and_the_caller_keeps_its_priority(
     settings = GatewaySettings(compression_workers=1, compression_nice=nice, embed_cache_url=None)
     pipeline = default_pipeline(tokenizer, None, settings=settings)
     try:
-        assert pipeline.workers.call_in_worker(_own_priority).result(timeout=30) == min(19, caller + nice)
+        assert pipeline._executor.submit(_own_priority).result(timeout=30) == min(19, caller + nice)
     finally:
         pipeline.close()
     assert _own_priority() == caller  # the thread's, not the process's
