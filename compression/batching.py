@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,26 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 Encode = Callable[[list[str]], np.ndarray]
+
+
+@dataclass
+class EngineTime:
+    """Seconds the in-process engine's thread spent on one compression's embedding passes. While a
+    pass runs there, every request in the engine waits: on a two-core machine this, not the
+    compression's wall time, is what a burst of cold requests costs the requests already running."""
+
+    seconds: float = 0.0
+
+
+# The compression being run in this context (set by CompressionPipeline.run_here), if any.
+ENGINE_TIME: ContextVar[EngineTime | None] = ContextVar("embedding_engine_time", default=None)
+
+
+def charge_engine_time(seconds: float) -> None:
+    """Add `seconds` of the engine thread's time to the compression running in this context."""
+    engine_time = ENGINE_TIME.get()
+    if engine_time is not None:
+        engine_time.seconds += seconds
 
 
 @dataclass
@@ -113,6 +134,8 @@ class EmbedBatcher:
 class _PackedCall:
     batch: Any  # compression.packed_encoder.PackedBatch
     future: Future[np.ndarray] = field(default_factory=Future)
+    # Its share of the pass that served it (by word pieces), set on the engine's thread before the result.
+    engine_seconds: float = 0.0
 
 
 class EngineJobBatcher:
@@ -152,7 +175,9 @@ class EngineJobBatcher:
             self._withdraw(call, exc)
         else:
             job.add_done_callback(lambda done: self._on_job_done(call, done))
-        return call.future.result()
+        vectors = call.future.result()
+        charge_engine_time(call.engine_seconds)
+        return vectors
 
     def _on_job_done(self, call: _PackedCall, job: Future) -> None:
         error = job.exception() if not job.cancelled() else RuntimeError("the embedding job was cancelled")
@@ -188,16 +213,20 @@ class EngineJobBatcher:
         calls = self._take(own)
         if not calls:
             return
+        started = time.perf_counter()
         try:
             vectors = self._encode_packed(merge_packed([call.batch for call in calls]))
         except BaseException as exc:  # every caller must be woken, with the error
             for call in calls:
                 call.future.set_exception(exc)
             return
+        seconds = time.perf_counter() - started
         self.batches += 1
         self.calls += len(calls)
+        total_tokens = sum(sum(call.batch.lengths) for call in calls) or 1
         first_row = 0
         for call in calls:
+            call.engine_seconds = seconds * sum(call.batch.lengths) / total_tokens
             rows = len(call.batch.lengths)
             call.future.set_result(vectors[first_row:first_row + rows])
             first_row += rows

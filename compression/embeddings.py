@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from compression.batching import EmbedBatcher, EngineJobBatcher
+from compression.batching import EmbedBatcher, EngineJobBatcher, charge_engine_time
 from compression.cache import BytesCache
 from compression.packed_encoder import PackedEncoder
 from compression.packed_encoder import supports as packed_supports
@@ -293,11 +294,22 @@ class Embedder:
             return None
         from backend.api import EngineError
 
+        seconds = [0.0]
+
+        def timed_forward() -> np.ndarray:
+            started = time.perf_counter()
+            try:
+                return forward()
+            finally:
+                seconds[0] = time.perf_counter() - started
+
         try:
-            return runner(forward).result()
+            vectors = runner(timed_forward).result()
         except EngineError as exc:  # the forward pass never raises it itself: the engine is gone
             self._engine_gone(runner, exc)
             return None
+        charge_engine_time(seconds[0])
+        return vectors
 
     def _engine_gone(self, runner: Runner, error: Exception) -> None:
         """The model stays in process from now on."""

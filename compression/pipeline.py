@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from compression.batching import ENGINE_TIME, EngineTime
 from compression.cache import BytesCache, LRUBytesCache
 from compression.counting import CachedCounter, TokenCounter
 from compression.message_context import report_kept
@@ -121,13 +122,20 @@ class CompressionPipeline:
         state = split_messages(request, budget_tokens=policy.max_input_tokens)
         ctx = StageContext(policy=policy, counter=self.counter, services=self.services)
         reports: list[StageReport] = []
-        for stage in self.stages:
-            if stage.enabled(state, policy):
-                reports.append(await run_timed(stage, state, ctx))
+        engine_time = EngineTime()
+        token = ENGINE_TIME.set(engine_time)
+        try:
+            for stage in self.stages:
+                if stage.enabled(state, policy):
+                    reports.append(await run_timed(stage, state, ctx))
+        finally:
+            ENGINE_TIME.reset(token)
         if state.compressing:
             self.cost_estimator.observe_compression((time.perf_counter() - started) * 1000)
         report_kept(state, reports, self.counter)
-        return result_of(state, reports, policy)
+        result = result_of(state, reports, policy)
+        result.engine_ms = engine_time.seconds * 1000
+        return result
 
 
 def _init_worker(nice: int) -> None:

@@ -86,6 +86,7 @@ class CtxgateUsage:
     saved_tokens: dict[str, int] = field(default_factory=dict)
     compression_ms: dict[str, float] = field(default_factory=dict)
     compression_wait_ms: float = 0.0  # waiting for a compression worker, before the stages ran
+    compression_engine_ms: float = 0.0  # of the stages' time, embedding passes on the engine's thread
     cached_prompt_tokens: int = 0
     cost: float = 0.0
     dropped_params: list[str] = field(default_factory=list)
@@ -107,6 +108,7 @@ class CtxgateUsage:
             saved_tokens=dict(data.get("saved_tokens") or {}),
             compression_ms=dict(data.get("compression_ms") or {}),
             compression_wait_ms=float(data.get("compression_wait_ms") or 0.0),
+            compression_engine_ms=float(data.get("compression_engine_ms") or 0.0),
             cached_prompt_tokens=int(data.get("cached_prompt_tokens") or 0),
             cost=float(data.get("cost") or 0.0),
             dropped_params=list(data.get("dropped_params") or []),

@@ -113,7 +113,12 @@ class Sample:
     compression_stage_ms: dict[str, float] = field(default_factory=dict)
     compression_wait_ms: float | None = None  # waiting for a compression worker (not in compression_ms)
     queue_ms: float | None = None  # the engine's queue time (incl. the wait for the step in progress)
+    # Time the compression's embedding passes held the engine's thread (every running request waited).
+    compression_engine_ms: float | None = None
     error: str | None = None
+    # The request's place in its chunk's send order (0-based). Closed loop: the first `concurrency`
+    # are sent together, each later one when an earlier request of the chunk finishes.
+    position: int | None = None
 
     @property
     def tpot_ms(self) -> float | None:
@@ -220,6 +225,7 @@ def sample_of(arm: str, pass_name: str, concurrency: int, example: EvalExample, 
         compression_stage_ms={k: float(v) for k, v in compression.items()} if isinstance(compression, dict) else {},
         compression_wait_ms=extra.get("compression_wait_ms"),
         queue_ms=extra.get("queue_ms"),
+        compression_engine_ms=extra.get("compression_engine_ms"),
     )
 
 
@@ -318,7 +324,14 @@ class E2ERun:
 
     async def run_arm(self, client: httpx.AsyncClient, arm: str, pass_name: str,
                       examples: list[EvalExample], chunk_index: int = 0) -> ArmRun:
+        positions = {id(example): index for index, example in enumerate(examples)}
+
         async def one(example: EvalExample) -> Sample:
+            sample = await one_sample(example)
+            sample.position = positions[id(example)]
+            return sample
+
+        async def one_sample(example: EvalExample) -> Sample:
             try:
                 if arm == "engine":
                     reply = await self.engine_request(client, example)
@@ -386,11 +399,29 @@ def summarize_arm(runs: list[ArmRun]) -> dict[str, Any]:
         "compression_stage_ms": stage_latencies(samples),
         "compression_wait_ms": latency([s.compression_wait_ms for s in samples if s.compression_wait_ms is not None]),
         "queue_ms": latency([s.queue_ms for s in samples if s.queue_ms is not None]),
+        "compression_engine_ms": latency([s.compression_engine_ms for s in samples
+                                          if s.compression_engine_ms is not None]),
         "cached_prompt_tokens_mean": round(statistics.fmean(s.cached_prompt_tokens for s in samples), 2)
         if samples else None,
         "others_cpu_frac_max": round(max((run.others_cpu_frac for run in runs), default=0.0), 3),
         "others_cpu_frac_mean": round(statistics.fmean(run.others_cpu_frac for run in runs), 3) if runs else None,
     }
+
+
+def ttft_by_position(samples: list[Sample]) -> dict[str, list[float | None]]:
+    """Median TTFT per place in a chunk's send order, per arm. In a closed loop the first
+    `concurrency` requests of a chunk arrive together (a burst: the last of them waits for every
+    prefill before its own), later ones as earlier ones finish; the arms' P95s come from these places."""
+    positions = sorted({s.position for s in samples if s.position is not None and not s.error})
+    by_arm: dict[str, list[float | None]] = {}
+    for arm in ARMS:
+        medians = []
+        for position in positions:
+            values = [s.ttft_ms for s in samples if s.arm == arm and s.position == position and not s.error]
+            medians.append(round(statistics.median(values), 1) if values else None)
+        if any(value is not None for value in medians):
+            by_arm[arm] = medians
+    return by_arm
 
 
 def stage_latencies(samples: list[Sample]) -> dict[str, dict[str, float | None]]:
@@ -480,6 +511,7 @@ def summarize_level(level: E2ERun) -> dict[str, Any]:
             "compressed_vs_ideal_ttft_p95_interval": p95_ratio_interval(ttfts["compressed"], ttfts["ideal"]),
             "token_reduction": ratio(arms["full"]["prompt_tokens_mean"], arms["compressed"]["prompt_tokens_mean"]),
             "payback": compression_payback(samples),
+            "ttft_ms_by_position": ttft_by_position(samples),
         }
     return out
 
@@ -576,11 +608,16 @@ def render_markdown(report: dict[str, Any]) -> str:
             if wait.get("p50") is not None:
                 lines.append(f"- compressed arm, ms waiting for a compression worker (P50 / P95, in TTFT, not in "
                              f"compression ms): {_pair(wait, 1)}")
+            engine_ms = compressed.get("compression_engine_ms") or {}
+            if engine_ms.get("p50") is not None:
+                lines.append("- compressed arm, ms its compression's embedding passes held the engine's thread (P50 / "
+                             f"P95; every request in the engine waits meanwhile): {_pair(engine_ms, 1)}")
             queues = {arm: (row.get("queue_ms") or {}) for arm, row in summary["arms"].items()}
             if any(queue.get("p50") is not None for queue in queues.values()):
                 lines.append("- engine queue ms, from submission to the first step (P50 / P95, in TTFT; most of it "
                              "the wait for the step in progress): " + ", ".join(
                                  f"{arm} {_pair(queue, 1)}" for arm, queue in queues.items() if queue.get("p50") is not None))
+            lines += render_positions(summary.get("ttft_ms_by_position") or {})
             lines.append("")
         lines += [f"### Acceptance at {label}", "", "| check | value | bar | met |",
                   "| --- | --- | --- | --- |"]
@@ -594,6 +631,27 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append("")
     lines += [f"![requests/s and TTFT per arm]({report['plot']})", ""] if report.get("plot") else []
     return "\n".join(lines)
+
+
+def render_positions(by_arm: dict[str, list[float | None]]) -> list[str]:
+    """The TTFT-by-position table (ttft_by_position), with compressed / ideal where both ran."""
+    if not by_arm:
+        return []
+    arms = list(by_arm)
+    width = max(len(values) for values in by_arm.values())
+    with_ratio = "compressed" in by_arm and "ideal" in by_arm
+    lines = ["", "TTFT P50 ms by place in a chunk's send order (closed loop: the first `concurrency` are sent "
+             "together, the others as earlier requests of the chunk finish):", "",
+             "| place | " + " | ".join(arms) + (" | compressed / ideal |" if with_ratio else ""),
+             "| --- |" + " --- |" * (len(arms) + with_ratio)]
+    for index in range(width):
+        cells = [_f(by_arm[arm][index] if index < len(by_arm[arm]) else None, 0) for arm in arms]
+        row = f"| {index + 1} | " + " | ".join(cells) + " |"
+        if with_ratio:
+            compressed, ideal = by_arm["compressed"], by_arm["ideal"]
+            row += f" {_f(ratio(compressed[index], ideal[index]) if index < min(len(compressed), len(ideal)) else None, 2)} |"
+        lines.append(row)
+    return lines
 
 
 def level_label(concurrency: int, arrival_rate: float | None, long: bool = False) -> str:

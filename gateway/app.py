@@ -405,6 +405,7 @@ async def compress(request: Request) -> dict[str, Any]:
             "saved_tokens": result.saved_tokens,
             "compression_ms": result.compression_ms,
             "compression_wait_ms": round(result.wait_ms, 3),
+            "compression_engine_ms": round(result.engine_ms, 3),
             "message_context": result.message_context,
             "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
                         "details": s.details} for s in result.stages],

@@ -373,6 +373,7 @@ class Gateway:
                 "saved_tokens": result.saved_tokens,
                 "compression_ms": result.compression_ms,
                 "compression_wait_ms": round(result.wait_ms, 3),
+                "compression_engine_ms": round(result.engine_ms, 3),
                 "queue_ms": round(metrics.queue_ms, 3),
                 "prefill_ms": round(metrics.prefill_ms, 3),
                 "ttft_ms": round(metrics.ttft_ms, 3),

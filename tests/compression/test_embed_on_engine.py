@@ -121,9 +121,15 @@ def test_calls_that_wait_for_the_engine_together_share_one_forward_pass(engine, 
     release = threading.Event()
     engine.run_between_steps(lambda: release.wait(30))  # the engine thread is busy until released
     results: dict[str, np.ndarray] = {}
+    engine_seconds: dict[str, float] = {}
 
     def call(text: str) -> None:
+        from compression.batching import ENGINE_TIME, EngineTime
+
+        charged = EngineTime()
+        ENGINE_TIME.set(charged)  # as CompressionPipeline.run_here does for each compression
         results[text] = own_embedder._encode_now([text])
+        engine_seconds[text] = charged.seconds
 
     threads = [threading.Thread(target=call, args=(text,)) for text in TEXTS]
     for thread in threads:
@@ -143,3 +149,45 @@ def test_calls_that_wait_for_the_engine_together_share_one_forward_pass(engine, 
     for text in TEXTS:
         assert results[text].shape == (1, own_embedder.dimension)
         assert float(results[text][0] @ alone[text]) > minimum
+    # Each caller is charged its share of the shared pass's time on the engine, by word pieces.
+    word_pieces = {text: len(own_embedder._packed.pack([text]).input_ids) for text in TEXTS}
+    assert all(seconds > 0 for seconds in engine_seconds.values())
+    first, second = TEXTS[0], TEXTS[1]
+    assert engine_seconds[first] / engine_seconds[second] == pytest.approx(word_pieces[first] / word_pieces[second])
+
+
+def test_a_compression_reports_the_time_its_embedding_held_the_engine(engine, tokenizer, own_embedder):
+    """CompressionResult.engine_ms: the engine thread's time on this compression's embedding passes,
+    none when every vector came from the cache, none when the model runs in process."""
+    import asyncio
+
+    from compression.pipeline import CompressionPipeline
+    from compression.types import CompressionInput, Document
+    from policies.loader import load_policy_file, packaged_policy_dir
+
+    policy = load_policy_file(packaged_policy_dir() / "rag-default.yaml")
+    documents = [Document(text=f"{text} It was noted in {year}.", id=f"d{year}", title=f"Note {year}")
+                 for year, text in zip((1901, 1902, 1903), TEXTS, strict=True)]
+    request = CompressionInput(messages=[{"role": "user", "content": "Who is the mayor of Arlen?"}],
+                               documents=documents)
+    import compression.embeddings as embeddings
+
+    key = (str(own_embedder.model_path), 0)
+    previous = embeddings._shared.get(key)
+    embeddings._shared[key] = own_embedder
+    try:
+        in_process = CompressionPipeline(tokenizer)
+        assert asyncio.run(in_process.run_here(request, policy)).engine_ms == 0.0
+        own_embedder._local.clear()
+        own_embedder.use_runner(engine.run_between_steps)
+        cold = asyncio.run(in_process.run_here(request, policy))
+        assert engine.jobs_run >= 1 and cold.engine_ms > 0
+        assert cold.engine_ms <= sum(cold.compression_ms.values())  # a part of the compression's own time
+        warm = asyncio.run(in_process.run_here(request, policy))
+        assert warm.engine_ms == 0.0  # every vector cached: the engine was not asked
+        in_process.close()
+    finally:
+        if previous is None:
+            embeddings._shared.pop(key, None)
+        else:
+            embeddings._shared[key] = previous

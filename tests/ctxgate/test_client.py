@@ -11,7 +11,8 @@ from ctxgate.client import CtxgateUsage, ctxgate_extra_body, read_usage
 
 USAGE = {"prompt_tokens": 50, "completion_tokens": 2, "total_tokens": 52, "ctxgate": {
     "policy": "rag-default", "original_prompt_tokens": 200, "prompt_tokens": 50, "dropped_params": ["logprobs"],
-    "message_context": {"passages_found": 3}, "saved_tokens": {"rerank": 150}, "compression_wait_ms": 12.5}}
+    "message_context": {"passages_found": 3}, "saved_tokens": {"rerank": 150}, "compression_wait_ms": 12.5,
+    "compression_engine_ms": 4.25}}
 
 
 def test_extra_body_from_every_document_kind():
@@ -38,7 +39,7 @@ def test_usage_is_read_from_dicts_and_langchain_messages():
     assert isinstance(from_dict, CtxgateUsage)
     assert (from_dict.reduction, from_dict.dropped_params, from_dict.message_context) == (
         4.0, ["logprobs"], {"passages_found": 3})
-    assert from_dict.compression_wait_ms == 12.5
+    assert from_dict.compression_wait_ms == 12.5 and from_dict.compression_engine_ms == 4.25
     assert CtxgateUsage.from_dict({"policy": "p"}).compression_wait_ms == 0.0  # an older gateway's usage
     message = AIMessage(content="hi", response_metadata={"token_usage": USAGE})
     assert read_usage(message) == from_dict

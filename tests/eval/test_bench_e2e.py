@@ -25,8 +25,10 @@ from eval.bench_e2e import (
     open_loop,
     p95_ratio_interval,
     render_markdown,
+    render_positions,
     summarize_arm,
     tagged,
+    ttft_by_position,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -134,6 +136,24 @@ def test_acceptance_shows_the_ttft_ratio_with_its_interval():
     assert "interval" not in checks["gain (compressed/full req/s) >= 3"]
 
 
+def test_ttft_by_position_takes_each_arms_median_per_place_in_the_send_order():
+    samples = []
+    for chunk in range(3):  # three chunks of four, concurrency 2: places 1-2 a burst, 3-4 successors
+        for position, (compressed, ideal) in enumerate([(100, 90), (200, 180), (150, 140), (300, 150)]):
+            for arm, ttft in (("compressed", compressed + chunk), ("ideal", ideal + chunk)):
+                one = sample(arm, f"q{chunk}{position}", 10.0, ttft_ms=float(ttft))
+                one.position = position
+                samples.append(one)
+    failed = Sample("ideal", "cold", 2, "x", 0.0, 0.0, 0, 0, error="HTTP 500", position=3)
+    by_arm = ttft_by_position([*samples, failed])
+    assert by_arm == {"compressed": [101.0, 201.0, 151.0, 301.0], "ideal": [91.0, 181.0, 141.0, 151.0]}
+    table = render_positions(by_arm)
+    assert "| place | compressed | ideal | compressed / ideal |" in table
+    assert "| 4 | 301 | 151 | 1.99 |" in table  # the successor that waited for a convoy
+    assert ttft_by_position([sample("full", "a", 1.0)]) == {}  # no positions recorded: no table
+    assert render_positions({}) == []
+
+
 def test_arrival_offsets_are_poisson_and_the_same_for_a_seed():
     offsets = arrival_offsets(2000, rate_per_s=4.0, seed=3)
     assert offsets == arrival_offsets(2000, rate_per_s=4.0, seed=3)
@@ -231,8 +251,12 @@ def test_bench_e2e_command_runs_every_arm_on_the_same_questions(tmp_path):
     assert arms["compressed"]["compression_wait_ms"]["p50"] >= 0  # reported by the gateway, apart from the stages
     # The engine's queue time, through the gateway (usage) and from the engine alone (its metrics).
     assert all(arms[arm]["queue_ms"]["p50"] >= 0 for arm in arms)
+    assert arms["compressed"]["compression_engine_ms"]["p50"] >= 0  # embedding passes on the engine's thread
+    positions = report["levels"]["1"]["summary"]["cold"]["ttft_ms_by_position"]
+    assert set(positions) == set(arms) and all(len(medians) == 2 for medians in positions.values())
     markdown = (out / "bench_e2e.md").read_text()
     assert "CPU path: cpu path" in markdown and "Acceptance at concurrency 1" in markdown
     assert "2 compression worker(s)" in markdown and "engine step budget 256 tokens" in markdown
     assert "engine queue ms, from submission to the first step" in markdown
+    assert "TTFT P50 ms by place in a chunk's send order" in markdown
     assert (out / "bench_e2e.png").stat().st_size > 0
