@@ -235,7 +235,10 @@ class Embedder:
                 self._local.popitem(last=False)
 
     def _encode(self, texts: list[str], batch_size: int, show_progress_bar: bool) -> np.ndarray:
-        if self._batcher is not None:
+        # On the engine's thread, calls that wait together already share a pass (EngineJobBatcher):
+        # the batching thread would only add its window and a thread hop to every call, and take the
+        # call out of the compression's context (its engine time would be charged to nobody).
+        if self._batcher is not None and self._engine_jobs is None:
             return self._batcher.encode(texts)
         return self._encode_now(texts, batch_size, show_progress_bar)
 
