@@ -251,7 +251,8 @@ def test_bench_e2e_command_runs_every_arm_on_the_same_questions(tmp_path):
     assert arms["compressed"]["compression_wait_ms"]["p50"] >= 0  # reported by the gateway, apart from the stages
     # The engine's queue time, through the gateway (usage) and from the engine alone (its metrics).
     assert all(arms[arm]["queue_ms"]["p50"] >= 0 for arm in arms)
-    assert arms["compressed"]["compression_engine_ms"]["p50"] >= 0  # embedding passes on the engine's thread
+    # first sights: their embedding passes ran on the gateway engine's thread, and ideal's requests compress nothing
+    assert arms["compressed"]["compression_engine_ms"]["p50"] > 0 and arms["ideal"]["compression_engine_ms"]["p50"] == 0
     positions = report["levels"]["1"]["summary"]["cold"]["ttft_ms_by_position"]
     assert set(positions) == set(arms) and all(len(medians) == 2 for medians in positions.values())
     markdown = (out / "bench_e2e.md").read_text()
