@@ -129,18 +129,21 @@ async def test_first_sight_embeds_question_and_candidates_in_one_model_call(make
                  for d in DOCUMENTS]  # texts this session's embedder has not cached
     policy = Policy(name="p", max_input_tokens=400, documents={"max_tokens": 60}, rerank={"top_k": 3})
     calls: list[int] = []
-    encode_now = embedder._encode_now
+    # `_encode` is where every cache miss goes, whichever route the model call then takes: the shared
+    # embedder may carry a batching thread or an engine runner from a gateway another test built, and
+    # those hold `_encode_now` bound at their creation, where an instance patch would not reach.
+    encode = embedder._encode
 
     def counting(texts, *args, **kwargs):
         calls.append(len(texts))
-        return encode_now(texts, *args, **kwargs)
+        return encode(texts, *args, **kwargs)
 
-    embedder._encode_now = counting
+    embedder._encode = counting
     try:
         question = {"role": "user", "content": "Who is the mayor of the village of Cirra, please?"}
         result = await make_pipeline().run(CompressionInput(messages=[MESSAGES[0], question], documents=documents),
                                            policy)
     finally:
-        del embedder._encode_now
+        del embedder._encode
     assert "Mara Quist" in result.context_text
     assert len(calls) == 1 and calls[0] > len(documents)
