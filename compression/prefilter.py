@@ -12,8 +12,10 @@ import numpy as np
 
 from compression.rerank import bm25_scores, minmax, passage_text_for_scoring
 from compression.state import Passage
+from policies.schema import DEFAULT_EMBED_BUDGET_MULTIPLE, DEFAULT_EMBED_MIN_SHARE
 
-# Embedded text ~ this multiple of the budget (or this share of the input, whichever is larger).
+# Embedded text ~ this multiple of the budget (or this share of the input, whichever is larger):
+# the defaults of a policy's `documents.embed_budget_multiple` / `embed_min_share`.
 # Set from `ctxgate eval retention` over both dev sets (answer retained, NQ rag-default / HotpotQA
 # rag-multihop / HotpotQA rag-default): 1.5x / 0.3: 0.987 / 0.932 / -; 0.8x / 0.2: 0.987 / 0.956 /
 # 0.981; 0.5x / 0.1: 0.987 / 0.961 / 0.981; 0.4x / 0.1: 0.987 / 0.956 / 0.981; 0.3x / 0.05: 0.987 /
@@ -21,8 +23,11 @@ from compression.state import Passage
 # Flat from 0.2x to 0.8x, so the middle of that range: a lexically chosen candidate set scores as
 # well as a wider one whose weakest members get an embedding score too, and the model call (most of
 # a first sight's time) holds ~0.6x the word pieces of 0.8x / 0.2's.
-BUDGET_MULTIPLE = 0.4
-MIN_SHARE = 0.1
+# Re-measured 2026-12-04 (same three columns): 0.4x / 0.1 0.987 / 0.956 / 0.990, 0.3x / 0.05 0.980 /
+# 0.942 / 0.985, 0.2x / 0.05 0.977 / 0.956 / 0.976 with ~0.73x the word pieces, which end to end
+# took the TTFT P95 ratio to ideal from 1.15 to 1.07 (eval/reports/embed-allowance-2026-12-04/).
+BUDGET_MULTIPLE = DEFAULT_EMBED_BUDGET_MULTIPLE
+MIN_SHARE = DEFAULT_EMBED_MIN_SHARE
 PASSAGE_WEIGHT = 0.5  # how much a sentence inherits from its passage's lexical match
 CHARS_PER_TOKEN = 4.0  # estimate only: the selection does not need exact counts
 
@@ -31,8 +36,11 @@ def estimated_tokens(text: str) -> float:
     return len(text) / CHARS_PER_TOKEN + 1
 
 
-def mark_embedding_candidates(question: str, passages: list[Passage], budget_tokens: int) -> int:
-    """Set `embed_sentences` on every passage; return how many sentences were left out."""
+def mark_embedding_candidates(question: str, passages: list[Passage], budget_tokens: int,
+                              budget_multiple: float = BUDGET_MULTIPLE, min_share: float = MIN_SHARE) -> int:
+    """Set `embed_sentences` on every passage; return how many sentences were left out. The
+    allowance is `budget_multiple` x the budget or `min_share` of the input, whichever is larger
+    (a policy's `documents.embed_budget_multiple` / `embed_min_share`)."""
     from compression.extraction import lexical_overlap
 
     units = [
@@ -42,7 +50,7 @@ def mark_embedding_candidates(question: str, passages: list[Passage], budget_tok
         if sentence_index not in passage.removed_sentences
     ]
     total = sum(estimated_tokens(text) for _, _, text in units)
-    allowance = max(BUDGET_MULTIPLE * budget_tokens, MIN_SHARE * total)
+    allowance = max(budget_multiple * budget_tokens, min_share * total)
     for passage in passages:
         passage.embed_sentences = None
     if total <= allowance:

@@ -120,7 +120,11 @@ def ensure_candidates(ctx: StageContext, state: PipelineState) -> None:
         return  # retrieved passages bring their vectors from the index: embedding them is free
     state.prefiltered = True
     ensure_sentences(ctx, state.passages)
-    mark_embedding_candidates(state.question_text, state.passages, documents_budget(state, ctx))
+    documents = ctx.policy.documents
+    mark_embedding_candidates(
+        state.question_text, state.passages, documents_budget(state, ctx),
+        documents.embed_budget_multiple, documents.embed_min_share,
+    )
 
 
 def embed_with_question(ctx: StageContext, state: PipelineState, texts: list[str]) -> None:

@@ -10,6 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# First-sight embedding allowance defaults (DocumentsPolicy; tuned in compression/prefilter.py).
+DEFAULT_EMBED_BUDGET_MULTIPLE = 0.4
+DEFAULT_EMBED_MIN_SHARE = 0.1
+
 
 class _Section(BaseModel):
     # Unknown keys are typos in an operator's YAML: reject them with the field's name.
@@ -32,6 +36,16 @@ class DocumentsPolicy(_Section):
     # stuff-documents prompt, LlamaIndex's context chat, numbered or tagged documents, "Context:"
     # sections) and cut it like `documents`; the instructions and the question stay as they are.
     from_messages: bool = False
+    # On first sight (no cached vectors), only the sentences that match the question best lexically
+    # are embedded: about this multiple of `max_tokens`, or `embed_min_share` of the input if that is
+    # more (compression/prefilter.py). Lower embeds less (a cheaper first sight, less CPU taken from
+    # the engine) at some answer retention; the README's benchmark section has the measured trade.
+    embed_budget_multiple: float = Field(
+        DEFAULT_EMBED_BUDGET_MULTIPLE, gt=0, description="first-sight embedding allowance, as a multiple of max_tokens"
+    )
+    embed_min_share: float = Field(
+        DEFAULT_EMBED_MIN_SHARE, ge=0, le=1, description="first-sight embedding allowance, at least this share of the input"
+    )
 
 
 class DedupPolicy(_Section):

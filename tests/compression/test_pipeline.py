@@ -147,3 +147,33 @@ async def test_first_sight_embeds_question_and_candidates_in_one_model_call(make
         del embedder._encode
     assert "Mara Quist" in result.context_text
     assert len(calls) == 1 and calls[0] > len(documents)
+
+
+async def test_a_smaller_first_sight_allowance_embeds_fewer_texts(make_pipeline, embedder):
+    # documents.embed_budget_multiple / embed_min_share: the policy's trade of first-sight CPU
+    # against the embedding scores of the sentences the lexical pre-filter ranks lower.
+    question = {"role": "user", "content": "Who is the mayor of the town of Cirra, please?"}
+
+    async def texts_embedded(budget_multiple: float, tag: str) -> tuple[int, str]:
+        documents = [Document(text=d.text.replace("Town", tag), title=d.title.replace("Town", tag)) for d in DOCUMENTS]
+        policy = Policy(name="p", max_input_tokens=400, rerank={"top_k": 3},
+                        documents={"max_tokens": 60, "embed_budget_multiple": budget_multiple, "embed_min_share": 0})
+        calls: list[int] = []
+        encode = embedder._encode
+
+        def counting(texts, *args, **kwargs):
+            calls.append(len(texts))
+            return encode(texts, *args, **kwargs)
+
+        embedder._encode = counting
+        try:
+            result = await make_pipeline().run(CompressionInput(messages=[MESSAGES[0], question], documents=documents),
+                                               policy)
+        finally:
+            del embedder._encode
+        return sum(calls), result.context_text
+
+    wide, wide_context = await texts_embedded(4.0, "Borough")
+    narrow, narrow_context = await texts_embedded(0.2, "Parish")
+    assert narrow < wide
+    assert "Mara Quist" in wide_context and "Mara Quist" in narrow_context

@@ -42,3 +42,19 @@ def test_the_question_matching_sentences_are_embedded_and_the_allowance_is_spent
     # Sentences are taken best first until the allowance is reached: the last one crosses it.
     assert spent >= allowance
     assert spent - max(estimated_tokens(text) for text in chosen) < allowance
+
+
+def test_the_policy_allowance_sets_how_much_is_embedded():
+    answer = "The lighthouse on the north pier was first lit in 1868 by the harbour board."
+    question = "When was the lighthouse on the north pier first lit?"
+
+    def chosen_at(budget_multiple: float, min_share: float) -> list[str]:
+        passages = [passage(i, FILLER) for i in range(6)] + [passage(6, [FILLER[0], answer])]
+        mark_embedding_candidates(question, passages, 100, budget_multiple, min_share)
+        return chosen_texts(passages)
+
+    wide, narrow = chosen_at(0.8, 0.0), chosen_at(0.2, 0.0)
+    assert answer in narrow and set(narrow) < set(wide)
+    assert sum(estimated_tokens(text) for text in narrow) < 0.2 * 100 + estimated_tokens(answer)
+    # The input share is a floor under a small multiple.
+    assert len(chosen_at(0.2, 0.5)) > len(narrow)

@@ -18,7 +18,7 @@ from policies.loader import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = ["passthrough", "rag-default", "rag-strict", "chat-long-history", "rag-multihop"]
+SHIPPED = ["passthrough", "rag-default", "rag-strict", "chat-long-history", "rag-multihop", "rag-fast"]
 
 
 def _ctxgate(*args: str) -> subprocess.CompletedProcess:
@@ -31,6 +31,16 @@ def test_shipped_policies_are_valid(name):
     policy = load_policy_file(packaged_policy_dir() / f"{name}.yaml")
     assert policy.name == name
     assert policy.documents.max_tokens <= policy.max_input_tokens
+
+
+def test_rag_fast_is_rag_default_with_a_smaller_first_sight_allowance():
+    fast = load_policy_file(packaged_policy_dir() / "rag-fast.yaml")
+    default = load_policy_file(packaged_policy_dir() / "rag-default.yaml")
+    assert fast.documents.embed_budget_multiple < default.documents.embed_budget_multiple
+    assert fast.documents.embed_min_share < default.documents.embed_min_share
+    same = {"name", "description", "documents", "allow_request_overrides"}
+    assert fast.model_dump(exclude=same) == default.model_dump(exclude=same)
+    assert fast.documents.max_tokens == default.documents.max_tokens
 
 
 def test_passthrough_disables_compression_but_keeps_a_budget():
@@ -47,6 +57,8 @@ def test_passthrough_disables_compression_but_keeps_a_budget():
         ("name: x\nrerank: {methd: bm25}\n", "rerank.methd", "Extra inputs"),
         ("name: x\nquota: {on_store_error: maybe}\n", "quota.on_store_error", "'allow' or 'deny'"),
         ("max_input_tokens: 100\n", "name", "Field required"),
+        ("name: x\ndocuments: {embed_budget_multiple: 0}\n", "documents.embed_budget_multiple", "greater than 0"),
+        ("name: x\ndocuments: {embed_min_share: 1.5}\n", "documents.embed_min_share", "less than or equal to 1"),
         ("name: [unclosed\n", "", "invalid YAML at line"),
         ("- just\n- a list\n", "", "YAML mapping"),
     ],
