@@ -24,8 +24,9 @@ from policies.schema import DEFAULT_EMBED_BUDGET_MULTIPLE, DEFAULT_EMBED_MIN_SHA
 # well as a wider one whose weakest members get an embedding score too, and the model call (most of
 # a first sight's time) holds ~0.6x the word pieces of 0.8x / 0.2's.
 # Re-measured 2026-12-04 (same three columns): 0.4x / 0.1 0.987 / 0.956 / 0.990, 0.3x / 0.05 0.980 /
-# 0.942 / 0.985, 0.2x / 0.05 0.977 / 0.956 / 0.976 with ~0.73x the word pieces, which end to end
-# took the TTFT P95 ratio to ideal from 1.15 to 1.07 (eval/reports/embed-allowance-2026-12-04/).
+# 0.942 / 0.985, 0.2x / 0.05 0.977 / 0.956 / 0.976 with ~0.73x the word pieces: ~10 ms less engine
+# time a cold request, and `bench e2e`'s TTFT P95 ratio to ideal 1.07 against 1.14 pooled over three
+# runs each (eval/reports/embed-allowance-2026-12-04/). Offered as the rag-fast policy.
 BUDGET_MULTIPLE = DEFAULT_EMBED_BUDGET_MULTIPLE
 MIN_SHARE = DEFAULT_EMBED_MIN_SHARE
 PASSAGE_WEIGHT = 0.5  # how much a sentence inherits from its passage's lexical match
