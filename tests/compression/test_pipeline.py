@@ -1,4 +1,6 @@
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -122,16 +124,13 @@ async def test_stable_assembly_gives_requests_with_the_same_kept_passages_the_sa
     assert forward.messages == backward.messages
 
 
-async def test_first_sight_embeds_question_and_candidates_in_one_model_call(make_pipeline, embedder):
-    # Every model call has a fixed cost (and in the gateway a round trip to the embedding process),
-    # so the question rides with the candidate sentences instead of going alone.
-    documents = [Document(text=d.text.replace("Town", "Village"), title=d.title.replace("Town", "Hamlet"))
-                 for d in DOCUMENTS]  # texts this session's embedder has not cached
-    policy = Policy(name="p", max_input_tokens=400, documents={"max_tokens": 60}, rerank={"top_k": 3})
+@contextmanager
+def model_calls(embedder) -> Iterator[list[int]]:
+    """The number of texts of each model call the embedder makes meanwhile. `_encode` is where every
+    cache miss goes, whichever route the call then takes: the shared embedder may carry a batching
+    thread or an engine runner from a gateway another test built, and those hold `_encode_now` bound
+    at their creation, where an instance patch would not reach."""
     calls: list[int] = []
-    # `_encode` is where every cache miss goes, whichever route the model call then takes: the shared
-    # embedder may carry a batching thread or an engine runner from a gateway another test built, and
-    # those hold `_encode_now` bound at their creation, where an instance patch would not reach.
     encode = embedder._encode
 
     def counting(texts, *args, **kwargs):
@@ -140,11 +139,21 @@ async def test_first_sight_embeds_question_and_candidates_in_one_model_call(make
 
     embedder._encode = counting
     try:
-        question = {"role": "user", "content": "Who is the mayor of the village of Cirra, please?"}
-        result = await make_pipeline().run(CompressionInput(messages=[MESSAGES[0], question], documents=documents),
-                                           policy)
+        yield calls
     finally:
         del embedder._encode
+
+
+async def test_first_sight_embeds_question_and_candidates_in_one_model_call(make_pipeline, embedder):
+    # Every model call has a fixed cost (and in the gateway a round trip to the embedding process),
+    # so the question rides with the candidate sentences instead of going alone.
+    documents = [Document(text=d.text.replace("Town", "Village"), title=d.title.replace("Town", "Hamlet"))
+                 for d in DOCUMENTS]  # texts this session's embedder has not cached
+    policy = Policy(name="p", max_input_tokens=400, documents={"max_tokens": 60}, rerank={"top_k": 3})
+    question = {"role": "user", "content": "Who is the mayor of the village of Cirra, please?"}
+    with model_calls(embedder) as calls:
+        result = await make_pipeline().run(CompressionInput(messages=[MESSAGES[0], question], documents=documents),
+                                           policy)
     assert "Mara Quist" in result.context_text
     assert len(calls) == 1 and calls[0] > len(documents)
 
@@ -158,19 +167,9 @@ async def test_a_smaller_first_sight_allowance_embeds_fewer_texts(make_pipeline,
         documents = [Document(text=d.text.replace("Town", tag), title=d.title.replace("Town", tag)) for d in DOCUMENTS]
         policy = Policy(name="p", max_input_tokens=400, rerank={"top_k": 3},
                         documents={"max_tokens": 60, "embed_budget_multiple": budget_multiple, "embed_min_share": 0})
-        calls: list[int] = []
-        encode = embedder._encode
-
-        def counting(texts, *args, **kwargs):
-            calls.append(len(texts))
-            return encode(texts, *args, **kwargs)
-
-        embedder._encode = counting
-        try:
+        with model_calls(embedder) as calls:
             result = await make_pipeline().run(CompressionInput(messages=[MESSAGES[0], question], documents=documents),
                                                policy)
-        finally:
-            del embedder._encode
         return sum(calls), result.context_text
 
     wide, wide_context = await texts_embedded(4.0, "Borough")
