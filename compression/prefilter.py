@@ -14,9 +14,9 @@ from compression.rerank import bm25_scores, minmax, passage_text_for_scoring
 from compression.state import Passage
 from policies.schema import DEFAULT_EMBED_BUDGET_MULTIPLE, DEFAULT_EMBED_MIN_SHARE
 
-# Embedded text ~ this multiple of the budget (or this share of the input, whichever is larger):
-# the defaults of a policy's `documents.embed_budget_multiple` / `embed_min_share`.
-# Set from `ctxgate eval retention` over both dev sets (answer retained, NQ rag-default / HotpotQA
+# Embedded text ~ a multiple of the budget (or a share of the input, whichever is larger): a policy's
+# `documents.embed_budget_multiple` / `embed_min_share`, whose defaults (policies/schema.py) were
+# set from `ctxgate eval retention` over both dev sets (answer retained, NQ rag-default / HotpotQA
 # rag-multihop / HotpotQA rag-default): 1.5x / 0.3: 0.987 / 0.932 / -; 0.8x / 0.2: 0.987 / 0.956 /
 # 0.981; 0.5x / 0.1: 0.987 / 0.961 / 0.981; 0.4x / 0.1: 0.987 / 0.956 / 0.981; 0.3x / 0.05: 0.987 /
 # 0.956 / 0.985; 0.2x / 0.05: 0.990 / 0.951 / 0.990; nothing embedded: 0.950 / 0.903 / 0.956.
@@ -27,8 +27,6 @@ from policies.schema import DEFAULT_EMBED_BUDGET_MULTIPLE, DEFAULT_EMBED_MIN_SHA
 # 0.942 / 0.985, 0.2x / 0.05 0.977 / 0.956 / 0.976 with ~0.73x the word pieces: ~10 ms less engine
 # time a cold request, and `bench e2e`'s TTFT P95 ratio to ideal 1.07 against 1.14 pooled over three
 # runs each (eval/reports/embed-allowance-2026-12-04/). Offered as the rag-fast policy.
-BUDGET_MULTIPLE = DEFAULT_EMBED_BUDGET_MULTIPLE
-MIN_SHARE = DEFAULT_EMBED_MIN_SHARE
 PASSAGE_WEIGHT = 0.5  # how much a sentence inherits from its passage's lexical match
 CHARS_PER_TOKEN = 4.0  # estimate only: the selection does not need exact counts
 
@@ -38,7 +36,8 @@ def estimated_tokens(text: str) -> float:
 
 
 def mark_embedding_candidates(question: str, passages: list[Passage], budget_tokens: int,
-                              budget_multiple: float = BUDGET_MULTIPLE, min_share: float = MIN_SHARE) -> int:
+                              budget_multiple: float = DEFAULT_EMBED_BUDGET_MULTIPLE,
+                              min_share: float = DEFAULT_EMBED_MIN_SHARE) -> int:
     """Set `embed_sentences` on every passage; return how many sentences were left out. The
     allowance is `budget_multiple` x the budget or `min_share` of the input, whichever is larger
     (a policy's `documents.embed_budget_multiple` / `embed_min_share`)."""

@@ -1,7 +1,7 @@
-from compression import prefilter
 from compression.prefilter import estimated_tokens, mark_embedding_candidates
 from compression.state import Passage
 from compression.types import Document
+from policies.schema import DEFAULT_EMBED_BUDGET_MULTIPLE, DEFAULT_EMBED_MIN_SHARE
 
 FILLER = [
     "The harbour was rebuilt in stone after the storm of the previous winter.",
@@ -30,7 +30,7 @@ def test_the_question_matching_sentences_are_embedded_and_the_allowance_is_spent
     passages = [passage(i, FILLER) for i in range(6)] + [passage(6, [FILLER[0], answer])]
     total = sum(estimated_tokens(s) for p in passages for s in p.sentences)
     budget = 40
-    allowance = max(prefilter.BUDGET_MULTIPLE * budget, prefilter.MIN_SHARE * total)
+    allowance = max(DEFAULT_EMBED_BUDGET_MULTIPLE * budget, DEFAULT_EMBED_MIN_SHARE * total)
     assert allowance < total, "the input must be larger than the allowance for the filter to act"
 
     left_out = mark_embedding_candidates("When was the lighthouse on the north pier first lit?", passages, budget)

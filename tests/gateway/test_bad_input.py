@@ -121,6 +121,8 @@ def test_malformed_bodies(secured, content, status, mentions):
         (_chat(ctxgate={"documents": [{"title": "no text"}]}), 400, "text", "ctxgate.documents.0.text"),
         (_chat(ctxgate={"documents": [], "bogus": 1}), 400, "bogus", "ctxgate.bogus"),
         (_chat(ctxgate={"overrides": {"max_input_tokens": 10**6}}), 400, "does not allow", "ctxgate.overrides"),
+        (_chat(ctxgate={"policy": "rag-fast", "overrides": {"documents.embed_budget_multiple": 0}}), 400,
+         "embed_budget_multiple", "ctxgate.overrides"),
         (_chat(ctxgate={"retrieval": {"index": "wiki"}}), 400, "retrieval", None),
         (_chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "image_url", "messages"),
         (_chat(messages=[{"role": "user", "content": "word " * 200}]), 413, "max_input_tokens", "messages"),
