@@ -101,7 +101,23 @@ class Scheduler:
         )
         self.block_manager.check_invariants(holders=self.running)
 
-    def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
+    def update_from_output(self, output: SchedulerOutput, step_seconds: float) -> None:
+        """After the model ran `output`: its tokens are computed, full blocks join the prefix cache,
+        and the step's prefill speed feeds the TTFT estimate.
+
+        The caller appends sampled tokens afterwards; a sequence whose prompt is not yet fully
+        computed (a prefill chunk) samples none.
+        """
+        num_prefill_tokens = 0
+        for item in output.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+            if item.num_new_tokens > 1:
+                num_prefill_tokens += item.num_new_tokens
+        self._observe_prefill(num_prefill_tokens, step_seconds)
+
+    def _observe_prefill(self, num_prefill_tokens: int, seconds: float) -> None:
+        # Steps with a few prefill tokens are dominated by decode cost and would skew the estimate.
         if num_prefill_tokens >= 32 and seconds > 0:
             rate = num_prefill_tokens / seconds
             self.prefill_tokens_per_s = 0.7 * self.prefill_tokens_per_s + 0.3 * rate

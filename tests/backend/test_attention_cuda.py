@@ -33,8 +33,8 @@ from backend.decode_graphs import (
     capture_sizes,
     padded_batch_size,
 )
+from backend.engine_setup import check_device_support, resolve_device, use_decode_graphs
 from backend.kv_cache import KVCache, KVCacheSpec, activation_reserve_bytes, kv_blocks_for_gpu_memory
-from backend.llm_engine import check_device_support, resolve_device, use_decode_graphs
 from backend.model_runner import ModelRunner
 from backend.scheduler import ScheduledSequence
 from backend.sequence import Sequence

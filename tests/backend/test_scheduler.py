@@ -38,9 +38,8 @@ def schedule(scheduler: Scheduler) -> SchedulerOutput:
 
 def finish_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
     """What the engine does after the model ran: mark tokens computed, sample one token if due."""
+    scheduler.update_from_output(output, step_seconds=0.01)
     for item in output.scheduled:
-        item.seq.num_computed_tokens += item.num_new_tokens
-        scheduler.block_manager.cache_full_blocks(item.seq)
         if item.seq.num_computed_tokens == item.seq.num_tokens:
             item.seq.token_ids.append(7)
     scheduler.check_invariants()
@@ -207,10 +206,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(set(map(id, scheduled))) == len(scheduled) <= self.scheduler.max_num_seqs
         assert not {id(seq) for seq in output.preempted} & set(map(id, scheduled))
         self.scheduler.check_invariants()
+        self.scheduler.update_from_output(output, step_seconds=0.01)
         for item in output.scheduled:
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.scheduler.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(token)
                 if seq.num_output_tokens >= seq.max_tokens:
