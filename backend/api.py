@@ -7,7 +7,8 @@ Both the in-process engine (`backend.async_engine.AsyncEngine`) and the upstream
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -114,6 +115,13 @@ class EngineError(Exception):
         self.code = code
 
 
+class SideWorkRunner(Protocol):
+    def run_between_steps(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn()` on the engine's thread before its next step (or between two layers of the
+        step in progress); the future holds its result or exception."""
+        ...
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """Everything the gateway and the compression pipeline use of an engine, in-process or remote."""
@@ -123,8 +131,18 @@ class EngineClient(Protocol):
     # The compute path serving (device, dtype, CPU kernels, matmul dispatch; see
     # backend.cpu_features); None when the engine does not say (a non-ctxgate upstream).
     path_info: dict[str, object] | None
-    # Optional (read with getattr, default False): True for engines that forward the client's
-    # request fields to another server (`GenerationRequest.forward`) instead of honouring them here.
+
+    @property
+    def forwards_fields(self) -> bool:
+        """True for engines that forward the client's request fields to another server
+        (`GenerationRequest.forward`) instead of honouring them here."""
+        ...
+
+    @property
+    def side_work(self) -> SideWorkRunner | None:
+        """Where other components may run CPU work on the engine's own thread; None when the engine
+        has no such place (a remote server, a GPU engine)."""
+        ...
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -17,11 +17,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from backend.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
 from backend.metrics import EngineMetrics
+from backend.side_work import Job, SideWorkQueue
 
 ENGINE_SWITCH_INTERVAL_S = 0.0005
 
@@ -54,14 +55,6 @@ class _Abort:
 
 
 _WAKE = object()  # a command that only wakes an idle engine thread (a job is queued)
-
-
-@dataclass
-class _Job:
-    """CPU work (the compression embedder's forward pass) run on the engine thread (run_between_steps)."""
-
-    fn: Callable[[], Any]
-    future: Future[Any] = field(default_factory=Future)
 
 
 @dataclass
@@ -157,13 +150,12 @@ class AsyncEngine:
         self.path_info: dict[str, object] = engine.path_info()
         self.metrics.set_path_info(self.path_info)
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()  # run_between_steps work
+        self._side_work = SideWorkQueue()  # run_between_steps jobs
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._stopped = False
         self._fatal_error: BaseException | None = None
         self._live: dict[str, _StreamState] = {}  # owned by the engine thread
-        self.jobs_run = 0  # run_between_steps jobs the engine thread ran (observability, tests)
         self._stats: EngineStats = engine.stats()
         self.metrics.update_from_stats(self._stats)
 
@@ -271,8 +263,19 @@ class AsyncEngine:
         self._submit(_Abort(request_id, notify=True))
 
     @property
-    def runs_on_cpu(self) -> bool:
-        return getattr(getattr(self.engine, "device", None), "type", "cpu") == "cpu"
+    def jobs_run(self) -> int:
+        """run_between_steps jobs the engine thread ran (observability, tests)."""
+        return self._side_work.jobs_run
+
+    @property
+    def forwards_fields(self) -> bool:
+        return False
+
+    @property
+    def side_work(self) -> AsyncEngine | None:
+        """This engine as a side-work runner when it computes on the CPU (where sharing its thread
+        and cores is what pays); None on a GPU."""
+        return self if self.engine.device.type == "cpu" else None
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run `fn()` on the engine thread with the engine's CPU threads: before the next step, or,
@@ -286,9 +289,9 @@ class AsyncEngine:
         next such point. Raises `EngineError` (503) once the engine is shut down; a job still queued
         then fails with it.
         """
-        job = _Job(fn)
+        job = Job(fn)
         if threading.current_thread() is self._thread:  # asked from a job: waiting would deadlock
-            _run_job(job)
+            job.run()
             return job.future
         self.start()
         # Under the lock that `shutdown` queues its stop under and the engine thread's last drain
@@ -299,19 +302,9 @@ class AsyncEngine:
                 raise EngineError("the engine has been shut down", 503)
             if self._fatal_error is not None or not self.is_ready():
                 raise EngineError(f"the engine failed: {self._fatal_error}", 503)
-            self._jobs.put(job)
+            self._side_work.put(job)
             self._submit(_WAKE)  # an idle engine thread sleeps on the command queue
         return job.future
-
-    def _run_jobs(self) -> None:
-        """Run the queued jobs, on the engine thread (between steps, or between a step's layers)."""
-        while not self._jobs.empty():  # checked once per decoder layer: an empty queue raises nothing
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            self.jobs_run += 1  # before: a caller woken by the job's result may read it at once
-            _run_job(job)
 
     def _open(self, request: GenerationRequest) -> RequestStream:
         if self._stopped:
@@ -335,16 +328,15 @@ class AsyncEngine:
         import torch
 
         torch.set_num_threads(self.engine.num_threads)
-        model = getattr(self.engine, "model", None)
-        if model is not None and self.runs_on_cpu:
-            model.between_layers = self._run_jobs
+        if self.side_work is not None:
+            self.engine.model.between_layers = self._side_work.run_pending
         try:
             while True:
                 # Idle: block until a command arrives instead of spinning.
                 block = not self.engine.has_unfinished_requests()
                 if not self._apply_commands(block=block):
                     break
-                self._run_jobs()
+                self._side_work.run_pending()
                 if not self.engine.has_unfinished_requests():
                     continue
                 try:
@@ -361,7 +353,7 @@ class AsyncEngine:
             self._fatal_error = exc
         finally:
             self._fail_all(EngineError("the engine has been shut down", 503))
-            self._fail_jobs(EngineError("the engine has been shut down", 503))
+            self._side_work.fail_pending(EngineError("the engine has been shut down", 503), self._start_lock)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every pending command; returns False when the thread must stop."""
@@ -477,32 +469,10 @@ class AsyncEngine:
                 self._send(command.stream, error)
         self._refresh_stats()
 
-    def _fail_jobs(self, error: EngineError) -> None:
-        """The thread is ending: queued jobs will never run."""
-        with self._start_lock:
-            while True:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    return
-                if job.future.set_running_or_notify_cancel():
-                    job.future.set_exception(error)
-
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()
         self._stats = stats
         self.metrics.update_from_stats(stats)
-
-
-def _run_job(job: _Job) -> None:
-    if not job.future.set_running_or_notify_cancel():
-        return  # its caller gave up before the engine got to it
-    try:
-        result = job.fn()
-    except BaseException as exc:  # the job's error is its caller's, never the engine thread's
-        job.future.set_exception(exc)
-    else:
-        job.future.set_result(result)
 
 
 def _deliver_all(items: list[tuple[RequestStream, GenerationDelta]]) -> None:

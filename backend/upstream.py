@@ -72,6 +72,7 @@ class UpstreamClient:
     # The client's fields go to the upstream untouched and its chunks come back as they are
     # (`GenerationRequest.forward`, `GenerationDelta.raw`): the upstream decides what it supports.
     forwards_fields = True
+    side_work = None  # a remote server has no thread here to share
 
     def __init__(self, config: UpstreamConfig, served_model_name: str | None = None):
         self.config = config

@@ -105,8 +105,8 @@ def default_pipeline(
         from compression.redis_cache import RedisBytesCache
 
         cache = RedisBytesCache(settings.embed_cache_url)
-    on_engine = settings.embed_on == "engine" and getattr(engine, "runs_on_cpu", False)
-    runner = engine.run_between_steps if on_engine else None
+    side_work = engine.side_work if settings.embed_on == "engine" else None
+    runner = side_work.run_between_steps if side_work is not None else None
     # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
     return CompressionPipeline(
         tokenizer, engine=engine, index_dir=index_dir, cache=cache, workers=settings.compression_workers,

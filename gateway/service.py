@@ -161,7 +161,7 @@ class Gateway:
     @property
     def forwards_fields(self) -> bool:
         """Upstream mode: the engine sends the client's fields on instead of honouring them itself."""
-        return bool(getattr(self.engine, "forwards_fields", False))
+        return self.engine.forwards_fields
 
     def check_fields(self, body: GatewayRequest, policy: Policy,
                      raw: dict[str, Any] | None) -> tuple[list[str], dict[str, Any] | None]:

@@ -125,6 +125,8 @@ class RecordingEngine:
         self.path_info = inner.path_info
         self.tokenizer = inner.tokenizer
         self.metrics_registry = inner.metrics_registry
+        self.forwards_fields = inner.forwards_fields
+        self.side_work = inner.side_work
         self.finished: list[str] = []
         self.cut_short: list[str] = []
         self.aborted: list[str] = []
