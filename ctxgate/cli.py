@@ -39,14 +39,9 @@ LOG_LEVEL_HELP = "logging level: DEBUG, INFO, WARNING, ERROR (default INFO)"
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from ctxgate import __version__
 
-    try:
-        return version("ctxgate")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        from ctxgate import __version__
-
-        return __version__
+    return __version__
 
 
 def _accept_log_level_everywhere(subparsers: argparse._SubParsersAction) -> None:

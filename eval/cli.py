@@ -9,7 +9,7 @@ import logging
 import shlex
 import sys
 
-from ctxgate.cli_actions import StoreWithDeprecatedAliases, at_least_one, nice_increment, positive_number
+from backend.cli_actions import StoreWithDeprecatedAliases, at_least_one, nice_increment, positive_number
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator
+from importlib.metadata import version as package_version
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -179,7 +180,7 @@ def create_app(
         policies=_policy_registry(settings, metrics), keys=KeyStore(settings.keys_file),
         store=create_store(settings.redis_url), metrics=metrics,
     )
-    app = FastAPI(title="ctxgate", version="0.1.0", lifespan=_lifespan)
+    app = FastAPI(title="ctxgate", version=package_version("ctxgate"), lifespan=_lifespan)
     app.state.gateway = gateway
     app.state.owns_engine = owns_engine
     install_error_handlers(app)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ctxgate.cli_actions import DeprecatedOption, at_least_one, nice_increment
+from backend.cli_actions import DeprecatedOption, at_least_one, nice_increment
 from gateway.config_file import defer_defaults, exclusive_groups
 from gateway.settings import DEFAULT_COMPRESSION_NICE
 

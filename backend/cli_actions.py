@@ -1,4 +1,7 @@
-"""argparse actions and types shared by the per-package `cli` modules (import-light)."""
+"""argparse actions and types shared by the per-package `cli` modules (import-light).
+
+They live in `backend`, the package every other one builds on, so no package imports `ctxgate` back.
+"""
 
 from __future__ import annotations
 
