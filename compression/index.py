@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,13 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from compression.index_names import UnknownIndexError, check_index_name
 from compression.types import Document
 
-INDEX_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
-
-
-class UnknownIndexError(ValueError):
-    """The request names an index that does not exist (HTTP 400/404 in the gateway)."""
+__all__ = ["IndexStore", "UnknownIndexError", "build_index", "index_path"]
 
 
 def default_index_dir() -> Path:
@@ -35,9 +31,7 @@ def default_index_dir() -> Path:
 
 
 def index_path(index_dir: str | Path | None, name: str) -> Path:
-    if not INDEX_NAME_RE.match(name):
-        raise ValueError(f"invalid index name {name!r}: use letters, digits, '.', '_' or '-'")
-    return Path(index_dir or default_index_dir()) / name
+    return Path(index_dir or default_index_dir()) / check_index_name(name)
 
 
 def read_documents(path: str | Path) -> Iterator[dict[str, Any]]:
@@ -210,7 +204,7 @@ class IndexStore:
                 return self._loaded[name]
         path = index_path(self.index_dir, name)
         if not (path / "index.faiss").is_file():
-            raise UnknownIndexError(f"retrieval index {name!r} not found in {self.index_dir}")
+            raise UnknownIndexError(f"retrieval index {name!r} not found")
         import faiss
 
         chunks = [

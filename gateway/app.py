@@ -362,29 +362,44 @@ async def prometheus_metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> dict[str, Any]:
-    _tenant(request)
+    tenant = _tenant(request)
     gateway = _gateway(request)
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "ctxgate",
          "max_model_len": gateway.engine.max_model_len, "engine_path": gateway.engine.path_info}
-        for name in gateway.model_names
+        for name in gateway.allowed_models(tenant)
     ]}
 
 
 async def policies(request: Request) -> dict[str, Any]:
-    _tenant(request)
+    """The policies the caller may name, as they apply. A key sees only its own (no reload errors:
+    those are about files, the operator's business); open mode lists every policy and error. File
+    names only, never the server's directories."""
+    tenant = _tenant(request)
     gateway = _gateway(request)
-    errors = [{"file": err.path, "message": err.message, "at": err.at} for err in gateway.policies.errors()]
-    return {
-        "default": gateway.settings.default_policy,
+    allowed = gateway.allowed_policies(tenant)
+    listed = [item for item in gateway.policies.loaded() if allowed is None or item.policy.name in allowed]
+    body: dict[str, Any] = {
+        "default": gateway.home_policy_name(tenant),
         "policies": [
-            {"name": item.policy.name, "file": item.path, "loaded_at": item.loaded_at,
+            {"name": item.policy.name, "loaded_at": item.loaded_at,
              "effective": gateway.fit_to_model(item.policy).model_dump(mode="json")}
-            for item in gateway.policies.loaded()
+            | ({} if tenant.bounded else {"file": os.path.basename(item.path)})
+            for item in listed
         ],
-        "errors": errors,
-        "last_reload_error": errors[-1] if errors else None,
     }
+    if not tenant.bounded:
+        errors = [_reload_error(err, gateway.policies.directories) for err in gateway.policies.errors()]
+        body |= {"errors": errors, "last_reload_error": errors[-1] if errors else None}
+    return body
+
+
+def _reload_error(error: ReloadError, directories: list[Any]) -> dict[str, Any]:
+    # The loader's messages name files by their full paths: show file names instead.
+    message = error.message
+    for directory in directories:
+        message = message.replace(f"{directory}{os.sep}", "")
+    return {"file": os.path.basename(error.path), "message": message, "at": error.at}
 
 
 async def compress(request: Request) -> dict[str, Any]:

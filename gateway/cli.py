@@ -99,7 +99,11 @@ def _register_keys(subparsers: argparse._SubParsersAction) -> None:
     add = keys_sub.add_parser("add", help="create a key for a tenant; prints it once, stores only its hash")
     add.add_argument("tenant", help="tenant the key belongs to (created if new)")
     add.add_argument("--keys", default="keys.yaml", help=keys_file_help)
-    add.add_argument("--policy", default=None, help="the tenant's policy")
+    add.add_argument("--policy", default=None, help="the tenant's home policy (its quota and prices)")
+    add.add_argument("--allow-policy", action="append", default=None, dest="allow_policies", metavar="NAME",
+                     help="another policy the tenant's requests may name (repeat; default: the home policy only)")
+    add.add_argument("--allow-index", action="append", default=None, dest="allow_indexes", metavar="NAME",
+                     help="a retrieval index the tenant may search (repeat; default: none)")
     add.add_argument("--label", action="append", default=[], metavar="NAME=VALUE",
                      help="a searchable label (repeat); text without '=' is stored as a free-text note")
     add.add_argument("--expires", default=None, metavar="WHEN",
@@ -330,7 +334,7 @@ def _keys_add(args: argparse.Namespace) -> int:
         raise ValueError("--budget-period needs --budget")
     expires_at = parse_when(args.expires) if args.expires else None
     key = add_key(args.keys, args.tenant, policy=args.policy, label=note, labels=labels, expires_at=expires_at,
-                  limits=limits, models=args.models)
+                  limits=limits, models=args.models, policies=args.allow_policies, indexes=args.allow_indexes)
     print(key)
     print(f"stored the sha256 of this key for tenant '{args.tenant}' in {args.keys}; it is not shown again",
           file=sys.stderr)

@@ -4,8 +4,11 @@ Only hashes are stored, so a leaked keys file does not leak credentials. File la
 
     tenants:
       acme:
-        policy: rag-strict             # optional; default policy otherwise
-        quota: {tokens_per_minute: 5000} # optional; overrides the policy's quota fields
+        policy: rag-strict             # optional: the tenant's home policy; the server's default otherwise
+        policies: [rag-strict, rag-fast] # optional: policies its requests may name (`ctxgate.policy`);
+                                         # the home policy always counts; default: the home policy only
+        indexes: [acme-docs]           # optional: retrieval indexes it may search; default: none
+        quota: {tokens_per_minute: 5000} # optional; overrides the home policy's quota fields
         keys:
           - sha256: 3f2a...
             created: "2026-01-01T00:00:00Z"
@@ -17,20 +20,38 @@ Only hashes are stored, so a leaked keys file does not leak credentials. File la
 
 A key's limits apply on top of its tenant's (both must have room). The key's id is the first 12
 hex digits of its hash; `quota_id` keeps a rotated key on its predecessor's counters.
+
+Quotas and prices belong to the tenant, whatever policy a request names: the tenant's limits are its
+`quota` over its home policy's quota, and a requested policy's quota can only tighten them (per
+field, the smaller limit wins; `on_store_error: deny` wins over allow). Prices are the home policy's
+`cost`; a requested policy in the same currency can only raise a price. Naming a policy outside
+`policies` is a 403 (`policy_not_allowed`); naming an index outside `indexes` is a 404 that reads
+the same as an index that does not exist. Without a keys file (open mode) every policy and index
+may be used.
+
+Writers (`ctxgate keys add|revoke|rotate`) hold an exclusive lock on `<file>.lock` around their
+read-modify-write and replace the file atomically, so concurrent edits never lose one another.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import os
 import secrets
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from compression.index_names import INDEX_NAME_PATTERN
 
 ANONYMOUS_TENANT = "anonymous"
 KEY_PREFIX = "cg-"
@@ -82,8 +103,15 @@ class KeyEntry(_Strict):
         return "active"
 
 
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"  # a policy name (policies/schema.py)
+
+
 class TenantEntry(_Strict):
-    policy: str | None = None
+    policy: str | None = Field(None, pattern=NAME_PATTERN)
+    policies: list[Annotated[str, Field(pattern=NAME_PATTERN)]] | None = Field(
+        None, description="policies this tenant's requests may name (its home policy always)")
+    indexes: list[Annotated[str, Field(pattern=INDEX_NAME_PATTERN)]] | None = Field(
+        None, description="retrieval indexes this tenant may search (default: none)")
     quota: QuotaOverride = QuotaOverride()
     keys: list[KeyEntry] = Field(default_factory=list)
 
@@ -109,6 +137,15 @@ class Tenant:
     policy: str | None = None
     quota_override: dict[str, Any] | None = None
     key: KeyInfo | None = None
+    # None: anything goes (open mode). A tuple: the keys file's allow-list (policies: the home policy
+    # is added by the gateway, which knows the default; an empty tuple means the home policy only).
+    policies: tuple[str, ...] | None = None
+    indexes: tuple[str, ...] | None = None
+
+    @property
+    def bounded(self) -> bool:
+        """A keys-file tenant: held to its allow-lists, its quota and its prices (not open mode)."""
+        return self.policies is not None
 
 
 class KeyRejected(Exception):
@@ -151,30 +188,89 @@ def read_keys_file(path: str | Path) -> KeysFile:
 
 
 def write_keys_file(path: str | Path, keys_file: KeysFile) -> None:
+    """Replace the file atomically (a running gateway never reads half a file) through a temporary
+    file of a unique name, so two writers never share one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
     data = keys_file.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
-    tmp.replace(path)  # atomic, so a running gateway never reads half a file
+    text = yaml.safe_dump(data, sort_keys=False)
+    mode = path.stat().st_mode & 0o777 if path.exists() else _default_mode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fchmod(handle.fileno(), mode)  # mkstemp's 0600 would lock out a gateway of another user
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(path.parent)  # the rename itself survives a crash
+
+
+def _default_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _fsync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def locked_keys_file(path: str | Path) -> Iterator[KeysFile]:
+    """Read the keys file under an exclusive lock held until the block ends: a read-modify-write
+    done inside it cannot lose another writer's change. The lock lives on a sibling `.lock` file
+    (the keys file itself is replaced, so a lock on it would not be shared)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield read_keys_file(path)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def add_key(path: str | Path, tenant: str, policy: str | None = None, label: str | None = None, *,
             labels: dict[str, str] | None = None, expires_at: datetime | None = None,
-            limits: Limits | None = None, models: list[str] | None = None, quota_id: str | None = None) -> str:
-    """Create a key for `tenant`, store only its hash in the file, and return the key (shown once)."""
-    path = Path(path)
-    keys_file = read_keys_file(path)
-    entry = keys_file.tenants.setdefault(tenant, TenantEntry())
-    if policy:
-        entry.policy = policy
+            limits: Limits | None = None, models: list[str] | None = None, quota_id: str | None = None,
+            policies: list[str] | None = None, indexes: list[str] | None = None) -> str:
+    """Create a key for `tenant`, store only its hash in the file, and return the key (shown once).
+    `policies` / `indexes` are added to the tenant's allow-lists."""
     api_key = generate_key()
-    entry.keys.append(KeyEntry(
-        sha256=hash_key(api_key), created=_utc_text(datetime.now(UTC)), label=label, labels=labels or {},
-        expires_at=expires_at, limits=limits or Limits(), models=models, quota_id=quota_id,
-    ))
-    write_keys_file(path, keys_file)
+    with locked_keys_file(path) as keys_file:
+        entry = keys_file.tenants.setdefault(tenant, TenantEntry())
+        if policy:
+            entry.policy = policy
+        if policies:
+            entry.policies = _merged(entry.policies, policies)
+        if indexes:
+            entry.indexes = _merged(entry.indexes, indexes)
+        entry.keys.append(KeyEntry(
+            sha256=hash_key(api_key), created=_utc_text(datetime.now(UTC)), label=label, labels=labels or {},
+            expires_at=expires_at, limits=limits or Limits(), models=models, quota_id=quota_id,
+        ))
+        # Validated as a whole: a bad policy or index name is refused before anything is written.
+        try:
+            checked = KeysFile.model_validate(keys_file.model_dump())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ValueError(f"field '{'.'.join(str(part) for part in first['loc'])}': {first['msg']}") from None
+        write_keys_file(path, checked)
     return api_key
+
+
+def _merged(existing: list[str] | None, added: list[str]) -> list[str]:
+    return list(dict.fromkeys([*(existing or []), *added]))
 
 
 def find_key(keys_file: KeysFile, key_or_id: str) -> tuple[str, KeyEntry]:
@@ -193,34 +289,34 @@ def find_key(keys_file: KeysFile, key_or_id: str) -> tuple[str, KeyEntry]:
 
 def revoke_key(path: str | Path, key_or_id: str, at: datetime | None = None) -> tuple[str, KeyEntry]:
     """Mark a key revoked from `at` (default now); gateways refuse it after their next reload."""
-    keys_file = read_keys_file(path)
-    tenant, entry = find_key(keys_file, key_or_id)
-    if entry.revoked_at is None:
-        entry.revoked_at = at or datetime.now(UTC).replace(microsecond=0)
-    write_keys_file(path, keys_file)
+    with locked_keys_file(path) as keys_file:
+        tenant, entry = find_key(keys_file, key_or_id)
+        if entry.revoked_at is None:
+            entry.revoked_at = at or datetime.now(UTC).replace(microsecond=0)
+        write_keys_file(path, keys_file)
     return tenant, entry
 
 
 def rotate_key(path: str | Path, key_or_id: str, grace_s: float = 0.0) -> tuple[str, str, KeyEntry]:
     """A new key with the old one's tenant, limits, models, labels and counters; the old one is revoked
     (after `grace_s` seconds: it expires then, so clients can switch over). Returns (tenant, new key, old entry)."""
-    keys_file = read_keys_file(path)
-    tenant, old = find_key(keys_file, key_or_id)
-    if old.status(datetime.now(UTC)) != "active":
-        raise ValueError(f"key {old.key_id} is {old.status(datetime.now(UTC))}; only an active key can be rotated")
-    api_key = generate_key()
-    new = old.model_copy(update={
-        "sha256": hash_key(api_key), "created": _utc_text(datetime.now(UTC)), "revoked_at": None,
-        "quota_id": old.quota_id or old.key_id,
-    })
-    now = datetime.now(UTC).replace(microsecond=0)
-    if grace_s > 0:
-        grace_end = now + timedelta(seconds=grace_s)
-        old.expires_at = min(_aware(old.expires_at), grace_end) if old.expires_at else grace_end
-    else:
-        old.revoked_at = now
-    keys_file.tenants[tenant].keys.append(new)
-    write_keys_file(path, keys_file)
+    with locked_keys_file(path) as keys_file:
+        tenant, old = find_key(keys_file, key_or_id)
+        if old.status(datetime.now(UTC)) != "active":
+            raise ValueError(f"key {old.key_id} is {old.status(datetime.now(UTC))}; only an active key can be rotated")
+        api_key = generate_key()
+        new = old.model_copy(update={
+            "sha256": hash_key(api_key), "created": _utc_text(datetime.now(UTC)), "revoked_at": None,
+            "quota_id": old.quota_id or old.key_id,
+        })
+        now = datetime.now(UTC).replace(microsecond=0)
+        if grace_s > 0:
+            grace_end = now + timedelta(seconds=grace_s)
+            old.expires_at = min(_aware(old.expires_at), grace_end) if old.expires_at else grace_end
+        else:
+            old.revoked_at = now
+        keys_file.tenants[tenant].keys.append(new)
+        write_keys_file(path, keys_file)
     return tenant, api_key, old
 
 
@@ -268,7 +364,10 @@ class KeyStore:
                     limits=key.limits.model_dump(exclude_none=True) or None,
                     models=tuple(key.models) if key.models else None, labels=dict(key.labels),
                 )
-                by_hash[key.sha256] = Tenant(name=name, policy=entry.policy, quota_override=override, key=info)
+                by_hash[key.sha256] = Tenant(
+                    name=name, policy=entry.policy, quota_override=override, key=info,
+                    policies=tuple(entry.policies or ()), indexes=tuple(entry.indexes or ()),
+                )
                 entries[key.sha256] = key
         with self._lock:
             self._by_hash = by_hash

@@ -57,6 +57,18 @@ class QuotaLimits:
         values = {name: value for name, value in (values or {}).items() if value is not None}
         return cls(**{name: values[name] for name in cls.__dataclass_fields__ if name in values})
 
+    def tightened_by(self, cap: QuotaLimits) -> QuotaLimits:
+        """These limits, where `cap` can only make them stricter: per field the smaller of two set
+        limits (an unset one is no limit), `deny` over `allow` when the store is down. A budget
+        keeps its own period; `cap`'s applies only where this has none."""
+        values: dict[str, Any] = {}
+        for name in _NUMERIC_LIMITS:
+            mine, theirs = getattr(self, name), getattr(cap, name)
+            values[name] = theirs if mine is None else mine if theirs is None else min(mine, theirs)
+        values["budget_period"] = self.budget_period if self.budget is not None else cap.budget_period
+        values["on_store_error"] = "deny" if "deny" in (self.on_store_error, cap.on_store_error) else "allow"
+        return QuotaLimits(**values)
+
     @property
     def unlimited(self) -> bool:
         return all(
@@ -70,6 +82,10 @@ class QuotaLimits:
 
     def budget_micros(self) -> int | None:
         return None if self.budget is None else int(round(self.budget * SPEND_SCALE))
+
+
+_NUMERIC_LIMITS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "spend_per_day",
+                   "max_parallel_requests", "budget")
 
 
 class QuotaExceeded(Exception):

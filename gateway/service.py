@@ -15,6 +15,7 @@ from backend.api import EngineClient, EngineError, Priority, RequestMetrics, Sam
 from backend.openai_api.errors import APIError
 from backend.openai_api.fields import enforce_supported
 from backend.openai_api.responses import Usage
+from compression.index_names import InvalidIndexName, UnknownIndexError, check_index_name
 from compression.types import (
     BudgetExceededError,
     CompressionInput,
@@ -30,7 +31,7 @@ from gateway.sanitize import Neutraliser
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, CtxgateExtras, GatewayRequest
 from gateway.settings import GatewaySettings
 from policies.loader import PolicyRegistry, apply_overrides
-from policies.schema import Policy
+from policies.schema import CostPolicy, Policy
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,31 @@ class Pipeline(Protocol):
     """What the gateway needs of a compressor (compression.pipeline.CompressionPipeline is the one)."""
 
     async def run(self, inp: CompressionInput, policy: Policy) -> CompressionResult: ...
+
+
+def _index_not_found(name: str) -> APIError:
+    return APIError(404, f"retrieval index '{name}' not found", param="ctxgate.retrieval.index",
+                    code="index_not_found")
+
+
+def quota_cap(home: Policy, policy: Policy) -> QuotaLimits:
+    """What the request's policy adds to a tenant's limits. Another policy's whole quota caps them;
+    the home policy's own quota is already the base (which the keys file may raise), so there only
+    fields a request override changed cap them."""
+    fields = policy.quota.model_dump()
+    if policy.name == home.name:
+        own = home.quota.model_dump()
+        fields = {name: value for name, value in fields.items() if value != own.get(name)}
+    return QuotaLimits.from_mapping(fields)
+
+
+def tenant_prices(home: CostPolicy, requested: CostPolicy) -> CostPolicy:
+    """The tenant's prices (its home policy's); a requested policy may raise a price, never lower
+    it. Prices in another currency cannot be compared, so the tenant's own stand then."""
+    if requested.currency != home.currency:
+        return home
+    return home.model_copy(update={"prompt_per_1k": max(home.prompt_per_1k, requested.prompt_per_1k),
+                                   "completion_per_1k": max(home.completion_per_1k, requested.completion_per_1k)})
 
 
 class Gateway:
@@ -120,10 +146,15 @@ class Gateway:
             raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return tenant
 
+    def allowed_models(self, tenant: Tenant | None) -> list[str]:
+        """The served model names this tenant's key may use."""
+        allowed = tenant.key.models if tenant is not None and tenant.key is not None else None
+        return [name for name in self.model_names if allowed is None or name in allowed]
+
     def check_model(self, model: str, tenant: Tenant | None = None) -> None:
         if model not in self.model_names:
             raise APIError(
-                404, f"model '{model}' is not served here (available: {', '.join(self.model_names)})",
+                404, f"model '{model}' is not served here (available: {', '.join(self.allowed_models(tenant))})",
                 param="model", code="model_not_found",
             )
         allowed = tenant.key.models if tenant is not None and tenant.key is not None else None
@@ -133,22 +164,73 @@ class Gateway:
                 param="model", code="model_not_allowed", error_type="permission_error",
             )
 
+    # -- what a tenant may use -----------------------------------------------------------------
+    def home_policy_name(self, tenant: Tenant) -> str:
+        """The policy a tenant's requests get when they name none; its quota and prices are the tenant's."""
+        return tenant.policy or self.settings.default_policy
+
+    def allowed_policies(self, tenant: Tenant) -> tuple[str, ...] | None:
+        """Policy names this tenant may name (its home policy first); None: any (open mode)."""
+        if not tenant.bounded:
+            return None
+        return tuple(dict.fromkeys((self.home_policy_name(tenant), *(tenant.policies or ()))))
+
+    def _check_policy_allowed(self, tenant: Tenant, name: str) -> None:
+        allowed = self.allowed_policies(tenant)
+        if allowed is None or name in allowed:
+            return
+        # Checked before the policy is looked up: the answer does not tell whether it exists.
+        who = f"API key {tenant.key.key_id}" if tenant.key is not None else f"tenant '{tenant.name}'"
+        raise APIError(403, f"{who} may not use policy '{name}' (it may use: {', '.join(allowed)})",
+                       param="ctxgate.policy", code="policy_not_allowed", error_type="permission_error")
+
+    def check_index(self, tenant: Tenant, name: str) -> None:
+        """A well-formed name (400 otherwise) that this tenant may search. An index it may not use is
+        the same 404 as one that does not exist, so a key cannot learn other tenants' index names."""
+        try:
+            check_index_name(name)
+        except InvalidIndexName as exc:
+            raise APIError(400, str(exc), param="ctxgate.retrieval.index", code="invalid_index_name") from None
+        if tenant.indexes is not None and name not in tenant.indexes:
+            raise _index_not_found(name)
+
     def resolve_policy(self, tenant: Tenant, extras: CtxgateExtras | None) -> Policy:
         requested = extras.policy if extras else None
-        name = requested or tenant.policy or self.settings.default_policy
+        home_name = self.home_policy_name(tenant)
+        name = requested or home_name
+        if requested:
+            self._check_policy_allowed(tenant, requested)
         policy = self.policies.get(name)
         if policy is None:
+            allowed = self.allowed_policies(tenant)
+            available = [n for n in self.policies.names() if allowed is None or n in allowed]
             raise APIError(
                 400 if requested else 503,
-                f"unknown policy '{name}' (available: {', '.join(self.policies.names()) or 'none'})",
+                f"unknown policy '{name}' (available: {', '.join(available) or 'none'})",
                 param="ctxgate.policy" if requested else None, code="policy_not_found",
             )
+        home = self._home_policy(tenant)
         if extras and extras.overrides:
             try:
                 policy = apply_overrides(policy, extras.overrides)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="ctxgate.overrides", code="override_not_allowed") from None
+        if home is not None:
+            policy = policy.model_copy(update={"cost": tenant_prices(home.cost, policy.cost)})
         return self.fit_to_model(policy)
+
+    def _home_policy(self, tenant: Tenant) -> Policy | None:
+        """A bounded tenant's home policy (its quota and prices); None in open mode, where the
+        requested policy's own apply. A bounded tenant whose home policy is not loaded is refused:
+        there would be nothing to hold it to."""
+        if not tenant.bounded:
+            return None
+        home = self.policies.get(self.home_policy_name(tenant))
+        if home is None:
+            logger.error("policy '%s' of tenant %s is not loaded", self.home_policy_name(tenant), tenant.name)
+            raise APIError(503, "this key's policy is not available; try again later", code="policy_not_found",
+                           headers={"Retry-After": "1"})
+        return home
 
     def fit_to_model(self, policy: Policy) -> Policy:
         """Cap the input budget at what the model can hold with at least one output token."""
@@ -185,6 +267,8 @@ class Gateway:
                      title=None if d.title is None else self.neutraliser.document(d.title), score=d.score)
             for d in extras.documents or []
         ]
+        if extras.retrieval:
+            self.check_index(tenant, extras.retrieval.index)
         retrieval = RetrievalSpec(extras.retrieval.index, extras.retrieval.top_n) if extras.retrieval else None
         inp = CompressionInput(messages=messages, documents=documents, retrieval=retrieval, tenant=tenant.name)
         try:
@@ -192,7 +276,13 @@ class Gateway:
         except BudgetExceededError as exc:
             self.metrics.budget_rejections.labels(policy.name).inc()
             raise APIError(413, str(exc), param="messages", code="prompt_too_long") from None
-        except (ValueError, KeyError, FileNotFoundError) as exc:
+        except UnknownIndexError:
+            raise _index_not_found(retrieval.index if retrieval else "") from None
+        except OSError:  # a server file (an index's parts, a model): its path stays in the log
+            logger.exception("compression failed on a server file")
+            raise APIError(500, "the request could not be processed; the server log has the details",
+                           code="internal_error") from None
+        except (ValueError, KeyError) as exc:
             raise APIError(400, str(exc), code="invalid_request") from None
         for stage in result.stages:
             self.metrics.compression_seconds.labels(stage.name).observe(stage.ms / 1000)
@@ -232,7 +322,13 @@ class Gateway:
 
     # -- quota ---------------------------------------------------------------------------------
     def limits_for(self, tenant: Tenant, policy: Policy) -> QuotaLimits:
-        return QuotaLimits.from_policy(policy.quota, tenant.quota_override)
+        """The tenant's limits: its keys-file quota over its home policy's, tightened by the policy
+        the request runs under (which can never loosen them). Open mode: the request's policy."""
+        home = self._home_policy(tenant)
+        if home is None:
+            return QuotaLimits.from_policy(policy.quota, tenant.quota_override)
+        base = QuotaLimits.from_policy(home.quota, tenant.quota_override)
+        return base.tightened_by(quota_cap(home, policy))
 
     @staticmethod
     def cost(policy: Policy, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from tests.gateway.conftest import ServerThread, write_policy
 def secured(engine, tmp_path_factory):
     root = tmp_path_factory.mktemp("secured")
     keys_file = root / "keys.yaml"
-    key = add_key(keys_file, "acme", policy="tiny")
+    # rag-fast: a policy the key may name; "gone": one it may name that is not loaded.
+    key = add_key(keys_file, "acme", policy="tiny", policies=["rag-fast", "gone"])
     policy_dir = root / "policies"
     policy_dir.mkdir()
     write_policy(policy_dir, "tiny", "name: tiny\nmax_input_tokens: 64\nreserve_output_tokens: 4\n"
@@ -116,14 +117,16 @@ def test_malformed_bodies(secured, content, status, mentions):
         (_chat(stream="yes please"), 400, "stream", "stream"),
         (_chat(model="gpt-17"), 404, "gpt-17", "model"),
         (_chat(model=5), 400, "model", "model"),
-        (_chat(ctxgate={"policy": "no-such-policy"}), 400, "unknown policy", "ctxgate.policy"),
+        (_chat(ctxgate={"policy": "gone"}), 400, "unknown policy", "ctxgate.policy"),
+        (_chat(ctxgate={"policy": "no-such-policy"}), 403, "may not use policy", "ctxgate.policy"),
         (_chat(ctxgate={"documents": "not a list"}), 400, "documents", "ctxgate.documents"),
         (_chat(ctxgate={"documents": [{"title": "no text"}]}), 400, "text", "ctxgate.documents.0.text"),
         (_chat(ctxgate={"documents": [], "bogus": 1}), 400, "bogus", "ctxgate.bogus"),
         (_chat(ctxgate={"overrides": {"max_input_tokens": 10**6}}), 400, "does not allow", "ctxgate.overrides"),
         (_chat(ctxgate={"policy": "rag-fast", "overrides": {"documents.embed_budget_multiple": 0}}), 400,
          "embed_budget_multiple", "ctxgate.overrides"),
-        (_chat(ctxgate={"retrieval": {"index": "wiki"}}), 400, "retrieval", None),
+        (_chat(ctxgate={"retrieval": {"index": "wiki"}}), 404, "retrieval", "ctxgate.retrieval.index"),
+        (_chat(ctxgate={"retrieval": {"index": "../wiki"}}), 400, "invalid index name", "ctxgate.retrieval.index"),
         (_chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "image_url", "messages"),
         (_chat(messages=[{"role": "user", "content": "word " * 200}]), 413, "max_input_tokens", "messages"),
     ],

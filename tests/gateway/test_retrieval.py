@@ -29,4 +29,5 @@ def test_retrieval_from_an_index_and_unknown_index(engine, tmp_path):
         assert "Mont Blanc" in json.dumps(response.json()["messages"])
         body["ctxgate"]["retrieval"]["index"] = "nope"
         missing = httpx.post(f"{running.url}/v1/ctxgate/compress", json=body, timeout=60)
-        assert missing.status_code == 400 and "nope" in missing.json()["error"]["message"]
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "index_not_found"
+        assert "nope" in missing.json()["error"]["message"] and str(tmp_path) not in missing.text
