@@ -337,7 +337,8 @@ class HistoryStage(Stage):
             if u not in kept and not is_tool_unit(state.history, units[u])
             for message in state.history[units[u][0]:units[u][1]]
         ]
-        summary_overhead = ctx.counter.count(SUMMARY_HEADER) + MESSAGE_FRAMING_TOKENS + 1
+        # The header, the turn's framing and the quote mark (+ the newline) around the summary.
+        summary_overhead = ctx.counter.count(SUMMARY_HEADER + "\n> ") + MESSAGE_FRAMING_TOKENS + 1
         summary_budget = min(policy.summary_max_tokens, budget - spent - summary_overhead)
         summary = None
         if older and summary_budget >= MIN_SUMMARY_TOKENS:
