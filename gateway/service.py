@@ -29,7 +29,7 @@ from gateway.keys import KeyRejected, KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
 from gateway.request_id import current_request, note_tenant
-from gateway.sanitize import Neutraliser
+from gateway.sanitize import KNOWN_CONTROL_TOKENS, Neutraliser
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, CtxgateExtras, GatewayRequest
 from gateway.settings import GatewaySettings
 from policies.loader import PolicyRegistry, apply_overrides
@@ -100,7 +100,9 @@ class Gateway:
         self.keys = keys
         self.store = store
         self.metrics = metrics
-        self.neutraliser = Neutraliser(tokenizer)
+        # Upstream mode: the serving model's tokens (from --tokenizer) plus the common templates' ones.
+        upstream = bool(getattr(engine, "forwards_fields", False))
+        self.neutraliser = Neutraliser(tokenizer, extra=KNOWN_CONTROL_TOKENS if upstream else ())
         # Keys each tenant's prefix-cache salt; random per process unless configured (replicas that
         # share an upstream should share it, or they never share cached prefixes).
         secret = settings.cache_salt_secret or secrets.token_hex(32)
@@ -218,7 +220,9 @@ class Gateway:
             for d in extras.documents or []
         ]
         retrieval = RetrievalSpec(extras.retrieval.index, extras.retrieval.top_n) if extras.retrieval else None
-        inp = CompressionInput(messages=messages, documents=documents, retrieval=retrieval, tenant=tenant.name)
+        # Passages from an index are as untrusted as the client's documents: neutralised the same way.
+        inp = CompressionInput(messages=messages, documents=documents, retrieval=retrieval, tenant=tenant.name,
+                               neutralise=self.neutraliser.document)
         try:
             result = await self.pipeline.run(inp, policy)
         except BudgetExceededError as exc:
