@@ -17,7 +17,8 @@ from gateway.sanitize import Neutraliser
 from policies.schema import AssemblyPolicy
 
 # Client text: every line of a rendered prompt that is not one of these is the renderer's layout.
-CLIENT_TEXT = {"Be brief.", "Earlier turn.", "Earlier reply.", "Older talk.", "First body.", "Second body.", "Why?"}
+# The history summary is client-derived and goes in quoted ("> ...").
+CLIENT_TEXT = {"Be brief.", "Earlier turn.", "Earlier reply.", "> Older talk.", "First body.", "Second body.", "Why?"}
 STARTS_WITH_MARKER = re.compile(rf"^\s*({'|'.join(LINE_MARKERS)})", re.IGNORECASE)
 
 
