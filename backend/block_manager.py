@@ -24,16 +24,29 @@ Invariants (`BlockManager.check_invariants` checks them; every public method kee
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 from backend.sequence import Sequence
 
-NO_PARENT_HASH = 0
+NO_PARENT_HASH = bytes(32)
 
 
-def hash_block(parent_hash: int, token_ids: tuple[int, ...], cache_salt: str | None) -> int:
-    return hash((parent_hash, cache_salt, token_ids))
+def hash_block(parent_hash: bytes, token_ids: tuple[int, ...], cache_salt: str | None) -> bytes:
+    """SHA-256 over the parent block's hash, the salt and the block's token ids: one digest per full
+    block. Python's hash() of a tuple is 64 bits and not collision resistant (vLLM's CVE-2025-25183:
+    crafted prompts colliding with another's prefix get its cached KV); equal digests here mean
+    equal prefixes. Fields are length-delimited, so no two (salt, tokens) pairs share an encoding."""
+    digest = hashlib.sha256(parent_hash)
+    if cache_salt is None:
+        digest.update(b"\x00")
+    else:
+        salt = cache_salt.encode("utf-8", "surrogatepass")
+        digest.update(b"\x01" + len(salt).to_bytes(4, "little") + salt)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -42,10 +55,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         # Blocks with ref count 0, in reuse order (first = reused next).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.cached_blocks: dict[bytes, int] = {}  # block hash -> block id
 
     # ---- queries -------------------------------------------------------------------------
     @property

@@ -32,7 +32,7 @@ class Sequence:
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks of token_ids
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks of token_ids
     num_published_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

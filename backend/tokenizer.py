@@ -37,6 +37,14 @@ class Tokenizer:
     def hf(self) -> Any:
         return self._hf
 
+    def special_tokens(self) -> set[str]:
+        """Every special (control) token string of this tokenizer: what client text must not spell."""
+        specials = {str(token) for token in self._hf.all_special_tokens or []}
+        for added in (self._hf.added_tokens_decoder or {}).values():
+            if added.special:
+                specials.add(str(added.content))
+        return specials
+
     @property
     def fast(self) -> bool:
         return self._fast is not None

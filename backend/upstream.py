@@ -28,10 +28,12 @@ logger = logging.getLogger(__name__)
 # Statuses that mean "this replica cannot take it right now", worth trying another one.
 _FAILOVER_STATUSES = {502, 503, 504}
 # Request fields the gateway decides (compressed messages, clamped max_tokens, the upstream's model
-# name, streaming) or that only the gateway understands; every other client field is forwarded.
+# name, streaming), that only the gateway understands, or that cross tenants: `priority` would let
+# a tenant jump the upstream's queue, and `cache_salt` (vLLM's prefix-cache namespace) is the
+# gateway's per-tenant value, never the client's. Every other client field is forwarded.
 _GATEWAY_OWNED = frozenset({
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-    "stop", "ctxgate",
+    "stop", "ctxgate", "priority", "cache_salt",
 })
 
 
@@ -177,6 +179,8 @@ class UpstreamClient:
         }
         if sampling.stop:
             body["stop"] = sampling.stop  # empty strings filtered: they would stop at once
+        if request.cache_salt:
+            body["cache_salt"] = request.cache_salt  # tenants never share the upstream's prefix cache
         if request.messages is not None:
             body["messages"] = request.messages
             return "/v1/chat/completions", body

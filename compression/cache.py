@@ -1,13 +1,100 @@
-"""Byte caches shared by the compressor (embeddings, history summaries).
+"""Caches shared by the compressor (embeddings, history summaries, per-text results).
 
-One small protocol (so a shared store can be plugged in) and its in-process LRU implementation.
+One small protocol (so a shared store can be plugged in) and its in-process LRU implementation,
+plus `ByteLRU` / `byte_bounded_cache` for results keyed by client text: a count bound alone lets a
+client fill memory with a few thousand 8 MiB texts, so these are bounded by the bytes of their keys
+and values as well.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 from collections import OrderedDict
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+Key = TypeVar("Key", bound=Hashable)
+Value = TypeVar("Value")
+Result = TypeVar("Result")
+
+
+def approx_size(value: Any, depth: int = 2) -> int:
+    """Bytes an object holds, roughly: its own size plus (a level or two deep) its items'. Cheap next
+    to computing the value it sizes; strings and bytes, the large part, are exact."""
+    size = sys.getsizeof(value)
+    if depth <= 0 or isinstance(value, (str, bytes, int, float)):
+        return size
+    if isinstance(value, dict):
+        return size + sum(approx_size(k, depth - 1) + approx_size(v, depth - 1) for k, v in value.items())
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return size + sum(approx_size(item, depth - 1) for item in value)
+    pattern = getattr(value, "pattern", None)  # a compiled regex: its source is the variable part
+    return size + (sys.getsizeof(pattern) * 4 if isinstance(pattern, str) else 0)
+
+
+class ByteLRU(Generic[Key, Value]):
+    """Thread-safe LRU bounded by entry count and by the total bytes of keys and values; an entry
+    larger than the whole budget is not kept."""
+
+    def __init__(self, max_entries: int, max_bytes: int, sizer: Callable[[Any], int] = approx_size):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._sizer = sizer
+        self._items: OrderedDict[Key, tuple[Value, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.size_bytes = 0
+
+    def get(self, key: Key) -> Value | None:
+        with self._lock:
+            found = self._items.get(key)
+            if found is None:
+                return None
+            self._items.move_to_end(key)
+            return found[0]
+
+    def put(self, key: Key, value: Value) -> None:
+        cost = self._sizer(key) + self._sizer(value)
+        if cost > self.max_bytes:
+            return
+        with self._lock:
+            previous = self._items.pop(key, None)
+            if previous is not None:
+                self.size_bytes -= previous[1]
+            self._items[key] = (value, cost)
+            self.size_bytes += cost
+            while self._items and (self.size_bytes > self.max_bytes or len(self._items) > self.max_entries):
+                _, (_, evicted) = self._items.popitem(last=False)
+                self.size_bytes -= evicted
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._items
+
+
+def byte_bounded_cache(max_entries: int, max_bytes: int) -> Callable[[Callable[[Key], Result]], Callable[[Key], Result]]:
+    """functools.lru_cache for one-argument functions of client text, with a byte budget too. The
+    wrapped function gets `.cache` (the ByteLRU) for inspection."""
+
+    def decorate(function: Callable[[Key], Result]) -> Callable[[Key], Result]:
+        cache: ByteLRU[Key, Result] = ByteLRU(max_entries, max_bytes)
+
+        @functools.wraps(function)
+        def cached(argument: Key) -> Result:
+            found = cache.get(argument)
+            if found is not None:
+                return found
+            result = function(argument)
+            cache.put(argument, result)
+            return result
+
+        cached.cache = cache  # type: ignore[attr-defined]
+        return cached
+
+    return decorate
 
 
 @runtime_checkable
@@ -18,7 +105,7 @@ class BytesCache(Protocol):
 
 
 class LRUBytesCache:
-    """Thread-safe in-process LRU bounded by total bytes stored."""
+    """Thread-safe in-process LRU bounded by total bytes stored (keys and values)."""
 
     def __init__(self, max_bytes: int = 256 * 1024 * 1024):
         self.max_bytes = max_bytes
@@ -43,12 +130,12 @@ class LRUBytesCache:
         with self._lock:
             previous = self._items.pop(key, None)
             if previous is not None:
-                self._size -= len(previous)
+                self._size -= len(key) + len(previous)
             self._items[key] = value
-            self._size += len(value)
+            self._size += len(key) + len(value)
             while self._size > self.max_bytes and self._items:
-                _, evicted = self._items.popitem(last=False)
-                self._size -= len(evicted)
+                evicted_key, evicted = self._items.popitem(last=False)
+                self._size -= len(evicted_key) + len(evicted)
 
     def __len__(self) -> int:
         return len(self._items)

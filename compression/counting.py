@@ -8,9 +8,10 @@ upstreams, whose prompts are priced with cl100k_base.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import sys
 from typing import Any, Protocol, runtime_checkable
+
+from compression.cache import ByteLRU
 
 
 @runtime_checkable
@@ -56,44 +57,34 @@ class CachedCounter:
     """Memoizes per-text counts: passages and sentences recur across requests (RAG corpora).
 
     Shared by the gateway's compression workers: the LRU's bookkeeping is under a lock (a text
-    another worker just evicted must not raise), the counting itself is not."""
+    another worker just evicted must not raise), the counting itself is not. Keys are client text,
+    so the LRU is bounded by their bytes as well as their number."""
 
-    def __init__(self, counter: TokenCounter, max_entries: int = 50_000):
+    def __init__(self, counter: TokenCounter, max_entries: int = 50_000, max_bytes: int = 64 * 1024 * 1024):
         self.counter = counter
-        self._counts: OrderedDict[str, int] = OrderedDict()
-        self._max_entries = max_entries
-        self._lock = threading.Lock()
+        self._counts: ByteLRU[str, int] = ByteLRU(max_entries, max_bytes, sizer=_str_size)
 
     def count(self, text: str) -> int:
-        with self._lock:
-            cached = self._counts.get(text)
-            if cached is not None:
-                self._counts.move_to_end(text)
-                return cached
+        cached = self._counts.get(text)
+        if cached is not None:
+            return cached
         value = self.counter.count(text)
-        self._remember({text: value})
+        self._counts.put(text, value)
         return value
 
     def count_many(self, texts: list[str]) -> list[int]:
         known: dict[str, int] = {}
-        with self._lock:
-            for text in dict.fromkeys(texts):
-                cached = self._counts.get(text)
-                if cached is not None:
-                    self._counts.move_to_end(text)
-                    known[text] = cached
+        for text in dict.fromkeys(texts):
+            cached = self._counts.get(text)
+            if cached is not None:
+                known[text] = cached
         missing = [text for text in dict.fromkeys(texts) if text not in known]
         if missing:
             fresh = dict(zip(missing, _batch_count(self.counter, missing), strict=True))
-            self._remember(fresh)
+            for text, value in fresh.items():
+                self._counts.put(text, value)
             known.update(fresh)
         return [known[text] for text in texts]
-
-    def _remember(self, counts: dict[str, int]) -> None:
-        with self._lock:
-            self._counts.update(counts)
-            while len(self._counts) > self._max_entries:
-                self._counts.popitem(last=False)
 
     def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
         """Exact: memoized on the rendered prompt text itself (rendering is cheap, BPE is not)."""
@@ -101,6 +92,11 @@ class CachedCounter:
         if render is None:
             return self.counter.count_chat(messages, add_generation_prompt)
         return self.count(render(messages, add_generation_prompt))
+
+
+def _str_size(value: Any) -> int:
+    """Exact for the text keys, 28 bytes for a count: O(1), no walk over the text."""
+    return sys.getsizeof(value)
 
 
 def _batch_count(counter: TokenCounter, texts: list[str]) -> list[int]:

@@ -149,7 +149,7 @@ class HistorySummarizer:
                 and self.count(transcript(turns[covered : chunk_end + 1])) <= input_limit
             ):
                 chunk_end += 1
-            summary = await self._call_engine(summary, turns[covered:chunk_end], max_tokens, input_limit)
+            summary = await self._call_engine(tenant, summary, turns[covered:chunk_end], max_tokens, input_limit)
             calls += 1
             covered = chunk_end
             self.cache.set(turns_key(tenant, turns[:covered]), summary.encode())
@@ -159,8 +159,14 @@ class HistorySummarizer:
         model_limit = int(getattr(self.engine, "max_model_len", 2048) or 2048)
         return max(64, model_limit - max_tokens - 2 * max_tokens - 96)  # room for template + old summary
 
+    @staticmethod
+    def salt(tenant: str) -> str:
+        """The summary requests' prefix-cache namespace for `tenant` (clients never choose a salt:
+        the gateway sets its own on every request it forwards)."""
+        return hashlib.sha256(f"ctxgate-summary\x1f{tenant}".encode()).hexdigest()
+
     async def _call_engine(
-        self, previous: str, turns: list[dict[str, Any]], max_tokens: int, input_limit: int
+        self, tenant: str, previous: str, turns: list[dict[str, Any]], max_tokens: int, input_limit: int
     ) -> str:
         from backend.api import GenerationRequest, Priority, SamplingParams
 
@@ -181,6 +187,8 @@ class HistorySummarizer:
             sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
             priority=Priority.BACKGROUND,
             messages=messages,
+            # Per tenant: tenants never share (or time) each other's cached summary prompts.
+            cache_salt=self.salt(tenant),
         )
         self.engine_calls += 1
         pieces: list[str] = []

@@ -25,8 +25,8 @@ from __future__ import annotations
 import html
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 
+from compression.cache import byte_bounded_cache
 from compression.state import Passage
 from compression.text import content_words
 
@@ -85,7 +85,7 @@ def question_form_cues(question: str) -> list[str]:
     return cues
 
 
-@lru_cache(maxsize=4096)
+@byte_bounded_cache(max_entries=4096, max_bytes=16 * 1024 * 1024)
 def normalise(text: str) -> str:
     """Lower-cased, HTML entities decoded, '&' read as 'and', curly quotes straight: the forms a
     title and a sentence (or the question) use for the same name ("Tunnels &amp; Trolls", "Tunnels
@@ -116,7 +116,7 @@ def _mention_stem(phrase: str) -> str:
     return phrase[:-1] if phrase.endswith("y") and len(phrase) > 3 else phrase
 
 
-@lru_cache(maxsize=4096)
+@byte_bounded_cache(max_entries=4096, max_bytes=16 * 1024 * 1024)
 def _mention_pattern(phrase: str) -> re.Pattern[str]:
     stem = re.escape(_mention_stem(phrase))
     if phrase.endswith("y") and len(phrase) > 3:

@@ -66,7 +66,15 @@ def question_with_context(context_text: str, question_text: str) -> str:
 
 
 def summary_text(summary: str) -> str:
-    return f"{SUMMARY_HEADER}\n{summary}"
+    """The summary as quoted material: one "> " line, whitespace collapsed, so the (client-derived)
+    text can neither start a line of its own nor look like anything but a quote."""
+    return f"{SUMMARY_HEADER}\n> {' '.join(summary.split())}"
+
+
+def summary_message(summary: str) -> dict[str, Any]:
+    """The summary where the summarized turns were, as a *user* turn: it is derived from client text
+    (verbatim in the extractive fallback), which must never gain a system message's authority."""
+    return {"role": "user", "content": summary_text(summary)}
 
 
 def order_passages(passages: list[Passage], order: str) -> list[Passage]:
@@ -114,7 +122,7 @@ def render_messages(
     if not slots and context_text and assembly.placement == "system":
         messages.append(context_message(context_text))
     if summary:
-        messages.append({"role": "system", "content": summary_text(summary)})
+        messages.append(summary_message(summary))
     messages.extend(dict(m) for m in history)
     if not slots and context_text and assembly.placement == "user":
         # The question text itself is untouched: the context goes before it in the same turn.

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from compression.cache import byte_bounded_cache
 from compression.embeddings import Embedder
 from compression.state import Passage
 
@@ -61,7 +62,7 @@ def bm25_terms(text: str) -> list[str]:
     return [word for word in _BM25_WORD.findall(text.lower()) if word not in stopwords]
 
 
-@lru_cache(maxsize=8192)
+@byte_bounded_cache(max_entries=8192, max_bytes=64 * 1024 * 1024)
 def bm25_document(text: str) -> tuple[Counter[str], int]:
     """A document's term counts and length. Cached: the pre-filter and the rerank score the same
     passages of a request, and tokenizing them was a sixth of a first sight's Python time. The

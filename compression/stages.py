@@ -56,7 +56,7 @@ from compression.rerank import (
 )
 from compression.services import Services
 from compression.state import Passage, PipelineState, RenderedPrompt, message_text
-from compression.types import BudgetExceededError, StageReport
+from compression.types import BudgetExceededError, Document, StageReport
 from policies.schema import ExtractionPolicy, Policy
 
 MESSAGE_FRAMING_TOKENS = 5  # role + start/end markers around one chat message (estimate)
@@ -162,13 +162,16 @@ class RetrievalStage(Stage):
         index = ctx.services.index_store.get(state.retrieval.index)
         hits = index.search(ctx.question_vector(state), state.retrieval.top_n)
         first_position = len(state.passages)
+        clean = state.neutralise or (lambda text: text)
         for rank, (chunk_id, score) in enumerate(hits):
             sentences, vectors = index.sentences_with_vectors(chunk_id)
+            sentences = [clean(sentence) for sentence in sentences]  # a changed sentence keeps its vector
             ctx.services.embedder.prime(sentences, vectors)
-            passage = Passage(
-                document=index.document(chunk_id, score), position=first_position + rank, score=score
-            )
-            passage.sentences = list(sentences)
+            document = index.document(chunk_id, score)
+            document = Document(text=clean(document.text), id=document.id, score=document.score,
+                                title=None if document.title is None else clean(document.title))
+            passage = Passage(document=document, position=first_position + rank, score=score)
+            passage.sentences = sentences
             state.passages.append(passage)
         return StageReport(self.name, details={"index": state.retrieval.index, "retrieved": len(hits)})
 
@@ -337,7 +340,8 @@ class HistoryStage(Stage):
             if u not in kept and not is_tool_unit(state.history, units[u])
             for message in state.history[units[u][0]:units[u][1]]
         ]
-        summary_overhead = ctx.counter.count(SUMMARY_HEADER) + MESSAGE_FRAMING_TOKENS + 1
+        # The header, the turn's framing and the quote mark (+ the newline) around the summary.
+        summary_overhead = ctx.counter.count(SUMMARY_HEADER + "\n> ") + MESSAGE_FRAMING_TOKENS + 1
         summary_budget = min(policy.summary_max_tokens, budget - spent - summary_overhead)
         summary = None
         if older and summary_budget >= MIN_SUMMARY_TOKENS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,7 @@ class PipelineState:
     tenant: str
     budget_tokens: int = 0  # policy.max_input_tokens
     retrieval: RetrievalSpec | None = None
+    neutralise: Callable[[str], str] | None = None  # CompressionInput.neutralise
     summary: str | None = None
     question_vector: np.ndarray | None = None
     # Set by the cost check, before anything is cut.
@@ -135,4 +137,5 @@ def split_messages(request: CompressionInput, budget_tokens: int) -> PipelineSta
         tenant=request.tenant,
         budget_tokens=budget_tokens,
         retrieval=request.retrieval,
+        neutralise=request.neutralise,
     )

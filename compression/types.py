@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,9 @@ class CompressionInput:
     documents: list[Document] = field(default_factory=list)
     retrieval: RetrievalSpec | None = None
     tenant: str = "anonymous"
+    # Applied to retrieved passages' text, title and sentences (the gateway's sanitiser: an index
+    # is as untrusted as the client's documents). None: taken as they are.
+    neutralise: Callable[[str], str] | None = None
 
 
 @dataclass

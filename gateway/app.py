@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import logging
 import os
 import sys
@@ -25,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from backend.api import EngineClient, GenerationRequest
-from backend.openai_api.errors import ClientDisconnected, install_error_handlers
+from backend.openai_api.errors import APIError, ClientDisconnected, install_error_handlers
 from backend.openai_api.http import (
     BodySizeLimit,
     document_request_bodies,
@@ -186,7 +187,8 @@ def create_app(
     install_error_handlers(app)
     _add_routes(app)
     document_request_bodies(app, REQUEST_BODIES, ERROR_ANSWERS)
-    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
+                       read_timeout_s=settings.body_read_timeout_s)
     app.state.admission = AdmissionController(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
     app.add_middleware(AdmissionControl, controller=app.state.admission)
     app.add_middleware(RequestCounter, metrics=metrics)
@@ -354,11 +356,23 @@ async def ready(request: Request) -> JSONResponse:
 
 async def prometheus_metrics(request: Request) -> Response:
     gateway = _gateway(request)
+    _check_metrics_key(gateway.settings.metrics_key, request.headers.get("authorization"))
     payload = generate_latest(gateway.metrics.registry)
     engine_registry = gateway.engine.metrics_registry
     if engine_registry is not None:
         payload += generate_latest(engine_registry)
     return Response(payload, media_type=CONTENT_TYPE_LATEST)
+
+
+def _check_metrics_key(expected: str | None, authorization: str | None) -> None:
+    """With a metrics key set, /metrics (tenant names, spend, upstream health) needs it as a Bearer
+    token; compared in constant time."""
+    if expected is None:
+        return
+    given = (authorization or "").encode()
+    if not hmac.compare_digest(given, f"Bearer {expected}".encode()):
+        message = "/metrics needs the metrics key (Authorization: Bearer <key>)"
+        raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 async def models(request: Request) -> dict[str, Any]:
@@ -450,7 +464,8 @@ async def _answer(
     gateway = _gateway(request)
     generation = GenerationRequest(
         request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-        sampling=prepared.sampling, priority=prepared.priority, cache_salt=prepared.tenant.name,
+        sampling=prepared.sampling, priority=prepared.priority,
+        cache_salt=gateway.cache_salt(prepared.tenant.name),
         messages=messages, prompt_text=prepared.prompt_text, forward=prepared.forward,
     )
     writer = ResponseWriter(prepared.request_id, body.model, prepared.created,

@@ -57,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="on SIGTERM, seconds to let in-flight requests finish (new ones get 503)")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="in-process engine: refuse new requests with 503 beyond this many waiting (default 256)")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="serve on a non-loopback --host without --keys (only behind a proxy that authenticates)")
+    serve.add_argument("--metrics-key", default=os.environ.get("CTXGATE_METRICS_KEY"),
+                       help="Bearer token /metrics requires (default $CTXGATE_METRICS_KEY; unset: /metrics is open)")
+    serve.add_argument("--body-read-timeout", type=float, default=30.0,
+                       help="seconds a client may take to send its request body; slower ones get 408 (default 30)")
     serve.add_argument("--access-log", action="store_true",
                        help="log one line per request (method, path, status, duration, request id, tenant)")
     serve.add_argument("--embed-on", choices=("engine", "process"), default="engine",
@@ -173,7 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
     resolve_serve_args(args)
 
     from gateway.app import create_app
-    from gateway.settings import GatewaySettings
+    from gateway.settings import GatewaySettings, exposure_problem
 
     settings = GatewaySettings(
         host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
@@ -186,9 +192,15 @@ def _serve(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight or None, max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
         request_timeout_s=args.request_timeout or None, engine_max_waiting_requests=args.max_waiting_requests,
         drain_timeout_s=args.drain_timeout, access_log=args.access_log, embed_on=args.embed_on,
+        allow_unauthenticated=args.allow_unauthenticated, metrics_key=args.metrics_key or None,
+        body_read_timeout_s=args.body_read_timeout,
         **({"compression_workers": args.compression_workers} if args.compression_workers is not None else {}),
         **({"compression_nice": args.compression_nice} if args.compression_nice is not None else {}),
     )
+    problem = exposure_problem(settings)
+    if problem is not None:
+        print(f"ctxgate serve: {problem}", file=sys.stderr)
+        return 2
     _log_request_ids()
     from gateway.shutdown import DrainingServer
 

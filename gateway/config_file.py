@@ -51,6 +51,10 @@ class ServerSection(_Section):
                                             "event loop (default: one per two cores)")
     compression_nice: int | None = Field(None, ge=0, le=19, description="the compression workers' CPU priority "
                                          "below the engine's (Linux nice steps, 0-19; default 0)")
+    allow_unauthenticated: bool | None = Field(None, description="serve on a non-loopback host without a keys "
+                                               "file (only behind a proxy that authenticates); default false")
+    body_read_timeout: float | None = Field(None, gt=0, description="seconds a client may take to send its "
+                                            "request body; slower ones get 408 (default 30)")
 
 
 class EngineSection(_Section):
@@ -110,6 +114,8 @@ class LoggingSection(_Section):
 
 class MetricsSection(_Section):
     vllm_names: bool | None = Field(None, description="also export the engine's metrics under vLLM's vllm: names")
+    key: str | None = Field(None, description="Bearer token /metrics requires, e.g. os.environ/CTXGATE_METRICS_KEY "
+                            "(unset: /metrics is open)")
 
 
 class CtxgateConfig(_Section):
@@ -150,6 +156,8 @@ class CtxgateConfig(_Section):
             values["access_log"] = self.logging.access_log
         if self.metrics.vllm_names is not None:
             values["vllm_metric_names"] = self.metrics.vllm_names
+        if self.metrics.key is not None:
+            values["metrics_key"] = self.metrics.key
         return values
 
 

@@ -12,7 +12,8 @@ question stays the only one.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Iterable
+from typing import Protocol
 
 from compression.rendering import LINE_MARKERS
 
@@ -21,15 +22,29 @@ ZERO_WIDTH_SPACE = "\u200b"
 _STRUCTURE_LINE = re.compile(rf"^(\s*)({'|'.join(LINE_MARKERS)})", re.IGNORECASE | re.MULTILINE)
 
 
+# Upstream mode: the serving model may not be the one the gateway counts with, so the control tokens
+# of the common chat templates are neutralised too (ChatML/Qwen, Llama 3, Gemma, Phi, Mistral, ...).
+KNOWN_CONTROL_TOKENS = (
+    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|begin_of_text|>", "<|end_of_text|>",
+    "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
+    "<start_of_turn>", "<end_of_turn>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
+    "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "<|start|>", "<|message|>", "<|channel|>",
+    "<|return|>", "<|call|>",
+)
+
+
+class SpecialTokenSource(Protocol):
+    """What the neutraliser needs of a tokenizer (backend.tokenizer.Tokenizer, TiktokenTokenizer)."""
+
+    def special_tokens(self) -> set[str]: ...
+
+
 class Neutraliser:
-    def __init__(self, tokenizer: Any):
-        hf = getattr(tokenizer, "hf", None)
-        specials: set[str] = set()
-        if hf is not None:
-            specials.update(str(token) for token in getattr(hf, "all_special_tokens", []) or [])
-            for added in (getattr(hf, "added_tokens_decoder", None) or {}).values():
-                if getattr(added, "special", False):
-                    specials.add(str(added.content))
+    def __init__(self, tokenizer: SpecialTokenSource | None, extra: Iterable[str] = ()):
+        """`tokenizer`: the special tokens of the model the prompt is for (None: none); `extra`: more
+        strings to break (upstream mode: KNOWN_CONTROL_TOKENS)."""
+        specials = set(tokenizer.special_tokens()) if tokenizer is not None else set()
+        specials.update(extra)
         # Longest first so a token that contains another is broken as a whole.
         self.special_tokens = sorted((s for s in specials if len(s) > 1), key=len, reverse=True)
 

@@ -5,14 +5,17 @@ The routes in `gateway.app` parse and respond; everything that decides something
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backend.api import EngineClient, EngineError, Priority, RequestMetrics, SamplingParams
-from backend.openai_api.errors import APIError
+from backend.openai_api.errors import APIError, generic_server_error
 from backend.openai_api.fields import enforce_supported
 from backend.openai_api.responses import Usage
 from compression.index_names import InvalidIndexName, UnknownIndexError, check_index_name
@@ -26,14 +29,16 @@ from compression.types import (
 from gateway.keys import KeyRejected, KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
-from gateway.request_id import note_tenant
-from gateway.sanitize import Neutraliser
+from gateway.request_id import current_request, note_tenant
+from gateway.sanitize import KNOWN_CONTROL_TOKENS, Neutraliser
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, CtxgateExtras, GatewayRequest
 from gateway.settings import GatewaySettings
 from policies.loader import PolicyRegistry, apply_overrides
 from policies.schema import CostPolicy, Policy
 
 logger = logging.getLogger(__name__)
+# Most sequences one upstream request may make (`n`, `best_of`), as OpenAI's own limit on `n`.
+MAX_CHOICES = 128
 
 
 @dataclass
@@ -53,6 +58,8 @@ class Prepared:
     dropped_params: list[str] = field(default_factory=list)
     # Upstream mode: the client's fields forwarded untouched (GenerationRequest.forward).
     forward: dict[str, Any] | None = None
+    # Sequences the upstream generates per request (`n`, `best_of`): the reservation counts each.
+    choices: int = 1
     received_at: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -119,7 +126,18 @@ class Gateway:
         self.keys = keys
         self.store = store
         self.metrics = metrics
-        self.neutraliser = Neutraliser(tokenizer)
+        # Upstream mode: the serving model's tokens (from --tokenizer) plus the common templates' ones.
+        upstream = bool(getattr(engine, "forwards_fields", False))
+        self.neutraliser = Neutraliser(tokenizer, extra=KNOWN_CONTROL_TOKENS if upstream else ())
+        # Keys each tenant's prefix-cache salt; random per process unless configured (replicas that
+        # share an upstream should share it, or they never share cached prefixes).
+        secret = settings.cache_salt_secret or secrets.token_hex(32)
+        self._salt_key = secret.encode()
+
+    def cache_salt(self, tenant: str) -> str:
+        """The tenant's prefix-cache namespace: HMAC-SHA256 of its name under the server secret, so
+        no client can name (or guess) another tenant's salt."""
+        return hmac.new(self._salt_key, tenant.encode(), hashlib.sha256).hexdigest()
 
     # -- identity and policy -------------------------------------------------------------------
     @property
@@ -248,10 +266,26 @@ class Gateway:
     def check_fields(self, body: GatewayRequest, policy: Policy,
                      raw: dict[str, Any] | None) -> tuple[list[str], dict[str, Any] | None]:
         """(dropped field names, fields to forward). The built-in engine refuses (400) what it cannot
-        honour unless drop_params; an upstream gets the client's body, and decides itself."""
+        honour unless drop_params; an upstream gets the client's body, and decides itself (except
+        for what the gateway owns: `backend.upstream._GATEWAY_OWNED`)."""
         if self.forwards_fields:
             return [], dict(raw) if raw is not None else body.model_dump(exclude_unset=True)
         return enforce_supported(body, policy.drop_params or self.settings.drop_params), None
+
+    def choices_for(self, body: GatewayRequest, forward: dict[str, Any] | None) -> int:
+        """How many sequences the request makes: the built-in engine makes one (it refused or dropped
+        `n` > 1); an upstream makes max(n, best_of), each up to max_tokens, all of them reserved."""
+        if forward is None:
+            return 1
+        best_of = forward.get("best_of")
+        if best_of is not None and (isinstance(best_of, bool) or not isinstance(best_of, int) or best_of < 1):
+            raise APIError(400, "best_of must be a positive integer", param="best_of", code="invalid_value")
+        choices = max(body.n, best_of or 1)
+        if choices > MAX_CHOICES:
+            field = "n" if body.n >= (best_of or 1) else "best_of"
+            raise APIError(400, f"{field} may be at most {MAX_CHOICES} (each choice is reserved against the quota)",
+                           param=field, code="unsupported_parameter")
+        return choices
 
     # -- budget --------------------------------------------------------------------------------
     async def compress(self, body: ChatCompletionRequest, tenant: Tenant, policy: Policy) -> CompressionResult:
@@ -270,7 +304,9 @@ class Gateway:
         if extras.retrieval:
             self.check_index(tenant, extras.retrieval.index)
         retrieval = RetrievalSpec(extras.retrieval.index, extras.retrieval.top_n) if extras.retrieval else None
-        inp = CompressionInput(messages=messages, documents=documents, retrieval=retrieval, tenant=tenant.name)
+        # Passages from an index are as untrusted as the client's documents: neutralised the same way.
+        inp = CompressionInput(messages=messages, documents=documents, retrieval=retrieval, tenant=tenant.name,
+                               neutralise=self.neutraliser.document)
         try:
             result = await self.pipeline.run(inp, policy)
         except BudgetExceededError as exc:
@@ -395,6 +431,7 @@ class Gateway:
         self.check_model(body.model, tenant)
         policy = self.resolve_policy(tenant, body.ctxgate)
         dropped, forward = self.check_fields(body, policy, raw)
+        choices = self.choices_for(body, forward)
         result = await self.compress(body, tenant, policy)
         token_ids, prompt_text = self.encode_checked(result, policy)
         sampling = self.sampling_for(body, policy, len(token_ids))
@@ -402,9 +439,9 @@ class Gateway:
         prepared = Prepared(
             request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
-            dropped_params=dropped, forward=forward,
+            dropped_params=dropped, forward=forward, choices=choices,
         )
-        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens,
+        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
                                                   slot_id=prepared.request_id)
         return prepared
 
@@ -415,6 +452,7 @@ class Gateway:
             raise APIError(400, "documents and retrieval need /v1/chat/completions", param="ctxgate")
         policy = self.resolve_policy(tenant, body.ctxgate)
         dropped, forward = self.check_fields(body, policy, raw)
+        choices = self.choices_for(body, forward)
         prompt_text = body.prompt_text() or ""
         token_ids = self.tokenizer.encode(prompt_text)
         if not token_ids:
@@ -432,9 +470,9 @@ class Gateway:
         prepared = Prepared(
             request_id=f"cmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=Priority.USER,
-            dropped_params=dropped, forward=forward,
+            dropped_params=dropped, forward=forward, choices=choices,
         )
-        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens,
+        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
                                                   slot_id=prepared.request_id)
         return prepared
 
@@ -482,15 +520,25 @@ class Gateway:
         )
 
     def engine_error(self, exc: Exception) -> APIError:
+        """The client's answer for a failed generation. A 4xx from the engine is about the request and
+        keeps its message; a 5xx says only what kind of failure and the request id, while the log gets
+        the details (an upstream's URL, its error text), under that id."""
+        context = current_request()
+        request_id = context.request_id if context is not None else None
         if isinstance(exc, EngineError):
             self.metrics.upstream_errors.labels(str(exc.status_code)).inc()
             # An engine refusing for load is the documented overload answer: tell clients when to retry.
             retry = {"Retry-After": "1"} if exc.status_code in (429, 503) else None
             code = "overloaded" if retry else (getattr(exc, "code", None) or "engine_error")
-            return APIError(exc.status_code, str(exc), param=getattr(exc, "param", None), code=code, headers=retry)
+            if exc.status_code < 500:
+                return APIError(exc.status_code, str(exc), param=getattr(exc, "param", None), code=code,
+                                headers=retry)
+            logger.warning("model backend answered %d (request id %s): %s", exc.status_code, request_id, exc)
+            return generic_server_error(exc.status_code, request_id, code=code, headers=retry)
         if isinstance(exc, TimeoutError):
             self.metrics.upstream_errors.labels("504").inc()
-            return APIError(504, str(exc) or "the request timed out", code="timeout")
+            logger.warning("request timed out (request id %s): %s", request_id, exc)
+            return generic_server_error(504, request_id, code="timeout")
         self.metrics.upstream_errors.labels("502").inc()
-        logger.exception("model backend failed")
-        return APIError(502, f"model backend failed: {exc.__class__.__name__}: {exc}", code="upstream_error")
+        logger.error("model backend failed (request id %s)", request_id, exc_info=exc)
+        return generic_server_error(502, request_id, code="upstream_error")

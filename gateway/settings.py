@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 EMBED_ON = ("engine", "process")  # where the compression embedder runs (GatewaySettings.embed_on)
 MAX_NICE = 19
 # The compression workers' CPU priority below the engine's. Beside the engine's OpenMP team a busy
@@ -95,6 +97,17 @@ class GatewaySettings:
     drain_timeout_s: float = 30.0
     # One line per request on the `ctxgate.access` logger (no keys, no prompts); off by default.
     access_log: bool = False
+    # Serving on a non-loopback address without a keys file is refused unless this says so.
+    allow_unauthenticated: bool = False
+    # Bearer token /metrics requires (tenant names and spend are there); None: open. Also
+    # $CTXGATE_METRICS_KEY.
+    metrics_key: str | None = field(default_factory=lambda: os.environ.get("CTXGATE_METRICS_KEY") or None)
+    # Seconds a client may take to send its whole request body; a slower one gets 408.
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    # Server secret behind each tenant's upstream `cache_salt` (HMAC-SHA256 of the tenant name). Replicas
+    # sharing an upstream should share it ($CTXGATE_CACHE_SALT_SECRET); unset: random per process.
+    cache_salt_secret: str | None = field(
+        default_factory=lambda: os.environ.get("CTXGATE_CACHE_SALT_SECRET") or None, repr=False)
 
     def __post_init__(self) -> None:
         if self.compression_workers < 1:
@@ -107,3 +120,32 @@ class GatewaySettings:
             self.policy_dir = Path(self.policy_dir)
         if self.keys_file is not None:
             self.keys_file = Path(self.keys_file)
+        if self.body_read_timeout_s <= 0:
+            raise ValueError(f"body_read_timeout_s must be positive, not {self.body_read_timeout_s}")
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost: only this machine can connect."""
+    name = host.strip().strip("[]").lower()
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a host name or "": it may resolve to (or bind) any interface
+
+
+def exposure_problem(settings: GatewaySettings) -> str | None:
+    """Why these settings must not be served (None: fine): an open gateway on a reachable address."""
+    if settings.keys_file is not None or settings.allow_unauthenticated or is_loopback(settings.host):
+        return None
+    return (
+        f"refusing to serve on {settings.host!r} without a keys file: anyone who can reach that address "
+        "could spend every tenant's budget and read /metrics. Create keys (`ctxgate keys add TENANT "
+        "--keys keys.yaml`) and pass --keys keys.yaml (config file: keys_file), bind to 127.0.0.1, or, "
+        "if a proxy in front authenticates, pass --allow-unauthenticated (config file: "
+        "server.allow_unauthenticated: true)."
+    )

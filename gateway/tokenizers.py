@@ -13,6 +13,8 @@ from typing import Any
 
 from compression.counting import TiktokenCounter
 
+CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
+
 
 class TiktokenTokenizer(TiktokenCounter):
     """The gateway's tokenizer interface (`encode`, `render_chat`, `count_chat`) over tiktoken."""
@@ -20,6 +22,11 @@ class TiktokenTokenizer(TiktokenCounter):
     def __init__(self, encoding_name: str):
         super().__init__(encoding_name)
         self.name = encoding_name
+
+    def special_tokens(self) -> set[str]:
+        """The encoding's special tokens (`<|endoftext|>`, `<|fim_prefix|>`, ...) and the ChatML markers
+        the prompt is rendered with: what client text must not spell."""
+        return set(self.encoding.special_tokens_set) | set(CHATML_MARKERS)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         turns = [f"<|im_start|>{m.get('role', 'user')}\n{_text(m.get('content'))}<|im_end|>\n" for m in messages]

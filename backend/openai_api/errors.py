@@ -20,6 +20,7 @@ ERROR_TYPES: dict[int, str] = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
@@ -82,6 +83,12 @@ class BodyTooLarge(APIError):
         self.limit_bytes = limit_bytes
 
 
+class BodyReadTimeout(APIError):
+    def __init__(self, timeout_s: float):
+        super().__init__(408, f"the request body was not received within {timeout_s:g} s",
+                         code="body_read_timeout", headers={"Connection": "close"})
+
+
 class ClientDisconnected(APIError):
     """The client went away before the answer was ready (nginx's 499; nobody reads the body)."""
 
@@ -120,10 +127,28 @@ async def _answer_http_error(_request: Request, exc: Exception) -> JSONResponse:
     return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
 
+def request_id_of(request: Request) -> str | None:
+    """The request's x-request-id when a middleware assigned one (the gateway's RequestId)."""
+    state = request.scope.get("state") or {}
+    value = state.get("request_id") if isinstance(state, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def generic_server_error(status_code: int, request_id: str | None, code: str | None = None,
+                         headers: dict[str, str] | None = None) -> APIError:
+    """A 5xx a client may see: what kind of failure, and the id to quote; never exception text or
+    internal addresses (those go to the log under the same id)."""
+    what = {502: "the model backend failed", 503: "the service is unavailable; retry later",
+            504: "the model backend timed out"}.get(status_code, "internal error")
+    suffix = f" (request id {request_id})" if request_id else ""
+    return APIError(status_code, what + suffix, code=code, headers=headers)
+
+
 async def _answer_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    # A bug, not bad input: log it fully, answer in the same JSON shape.
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return APIError(500, f"internal error: {exc.__class__.__name__}").response()
+    # A bug, not bad input: log it fully (with the request id), answer in the same JSON shape.
+    request_id = request_id_of(request)
+    logger.exception("unhandled error on %s %s (request id %s)", request.method, request.url.path, request_id)
+    return generic_server_error(500, request_id, code="internal_error").response()
 
 
 def install_error_handlers(app: FastAPI) -> None:

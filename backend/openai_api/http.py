@@ -17,7 +17,13 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 
-from backend.openai_api.errors import APIError, BodyTooLarge, ClientDisconnected, invalid_value
+from backend.openai_api.errors import (
+    APIError,
+    BodyReadTimeout,
+    BodyTooLarge,
+    ClientDisconnected,
+    invalid_value,
+)
 
 Model = TypeVar("Model", bound=BaseModel)
 Result = TypeVar("Result")
@@ -67,11 +73,14 @@ def _reject_constant(name: str) -> Any:
 
 
 class BodySizeLimit:
-    """ASGI middleware: refuse bodies over the limit before they are buffered (413), by header or by counting."""
+    """ASGI middleware: refuse bodies over the limit before they are buffered (413), by header or by
+    counting; with `read_timeout_s`, a body not fully received that long after the request started is
+    cut off with 408 (uvicorn has no body timeout: a trickled body would hold a connection forever)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, max_body_bytes: int, read_timeout_s: float | None = None):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
@@ -80,14 +89,25 @@ class BodySizeLimit:
         if self._declared_length(scope) > self.max_body_bytes:
             return await BodyTooLarge(self.max_body_bytes).response()(scope, receive, send)
         received = 0
+        body_done = False
+        deadline = None if self.read_timeout_s is None else asyncio.get_running_loop().time() + self.read_timeout_s
 
         async def counting_receive() -> dict:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done or deadline is None:
+                # The body is in: later receives wait for a disconnect, as long as the answer takes.
+                message = await receive()
+            else:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        message = await receive()
+                except TimeoutError:
+                    raise BodyReadTimeout(self.read_timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
                     raise BodyTooLarge(self.max_body_bytes)
+                body_done = not message.get("more_body", False)
             return message
 
         return await self.app(scope, counting_receive, send)

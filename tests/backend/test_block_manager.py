@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from backend.api import SamplingParams
-from backend.block_manager import BlockManager, InvariantError
+from backend.block_manager import NO_PARENT_HASH, BlockManager, InvariantError, hash_block
 from backend.sequence import Sequence
 
 BLOCK = 4
@@ -91,6 +91,29 @@ def test_hash_is_chained_with_the_prefix():
     assert manager.find_cached_prefix(other) == []
     assert other.block_hashes[1] != first.block_hashes[1]
     manager.check_invariants(live(first, other))
+
+
+def test_different_token_blocks_never_share_a_cached_block():
+    manager = BlockManager(num_blocks=128, block_size=BLOCK)
+    # Python's hash() maps -1 and -2 to the same value, so hash() of these two blocks' tuples is equal;
+    # a sha256 over the token bytes tells them apart.
+    assert hash((-1, -1, -1, -1)) == hash((-2, -2, -2, -2))
+    first = make_seq([-1] * 4 + [0], order=0)
+    compute_all(manager, first)
+    assert manager.find_cached_prefix(make_seq([-2] * 4 + [0], order=1)) == []
+    # Many distinct blocks, each cached: every lookup finds its own block and no other's.
+    owners = [make_seq([n, n >> 2, n * 7, 3] + [0], order=2 + n) for n in range(40)]
+    for seq in owners:
+        compute_all(manager, seq)
+    assert len({seq.block_hashes[0] for seq in owners}) == len(owners)
+    for seq in owners:
+        probe = make_seq(list(seq.token_ids), order=100)
+        assert manager.find_cached_prefix(probe) == seq.block_table[:1]
+    # Salt and tokens are delimited: moving bytes between them changes the hash.
+    assert hash_block(NO_PARENT_HASH, (1, 2), "a") != hash_block(NO_PARENT_HASH, (1, 2), "a\x01")
+    assert hash_block(NO_PARENT_HASH, (1, 2), "") != hash_block(NO_PARENT_HASH, (1, 2), None)
+    assert len(hash_block(NO_PARENT_HASH, (1, 2), None)) == 32  # one sha256 digest per block
+    manager.check_invariants(live(first, *owners))
 
 
 def test_cache_salt_isolates_tenants():

@@ -21,6 +21,15 @@ def test_cached_counter_batches_and_matches(tokenizer):
     assert counter.count("gamma") == tokenizer.count("gamma")
 
 
+def test_cached_counter_is_bounded_by_the_bytes_of_its_texts():
+    counter = CachedCounter(TiktokenCounter(), max_entries=1000, max_bytes=2 * 1024 * 1024)
+    texts = [f"{i} " + "a" * (512 * 1024) for i in range(12)]  # 6 MiB of distinct client text
+    counts = counter.count_many(texts)
+    assert counts == [TiktokenCounter().count(text) for text in texts]
+    assert counter._counts.size_bytes <= 2 * 1024 * 1024 and len(counter._counts) <= 4
+    assert counter.count(texts[-1]) == counts[-1]  # the most recent is still cached
+
+
 async def test_pipeline_budget_with_tiktoken_counter(embedder):
     from compression.pipeline import CompressionPipeline
 

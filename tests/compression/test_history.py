@@ -85,6 +85,12 @@ async def test_summary_is_cached_and_rolled_forward(make_pipeline, engine, token
     assert first.messages[-3:] == CONVERSATION[-2:] + [QUESTION]  # last turns verbatim
     summary_message = next(m for m in first.messages if m["content"].startswith("Summary of the earlier"))
     assert len(summary_message["content"]) > 40
+    # Client-derived text: a quoted user turn where the summarized turns were, never a system message.
+    assert summary_message["role"] == "user"
+    assert summary_message["content"].startswith("Summary of the earlier conversation:\n> ")
+    assert "\n" not in summary_message["content"].split("\n", 1)[1]
+    assert first.messages.index(summary_message) == len(first.messages) - 4  # right before the kept turns
+    assert not any(m["role"] == "system" for m in first.messages)
 
     second = await pipeline.run(request, summary_policy())
     assert history_report(second).details["summary_source"] == "cache"
@@ -113,8 +119,12 @@ async def test_timeout_falls_back_to_extractive(make_pipeline, engine, tokenizer
     report = history_report(result)
     assert counting.generate_calls == 1  # it tried the engine
     assert report.details["summary_source"] == "extractive"
-    summary = next(m["content"] for m in result.messages if m["content"].startswith("Summary of the earlier"))
+    summary_turn = next(m for m in result.messages if m["content"].startswith("Summary of the earlier"))
+    summary = summary_turn["content"]
     assert "tram" in summary.lower()  # the sentence related to the question was kept
+    # The extractive summary is verbatim user text: quoted, in a user turn, never a system message.
+    assert summary_turn["role"] == "user" and summary.startswith("Summary of the earlier conversation:\n> ")
+    assert not any(m["role"] == "system" for m in result.messages)
     assert result.prompt_tokens == tokenizer.count_chat(result.messages) <= 1024
 
 

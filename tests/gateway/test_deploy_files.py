@@ -67,9 +67,15 @@ def test_compose_topology(monkeypatch):
     assert gateways[0]["image"] == gateways[1]["image"] == services["engine"]["image"]
     assert gateways[0]["volumes"] == gateways[1]["volumes"] == ["./config:/etc/ctxgate"]
     assert {g["ports"][0].split(":")[0] for g in gateways} == {"8000", "8002"}  # distinct host ports
+    # The engine needs an API key (a required variable: compose refuses to start without it), and the
+    # gateways send the same one upstream; nothing on the network reaches the engine around them.
+    engine_key = services["engine"]["environment"]["CTXGATE_ENGINE_API_KEY"]
+    assert engine_key.startswith("${CTXGATE_ENGINE_API_KEY:?")
     for gateway in gateways:
         assert gateway["command"] == ["serve", "--config", "/etc/ctxgate/ctxgate.yaml"]
         assert gateway["environment"]["REDIS_URL"].startswith("redis://redis:6379")
+        assert gateway["environment"]["CTXGATE_UPSTREAM_API_KEY"] == engine_key
+        assert gateway["environment"]["CTXGATE_METRICS_KEY"] == "${CTXGATE_METRICS_KEY:-}"
         assert set(gateway["depends_on"]) == {"redis", "engine"}
 
     # The mounted config: valid, shares Redis through the environment, points at the engine service.
@@ -108,9 +114,11 @@ def test_dockerfile_inputs_exist_and_it_prepares_the_model():
     assert f"torch=={torch_pin}" in runs
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
-    # The default command is a real serve invocation.
+    # The default command is a real serve invocation, on 0.0.0.0 with the keys file the image creates.
     cmd = yaml.safe_load(re.search(r"^CMD (.*)$", text, re.M).group(1))
-    build_parser().parse_args(cmd)
+    args = build_parser().parse_args(cmd)
+    assert args.host == "0.0.0.0" and args.keys == "/etc/ctxgate/keys.yaml"
+    assert "printf 'tenants: {}\\n' > /etc/ctxgate/keys.yaml" in runs
 
 
 def test_systemd_unit():

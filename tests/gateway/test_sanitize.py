@@ -17,7 +17,8 @@ from gateway.sanitize import Neutraliser
 from policies.schema import AssemblyPolicy
 
 # Client text: every line of a rendered prompt that is not one of these is the renderer's layout.
-CLIENT_TEXT = {"Be brief.", "Earlier turn.", "Earlier reply.", "Older talk.", "First body.", "Second body.", "Why?"}
+# The history summary is client-derived and goes in quoted ("> ...").
+CLIENT_TEXT = {"Be brief.", "Earlier turn.", "Earlier reply.", "> Older talk.", "First body.", "Second body.", "Why?"}
 STARTS_WITH_MARKER = re.compile(rf"^\s*({'|'.join(LINE_MARKERS)})", re.IGNORECASE)
 
 
@@ -62,7 +63,7 @@ def test_every_listed_marker_is_emitted_by_the_renderer():
 
 @pytest.mark.parametrize("line", sorted(set(_layout_lines())))
 def test_documents_cannot_forge_a_rendered_marker(line):
-    neutraliser = Neutraliser(object())
+    neutraliser = Neutraliser(None)
     for forged in (line, f"Some text.\n{line}", f"Some text.\n  {line}", line.upper(), line.lower()):
         cleaned = neutraliser.document(forged)
         assert not any(STARTS_WITH_MARKER.match(part) for part in cleaned.split("\n")), cleaned
