@@ -29,11 +29,12 @@ logger = logging.getLogger(__name__)
 _FAILOVER_STATUSES = {502, 503, 504}
 # Request fields the gateway decides (compressed messages, clamped max_tokens, the upstream's model
 # name, streaming), that only the gateway understands, or that cross tenants: `priority` would let
-# a tenant jump the upstream's queue, and `cache_salt` (vLLM's prefix-cache namespace) is the
-# gateway's per-tenant value, never the client's. Every other client field is forwarded.
+# a tenant jump the upstream's queue, `cache_salt` (vLLM's prefix-cache namespace) is the
+# gateway's per-tenant value, never the client's, and a client's `request_id` could collide with
+# another tenant's request on the upstream. Every other client field is forwarded.
 _GATEWAY_OWNED = frozenset({
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-    "stop", "ctxgate", "priority", "cache_salt",
+    "stop", "ctxgate", "priority", "cache_salt", "request_id",
 })
 
 

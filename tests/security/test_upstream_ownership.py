@@ -88,15 +88,17 @@ def _expected_salt(tenant: str) -> str:
     return hmac.new(SALT_SECRET.encode(), tenant.encode(), hashlib.sha256).hexdigest()
 
 
-def test_priority_is_dropped_and_cache_salt_is_the_tenants(gateway, upstream):
+def test_priority_and_request_id_are_dropped_and_cache_salt_is_the_tenants(gateway, upstream):
     received = upstream.recorder.bodies
     for tenant in ("alice", "bob"):
         for path in ("/v1/chat/completions", "/v1/completions"):
             before = len(received)
-            response = _post(gateway, tenant, path, priority=-100, cache_salt="shared-with-the-victim")
+            response = _post(gateway, tenant, path, priority=-100, cache_salt="shared-with-the-victim",
+                             request_id="another-tenants-request")
             assert response.status_code == 200, response.text
             (body,) = received[before:]
             assert "priority" not in body  # a client cannot jump the upstream's queue
+            assert "request_id" not in body  # nor name (and so collide with) another tenant's request
             assert body["cache_salt"] == _expected_salt(tenant)  # the client's salt is overwritten
     salts = {body["cache_salt"] for body in received}
     assert salts == {_expected_salt("alice"), _expected_salt("bob")}  # tenants never share a namespace
