@@ -1,6 +1,7 @@
-"""Retention-vs-ratio curve of a ctxgate policy and the LongLLMLingua peer, on the same questions.
+"""`ctxgate eval retention-curve`: the retention-vs-ratio curve of a ctxgate policy and, with
+`--peer`, of another compressor's output (eval/peers/longllmlingua_peer.py) on the same questions.
 
-    python eval/peers/retention_curve.py --peer OUT/longllmlingua.json --out eval/reports/NAME/ \
+    ctxgate eval retention-curve --peer OUT/longllmlingua.json --out OUT/ \
         --dataset nq-multidoc-dev.jsonl --dataset hotpotqa-distractor-dev.jsonl --limit 60
 
 - ctxgate: `ctxgate eval retention`'s harness, in process, over a sweep of `documents.max_tokens`;
@@ -15,19 +16,14 @@ Writes curve.json and retention_vs_ratio.png into --out.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from eval.client import question_messages  # noqa: E402
-from eval.datasets import load_dataset, resolve_dataset_path  # noqa: E402
-from eval.evidence import evidence_retention  # noqa: E402
-from eval.retention import (  # noqa: E402
+from eval.client import question_messages
+from eval.datasets import load_dataset, resolve_dataset_path
+from eval.evidence import evidence_retention
+from eval.retention import (
     RetentionHarness,
     policy_with_overrides,
     split_examples,
@@ -123,46 +119,33 @@ def plot(curves: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None
     figure.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", action="append", required=True, dest="datasets")
-    parser.add_argument("--policy", default="rag-default")
-    parser.add_argument("--split", default="test", choices=["all", "tune", "test"])
-    parser.add_argument("--limit", type=int, default=60, help="scored questions per dataset for ctxgate")
-    parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
-    parser.add_argument("--peer", help="the peer's JSON (eval/peers/longllmlingua_peer.py)")
-    parser.add_argument("--reuse", help="take the policy's points from this curve.json instead of running it")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-
-    out = Path(args.out)
+def run_retention_curve(datasets: list[str], out_dir: str | Path, policy: str = "rag-default",
+                        split: str = "test", limit: int = 60, budgets: list[int] | None = None,
+                        peer_path: str | None = None, reuse_path: str | None = None) -> dict[str, Any]:
+    """Both curves per dataset; writes curve.json and retention_vs_ratio.png into `out_dir`.
+    `reuse_path`: take the policy's points from an earlier curve.json instead of running it."""
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     harness = RetentionHarness()
-    peer = json.loads(Path(args.peer).read_text()) if args.peer else None
-    budgets = [int(b) for b in args.budgets.split(",")]
-    reused = json.loads(Path(args.reuse).read_text())["curves"] if args.reuse else {}
+    peer = json.loads(Path(peer_path).read_text()) if peer_path else None
+    budgets = list(budgets or DEFAULT_BUDGETS)
+    reused = json.loads(Path(reuse_path).read_text())["curves"] if reuse_path else {}
     curves: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for dataset in args.datasets:
+    for dataset in datasets:
         name = load_dataset(resolve_dataset_path(dataset)).name
-        points = reused.get(name, {}).get(args.policy)
+        points = reused.get(name, {}).get(policy)
         if points is None:
-            points = ctxgate_curve(harness, args.policy, dataset, args.split, args.limit, budgets)
-        curves[name] = {args.policy: points}
+            points = ctxgate_curve(harness, policy, dataset, split, limit, budgets)
+        curves[name] = {policy: points}
         if peer is not None:
             curves[name]["LongLLMLingua"] = peer_curve(harness, peer, dataset)
     report = {
-        "policy": args.policy,
-        "split": args.split,
+        "policy": policy,
+        "split": split,
         "budgets": budgets,
         "peer_meta": {k: v for k, v in (peer or {}).items() if k != "datasets"},
         "curves": curves,
     }
     (out / "curve.json").write_text(json.dumps(report, indent=1))
     plot(curves, out / "retention_vs_ratio.png")
-    print(json.dumps({d: {a: [(p["compression_ratio"], p["answer_retention"]) for p in ps] for a, ps in arms.items()}
-                      for d, arms in curves.items()}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return report

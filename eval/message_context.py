@@ -1,8 +1,9 @@
-"""Acceptance for context inside messages: NQ multi-document questions rendered by LangChain's own
-stuff-documents prompt (no `ctxgate` extension field), sent through `/v1/ctxgate/compress`.
+"""`ctxgate eval message-context`: context inside the messages. NQ multi-document questions rendered
+by LangChain's own stuff-documents prompt (no `ctxgate` extension field), sent through
+`/v1/ctxgate/compress`.
 
-    python -m eval.message_context_acceptance --limit 100
-    python -m eval.message_context_acceptance --offset 100 --limit 100   # questions 100-199 (held out)
+    ctxgate eval message-context --limit 100
+    ctxgate eval message-context --offset 100 --limit 100   # questions 100-199 (held out)
 
 Checks, per the issue: prompt_tokens <= the policy budget for every request, no 413, answer retention
 (a gold answer still in the sent prompt, among questions whose original prompt had one) >= 0.95, at
@@ -12,14 +13,12 @@ upstream mode (an unreachable upstream) with the local tokenizer for counting.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_DATASET = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval" / "nq-multidoc-dev.jsonl"
+DEFAULT_DATASET = "nq-multidoc-dev.jsonl"  # looked up in ../shared/data/eval when not a path
 # The system prompt of LangChain's RAG tutorial (create_stuff_documents_chain + create_retrieval_chain).
 SYSTEM_PROMPT = (
     "You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
@@ -109,24 +108,3 @@ def measure(dataset: Path, limit: int, policy: str = "rag-default",
         retained=retained, retention=round(retained / answerable, 4) if answerable else 0.0,
         passages_found_mean=round(found / done, 2) if done else 0.0, lost=lost,
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", type=Path, default=DEFAULT_DATASET, help="NQ-style JSONL (default: the NQ dev set)")
-    parser.add_argument("--offset", type=int, default=0,
-                        help="skip this many questions first (e.g. --offset 100: questions held out from tuning)")
-    parser.add_argument("--limit", type=int, default=100)
-    parser.add_argument("--policy", default="rag-default")
-    parser.add_argument("--document-prompt", default="{page_content}",
-                        help="LangChain document prompt (create_stuff_documents_chain's default: {page_content}; "
-                        "'{title}\\n{page_content}' shows each passage's title)")
-    args = parser.parse_args(argv)
-    result = measure(args.input, args.limit, args.policy, args.document_prompt.replace("\\n", "\n"),
-                     args.offset)
-    print(json.dumps(asdict(result) | {"passed": result.passed}, indent=2))
-    return 0 if result.passed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
