@@ -14,7 +14,7 @@ Four arms on the same questions and load, in one run:
 
 With `--arrival-rate R` the load is open loop instead: each chunk's requests arrive at Poisson times
 at R requests/s (the same schedule for every arm), whatever the replies; a closed loop builds convoys
-that a stream of independent users does not (eval/reports/e2e-avx2-native-2026-12-02/).
+that a stream of independent users does not.
 
 Arms are interleaved chunk by chunk (a chunk is a few closed-loop "rounds" of `concurrency` clients),
 the order rotated per chunk, because a shared two-core machine drifts over minutes. Every request
