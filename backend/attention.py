@@ -9,7 +9,7 @@ Backends:
 - `reference`: one sequence at a time, gather the context's blocks, torch SDPA with an explicit
   causal mask. Slow but obviously right; the other backends are tested against it.
 - `cpu_batched`: all decode rows in one batched GQA matmul over a padded gather (no per-sequence
-  Python work per layer), prefill chunks through SDPA. The fastest measured on this CPU.
+  Python work per layer), prefill chunks through SDPA. The fastest on CPU, and the CPU default.
 - `cuda` (backend/attention_cuda.py, CUDA devices only): prefill chunks through torch's fused SDPA,
   decodes through a Triton paged-attention kernel reading K/V via the block tables.
 Each backend names the device types it runs on; `create_backend` refuses any other at start-up.

@@ -15,8 +15,8 @@ static-buffer forward runs eagerly, which is how the CPU tests check it.
 On a CPU the same buffers serve traced decode steps (`trace=True`): each size's forward is recorded
 once with `torch.jit.trace` and replayed by TorchScript's interpreter in C++. The eager step makes
 ~400 Python-level op calls, each of which releases the GIL and must take it back; beside a busy
-Python thread (the gateway's compression) each take-back can wait a whole switch interval
-(eval/reports/gil-threads-2026-12-02/). The traced step runs its ops without returning to Python.
+Python thread (the gateway's compression) each take-back can wait a whole switch interval. The
+traced step runs its ops without returning to Python (docs/decisions/traced-decode-steps.md).
 """
 
 from __future__ import annotations
@@ -151,9 +151,8 @@ def untraceable_reason(model: LlamaModel, kv_spec: KVCacheSpec) -> str | None:
 
 
 def _as_recorded() -> contextlib.AbstractContextManager[None]:
-    """TorchScript runs a traced step as recorded, without its graph optimizations: those took 5 s
-    per batch size in the first two runs, and the optimized step was slower (batch 4: 14.0 ms
-    against 11.7, eager 16.9; AMD EPYC, 2 threads)."""
+    """TorchScript runs a traced step as recorded, without its graph optimizations: they cost
+    seconds of start-up per batch size and made the step slower, not faster."""
     return torch.jit.optimized_execution(False)
 
 

@@ -25,13 +25,11 @@ from backend.cpu_features import CPUPath
 
 logger = logging.getLogger(__name__)
 
-# Up to this many rows the C++ GEMV beats the GEMM path, per kernel build. AVX-512 BF16: 1.4x
-# over oneDNN at 1 row and 1.5x at 2, slower from 4 on. AVX2 (fp32 FMA over widened bf16, input
-# rows sharing each weight chunk) against fp32 GEMM on the float32 copy, one 3072x576 matrix,
-# 2 threads: 1.5x at 1 row, 2.2x at 4, 1.2x at 12, 1.08x at 16, 0.54x at 32.
+# Up to this many rows the C++ GEMV beats the GEMM path, per kernel build
+# (docs/decisions/gemv-row-limits.md).
 GEMV_MAX_ROWS = {"avx512_bf16": 2, "avx2": 16, "portable": 2}
-# int4 weights for up to this many rows: 1.9x faster than the bf16 GEMV at 1 row, 1.7x at 2; at
-# 16 rows slower than oneDNN's bf16 GEMM, so prefill keeps 16-bit weights.
+# int4 weights for up to this many rows (decode); larger matmuls are faster on oneDNN's bf16 GEMM, so
+# prefill keeps 16-bit weights (docs/decisions/gemv-row-limits.md).
 INT4_MAX_ROWS = 2
 INT4_GROUP_SIZE = 32
 

@@ -3,8 +3,8 @@
 libgomp counts the threads of every team in the process; once they outnumber the cores it
 "throttles" spinning, so workers sleep between parallel regions and every matmul pays a futex
 wake-up. A second team appears as soon as another thread (the model-loading main thread, the
-event loop running compression) runs a multi-threaded torch op. Measured here: a decode step in
-the engine thread took 22-24 ms with the main thread's team alive and 15 ms without it.
+event loop running compression) runs a multi-threaded torch op, and the engine's decode steps slow
+by about half (docs/decisions/openmp-one-team.md).
 
 So the thread that hands the cores to the engine releases its own team and limits itself to one
 OpenMP thread (its torch ops then run inline). OpenMP settings are per thread, so the engine

@@ -144,8 +144,7 @@ class EngineJobBatcher:
     With the embedder on the in-process engine (`AsyncEngine.run_between_steps`) every call is a job
     on the engine's thread. Requests that arrive together (a burst of cold requests) used to run their
     forward passes one after another, and each pass is ~150 torch ops whose every return re-takes the
-    GIL from the other compression workers' Python: a 355-word-piece pass took 18-30 ms alone and
-    77 ms beside one busy Python thread (2 cores, bf16). Each call still queues its own job, but the first
+    GIL from the other compression workers' Python, which can multiply a pass's time. Each call still queues its own job, but the first
     job to run takes every call waiting by then (up to `max_tokens` word pieces) and runs them as one
     pass: one set of ops for the burst, with all of its callers blocked (not holding the GIL)
     meanwhile; a later job that finds its call taken returns at once. No window is waited for: the

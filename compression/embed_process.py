@@ -2,9 +2,8 @@
 
 An engine thread in the gateway process re-takes the GIL between every torch op of a forward pass.
 A thread that runs Python at the same time (the embedding model's modules, tokenization) keeps it
-for a whole switch interval each time, and the engine waits that long at every op: measured on 2
-cores, a decode step went from 22 ms to 7.8 s while one Python thread ran beside it (eval.gil_ab). Embedding
-is most of the Python that compression runs, so the gateway moves it here: the caller sends texts
+for a whole switch interval each time, and the engine waits that long at every op
+(docs/decisions/embedder-on-engine-thread.md). Embedding is most of the Python that compression runs, so the gateway moves it here: the caller sends texts
 over a pipe and sleeps (GIL released) until the vectors come back.
 
 The child loads the same model at the same precision (compression/embeddings.py) with its own

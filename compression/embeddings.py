@@ -60,8 +60,8 @@ def choose_precision(kernel_isa: str, requested: str | None = None, amx: bool = 
     - AMX (`amx` true): bfloat16 through oneDNN's native bf16 GEMM on the tile unit, the fastest
       there and within ~0.002 of float32's cosines.
     - AVX-512 BF16 without AMX (AMD EPYC Zen 4, Cooper Lake): int8 dynamic quantization (fbgemm on
-      VNNI). Measured on an AMD EPYC, one thread, 45 first-sight NQ calls: 47 ms a call against
-      bf16's 71; answer retention 0.987 / 0.990 (NQ 300 / HotpotQA 206) against bf16's 0.987 / 0.981.
+      VNNI): faster than bf16 there at the same answer retention
+      (docs/decisions/embedder-precision.md).
     - avx2: int8 (~2x faster than float32, where bf16 would be emulated). int8 is noisier on short
       single sentences (cosine to float32's as low as ~0.86), which retention does not show.
     - portable: float32 (fbgemm needs AVX2).

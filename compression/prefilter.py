@@ -15,18 +15,9 @@ from compression.state import Passage
 from policies.schema import DEFAULT_EMBED_BUDGET_MULTIPLE, DEFAULT_EMBED_MIN_SHARE
 
 # Embedded text ~ a multiple of the budget (or a share of the input, whichever is larger): a policy's
-# `documents.embed_budget_multiple` / `embed_min_share`, whose defaults (policies/schema.py) were
-# set from `ctxgate eval retention` over both dev sets (answer retained, NQ rag-default / HotpotQA
-# rag-multihop / HotpotQA rag-default): 1.5x / 0.3: 0.987 / 0.932 / -; 0.8x / 0.2: 0.987 / 0.956 /
-# 0.981; 0.5x / 0.1: 0.987 / 0.961 / 0.981; 0.4x / 0.1: 0.987 / 0.956 / 0.981; 0.3x / 0.05: 0.987 /
-# 0.956 / 0.985; 0.2x / 0.05: 0.990 / 0.951 / 0.990; nothing embedded: 0.950 / 0.903 / 0.956.
-# Flat from 0.2x to 0.8x, so the middle of that range: a lexically chosen candidate set scores as
-# well as a wider one whose weakest members get an embedding score too, and the model call (most of
-# a first sight's time) holds ~0.6x the word pieces of 0.8x / 0.2's.
-# Re-measured 2026-12-04 (same three columns): 0.4x / 0.1 0.987 / 0.956 / 0.990, 0.3x / 0.05 0.980 /
-# 0.942 / 0.985, 0.2x / 0.05 0.977 / 0.956 / 0.976 with ~0.73x the word pieces: ~10 ms less engine
-# time a cold request, and `bench e2e`'s TTFT P95 ratio to ideal 1.07 against 1.14 pooled over three
-# runs each (eval/reports/embed-allowance-2026-12-04/). Offered as the rag-fast policy.
+# `documents.embed_budget_multiple` / `embed_min_share` (defaults in policies/schema.py). Answer
+# retention is flat over a wide range of allowances, so the default embeds the smaller middle of it
+# (docs/decisions/prefilter-share.md); rag-fast halves it (docs/decisions/rag-fast-allowance.md).
 PASSAGE_WEIGHT = 0.5  # how much a sentence inherits from its passage's lexical match
 CHARS_PER_TOKEN = 4.0  # estimate only: the selection does not need exact counts
 

@@ -65,7 +65,7 @@ def bm25_terms(text: str) -> list[str]:
 @byte_bounded_cache(max_entries=8192, max_bytes=64 * 1024 * 1024)
 def bm25_document(text: str) -> tuple[Counter[str], int]:
     """A document's term counts and length. Cached: the pre-filter and the rerank score the same
-    passages of a request, and tokenizing them was a sixth of a first sight's Python time. The
+    passages of a request, so each is tokenized once. The
     Counter is shared: read it, never change it."""
     # An empty document still counts in the collection, as one placeholder term.
     terms = bm25_terms(text) or ["\u2205"]

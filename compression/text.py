@@ -61,9 +61,8 @@ def content_words(text: str) -> frozenset[str]:
 class SentenceSplitter:
     """Rule-based segmentation (Wikimedia's sentencex, compiled Rust) memoized by content.
 
-    sentencex splits as well as pysbd on retrieved passages (90%+ of NQ passages split identically,
-    the rest differ both ways) at ~1/300 of the time: pysbd took ~100 ms per 20-passage request, a
-    third of the cold compression time."""
+    sentencex splits retrieved passages as well as pysbd at a small fraction of its time
+    (docs/decisions/sentence-splitter.md)."""
 
     def __init__(self, language: str = "en", max_entries: int = 20_000, max_bytes: int = 64 * 1024 * 1024):
         self._language = language

@@ -14,7 +14,7 @@ Four arms on the same questions and load, in one run:
 
 With `--arrival-rate R` the load is open loop instead: each chunk's requests arrive at Poisson times
 at R requests/s (the same schedule for every arm), whatever the replies; a closed loop builds convoys
-that a stream of independent users does not (eval/reports/e2e-avx2-native-2026-12-02/).
+that a stream of independent users does not.
 
 Arms are interleaved chunk by chunk (a chunk is a few closed-loop "rounds" of `concurrency` clients),
 the order rotated per chunk, because a shared two-core machine drifts over minutes. Every request
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 import statistics
 import time
 import uuid
@@ -39,10 +38,14 @@ from typing import Any
 
 import httpx
 
-from backend.openai_api.sse import read_sse_payloads
-from eval.bench_engine import CpuMeter, percentile
-from eval.client import question_messages
+from ctxgate.client import ctxgate_extra_body
+from eval import loadgen, streaming
+from eval.bench_engine import CpuMeter
+from eval.client import ctxgate_extra, question_messages
 from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
+from eval.loadgen import closed_loop
+from eval.loadgen import poisson_offsets as arrival_offsets
+from eval.stats import p95_ratio_interval, percentile
 
 ARMS = ("full", "compressed", "ideal", "engine")
 PASSES = ("cold", "warm")
@@ -158,32 +161,19 @@ def request_body(arm: str, example: EvalExample, ideal_messages: list[dict[str, 
     if arm in ("full", "compressed"):
         body["messages"] = question_messages(example, cache_buster=tag)
         policy = options.full_policy if arm == "full" else options.policy
-        body["ctxgate"] = {"documents": example.documents(), "policy": policy}
+        body |= ctxgate_extra(example, policy)
     else:
         assert ideal_messages is not None
         body["messages"] = tagged(ideal_messages, tag)
         if arm == "ideal":
-            body["ctxgate"] = {"policy": options.full_policy}
+            body |= ctxgate_extra_body(policy=options.full_policy)
     return body
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Send one streamed chat completion; client-side TTFT and end-to-end, and the final usage."""
-    started = time.perf_counter()
-    first: float | None = None
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace")
-            raise RuntimeError(f"HTTP {response.status_code}: {detail[:300]}")
-        async for chunk in read_sse_payloads(response.aiter_lines()):
-            if "error" in chunk:
-                raise RuntimeError(f"in-stream error: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
-                first = time.perf_counter()
-    ended = time.perf_counter()
-    return {"ttft_ms": ((first or ended) - started) * 1000, "e2e_ms": (ended - started) * 1000, "usage": usage}
+    """One streamed chat completion (eval/streaming.py) as a reply: TTFT, end to end, the usage."""
+    timing = await streaming.stream_chat(client, url, body)
+    return {"ttft_ms": timing.ttft_s * 1000, "e2e_ms": timing.e2e_s * 1000, "usage": timing.usage}
 
 
 async def local_generate(engine: Any, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
@@ -229,40 +219,9 @@ def sample_of(arm: str, pass_name: str, concurrency: int, example: EvalExample, 
     )
 
 
-async def closed_loop(items: Sequence[Any], concurrency: int, one: Callable) -> list[Any]:
-    """`concurrency` clients, each sending its next item when its previous request finished."""
-    pending = list(items)
-    results: list[Any] = []
-
-    async def client() -> None:
-        while pending:
-            results.append(await one(pending.pop(0)))
-
-    await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
-    return results
-
-
-def arrival_offsets(count: int, rate_per_s: float, seed: int) -> list[float]:
-    """Poisson arrival times (seconds from the start) of `count` requests; the same for a given seed,
-    so every arm of a chunk is offered the same schedule."""
-    rng = random.Random(seed)
-    offsets, at = [], 0.0
-    for _ in range(count):
-        offsets.append(at)
-        at += rng.expovariate(rate_per_s)
-    return offsets
-
-
 async def open_loop(items: Sequence[Any], rate_per_s: float, one: Callable, seed: int) -> list[Any]:
-    """Send each item at its Poisson arrival time, without waiting for earlier replies."""
-    started = time.perf_counter()
-
-    async def send(item: Any, offset: float) -> Any:
-        await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
-        return await one(item)
-
-    offsets = arrival_offsets(len(items), rate_per_s, seed)
-    return list(await asyncio.gather(*(send(item, offset) for item, offset in zip(items, offsets, strict=True))))
+    """Send each item at its Poisson arrival time (the same schedule for every arm of a chunk)."""
+    return await loadgen.open_loop(items, arrival_offsets(len(items), rate_per_s, seed), one)
 
 
 # ---------------------------------------------------------------------------- the run
@@ -315,7 +274,7 @@ class E2ERun:
             if example.id in self.ideal:
                 continue
             body = {"model": self.endpoints.model, "messages": question_messages(example, TAG_PLACEHOLDER),
-                    "ctxgate": {"documents": example.documents(), "policy": self.options.policy}}
+                    **ctxgate_extra(example, self.options.policy)}
             response = await client.post(self.endpoints.gateway + "/v1/ctxgate/compress", json=body)
             response.raise_for_status()
             payload = response.json()
@@ -439,30 +398,6 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 INTERVAL_CONFIDENCE = 0.9  # of the bootstrap intervals in the summary and the report
-
-
-def p95_ratio_interval(numerators: Sequence[float], denominators: Sequence[float],
-                       confidence: float = INTERVAL_CONFIDENCE, resamples: int = 2000,
-                       seed: int = 0) -> list[float] | None:
-    """A percentile-bootstrap interval for P95(numerators) / P95(denominators).
-
-    A P95 over a few dozen requests stands on its top one or two, so a ratio of two of them moves by
-    more than a 10% bar from run to run; the interval says how far. Requests are resampled
-    independently within each arm; those of one burst are not independent, so the true spread is if
-    anything wider. Seeded: the same samples give the same interval.
-    """
-    if len(numerators) < 2 or len(denominators) < 2:
-        return None
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(resamples):
-        denominator = percentile(rng.choices(denominators, k=len(denominators)), 95)
-        if denominator > 0:
-            ratios.append(percentile(rng.choices(numerators, k=len(numerators)), 95) / denominator)
-    if not ratios:
-        return None
-    tail = (1 - confidence) / 2 * 100
-    return [round(percentile(ratios, tail), 3), round(percentile(ratios, 100 - tail), 3)]
 
 
 def compression_payback(samples: list[Sample]) -> dict[str, Any]:

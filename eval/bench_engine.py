@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.openai_api.sse import read_sse_payloads
+from eval.loadgen import closed_loop
+from eval.stats import percentile
+from eval.streaming import stream_chat
 
 logger = logging.getLogger(__name__)
 
@@ -108,17 +110,6 @@ class RequestResult:
         if self.output_tokens <= 1:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def percentile(values: Sequence[float], pct: float) -> float:
-    """Linear-interpolated percentile (numpy's default method)."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = (len(ordered) - 1) * pct / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def _latency_summary(values_s: Sequence[float]) -> dict[str, float]:
@@ -299,29 +290,14 @@ class OpenAIServerRunner:
                     # vLLM / llama.cpp / ctxgate names for "generate exactly max_tokens".
                     "ignore_eos": True, "min_tokens": workload.output_tokens,
                 }
-                start = time.perf_counter()
-                first = None
-                num_chunks = 0
-                usage = None
-                async with client.stream("POST", self.base_url + "/v1/chat/completions", json=body) as response:
-                    if response.status_code != 200:
-                        detail = (await response.aread()).decode(errors="replace")
-                        raise RuntimeError(f"server answered {response.status_code}: {detail[:300]}")
-                    async for chunk in read_sse_payloads(response.aiter_lines()):
-                        if chunk.get("usage"):
-                            usage = chunk["usage"]
-                        for choice in chunk.get("choices") or []:
-                            if (choice.get("delta") or {}).get("content"):
-                                num_chunks += 1
-                                if first is None:
-                                    first = time.perf_counter()
-                end = time.perf_counter()
+                timing = await stream_chat(client, self.base_url, body)
+                usage = timing.usage
                 prompt_tokens = (usage or {}).get("prompt_tokens") or (
                     self.tokenizer.count_chat(messages) if self.tokenizer else 0
                 )
                 return RequestResult(
-                    ttft_s=(first or end) - start, e2e_s=end - start,
-                    output_tokens=(usage or {}).get("completion_tokens") or num_chunks,
+                    ttft_s=timing.ttft_s, e2e_s=timing.e2e_s,
+                    output_tokens=(usage or {}).get("completion_tokens") or timing.content_chunks,
                     prompt_tokens=prompt_tokens,
                 )
 
@@ -342,19 +318,10 @@ async def _closed_loop(items: list, concurrency: int, one: Callable, label: str 
 
     from tqdm import tqdm
 
-    pending = list(enumerate(items))
-    results: list[RequestResult | None] = [None] * len(items)
     bar = tqdm(total=len(items), desc=label or "requests", unit="req", leave=False,
                disable=not (_PROGRESS["enabled"] and sys.stderr.isatty()))
-
-    async def client() -> None:
-        while pending:
-            index, item = pending.pop(0)
-            results[index] = await one(item)
-            bar.update(1)
-
     try:
-        await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
+        results = await closed_loop(items, concurrency, one, on_result=lambda _: bar.update(1))
     finally:
         bar.close()
     return [r for r in results if r is not None]

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import yaml
 
-from eval.client import SYSTEM_PROMPT
+from eval.client import SYSTEM_PROMPT, ctxgate_extra
 from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
 from eval.evidence import messages_text
 from eval.metrics import answer_in_text
@@ -76,7 +76,7 @@ async def measure_hits(url: str, model: str, workload: list[EvalExample], arms: 
                 body = {"model": model, "max_tokens": 1, "temperature": 0,
                         "messages": [{"role": "system", "content": f"[app {arm}] {SYSTEM_PROMPT}"},
                                      {"role": "user", "content": example.question}],
-                        "ctxgate": {"documents": example.documents(), "policy": arms[arm]}}
+                        **ctxgate_extra(example, arms[arm])}
                 (await client.post("/v1/chat/completions", json=body)).raise_for_status()
                 after = prefix_counters((await client.get("/metrics")).text)
                 for key in ("queries", "hits"):
@@ -94,7 +94,7 @@ async def measure_retention(url: str, model: str, examples: list[EvalExample], a
             for arm, policy in arms.items():
                 body = {"model": model, "messages": [{"role": "system", "content": SYSTEM_PROMPT},
                                                      {"role": "user", "content": example.question}],
-                        "ctxgate": {"documents": example.documents(), "policy": policy}}
+                        **ctxgate_extra(example, policy)}
                 response = await client.post("/v1/ctxgate/compress", json=body)
                 response.raise_for_status()
                 retained[arm] += answer_in_text(messages_text(response.json()["messages"]), example.answers)

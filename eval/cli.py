@@ -5,6 +5,7 @@ each command imports when it runs). `bench engine` belongs to the engine (eval/b
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import shlex
 import sys
@@ -66,6 +67,37 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     retention.add_argument("--out", help="write the per-question JSON here")
     retention.set_defaults(func=_eval_retention)
 
+    curve = eval_sub.add_parser(
+        "retention-curve",
+        help="answer retention against compression ratio over a budget sweep, beside a peer compressor's output")
+    curve.add_argument("--dataset", "--input", action="append", required=True, dest="datasets",
+                       help="JSONL dataset (repeat); a bare name is looked up in ../shared/data/eval")
+    curve.add_argument("--policy", default="rag-default", help="policy name (default rag-default)")
+    curve.add_argument("--split", choices=["all", "tune", "test"], default="test",
+                       help="first half of each file (tune), second half (test), or all (default test)")
+    curve.add_argument("--limit", type=at_least_one, default=60, help="scored questions per dataset (default 60)")
+    curve.add_argument("--budgets", default=None, metavar="N,N,...",
+                       help="documents.max_tokens values of the sweep (default 1000,700,560,400,300,200,150,100,60)")
+    curve.add_argument("--peer", help="the peer's JSON (eval/peers/longllmlingua_peer.py --out)")
+    curve.add_argument("--reuse", help="take the policy's points from this curve.json instead of running it")
+    curve.add_argument("--out", required=True, help="directory for curve.json and retention_vs_ratio.png")
+    curve.set_defaults(func=_eval_retention_curve)
+
+    message_context = eval_sub.add_parser(
+        "message-context",
+        help="context inside the messages: LangChain stuff-documents prompts through /v1/ctxgate/compress")
+    message_context.add_argument("--input", default="nq-multidoc-dev.jsonl",
+                                 help="NQ-style JSONL (default nq-multidoc-dev.jsonl)")
+    message_context.add_argument("--offset", type=int, default=0,
+                                 help="skip this many questions first (e.g. 100: questions held out from tuning)")
+    message_context.add_argument("--limit", type=at_least_one, default=100, help="questions (default 100)")
+    message_context.add_argument("--policy", default="rag-default", help="policy (default rag-default)")
+    message_context.add_argument(
+        "--document-prompt", default="{page_content}",
+        help="LangChain document prompt (default {page_content}, create_stuff_documents_chain's; "
+        "'{title}\\n{page_content}' shows each passage's title)")
+    message_context.set_defaults(func=_eval_message_context)
+
     gate = eval_sub.add_parser("gate", help="fail when quality regressed against a baseline report")
     gate.add_argument("--baseline", required=True, help="OLD/report.json")
     gate.add_argument("--current", required=True, help="NEW/report.json")
@@ -96,7 +128,19 @@ def _quiet_http_logs() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+EVAL_EXTRA_HINT = "pip install 'ctxgate[eval]'"
+
+
+def require_eval_extra(command: str, *modules: str) -> None:
+    """Fail with the install line when a package of the `eval` extra is missing (a plain install
+    runs the gateway and the engine without them)."""
+    missing = [module for module in modules if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ValueError(f"`ctxgate {command}` needs {', '.join(missing)}: {EVAL_EXTRA_HINT}")
+
+
 def _eval_run(args: argparse.Namespace) -> int:
+    require_eval_extra("eval run", "openai", "matplotlib", "pysbd")
     _quiet_http_logs()
     from eval.runner import RunConfig, run_eval
     from eval.sweep import parse_sweep
@@ -135,6 +179,7 @@ def _eval_run(args: argparse.Namespace) -> int:
 
 
 def _eval_retention(args: argparse.Namespace) -> int:
+    require_eval_extra("eval retention", "pysbd")
     from eval.retention import parse_overrides, run_retention, write_json
 
     report = run_retention(args.datasets, args.policy, parse_overrides(args.override), args.split, args.limit,
@@ -153,6 +198,39 @@ def _value(estimate: dict) -> str:
     return "–" if estimate.get("value") is None else f"{estimate['value']:.3f}"
 
 
+def _eval_retention_curve(args: argparse.Namespace) -> int:
+    require_eval_extra("eval retention-curve", "pysbd", "matplotlib")
+    from eval.retention_curve import run_retention_curve
+
+    budgets = [int(value) for value in args.budgets.split(",") if value.strip()] if args.budgets else None
+    if budgets is not None and (not budgets or min(budgets) <= 0):
+        raise ValueError("--budgets must be positive token counts, e.g. 1000,400,200")
+    report = run_retention_curve(args.datasets, args.out, policy=args.policy, split=args.split, limit=args.limit,
+                                 budgets=budgets, peer_path=args.peer, reuse_path=args.reuse)
+    for dataset, arms in report["curves"].items():
+        for arm, points in arms.items():
+            curve = ", ".join(f"{p['compression_ratio']}x: {p['answer_retention']}" for p in points)
+            print(f"{dataset} {arm}: {curve}")
+    print(f"report: {args.out}/curve.json")
+    return 0
+
+
+def _eval_message_context(args: argparse.Namespace) -> int:
+    require_eval_extra("eval message-context", "langchain_core", "langchain_openai")
+    import json
+    from dataclasses import asdict
+
+    from eval.datasets import resolve_dataset_path
+    from eval.message_context import measure
+
+    if args.offset < 0:
+        raise ValueError("--offset must be 0 or more")
+    result = measure(resolve_dataset_path(args.input), args.limit, args.policy,
+                     args.document_prompt.replace("\\n", "\n"), args.offset)
+    print(json.dumps(asdict(result) | {"passed": result.passed}, indent=2))
+    return 0 if result.passed else 1
+
+
 def _eval_gate(args: argparse.Namespace) -> int:
     from eval.gate import run_gate
     from eval.report import load_report
@@ -169,6 +247,7 @@ def _eval_gate(args: argparse.Namespace) -> int:
 
 
 def _bench_prefill(args: argparse.Namespace) -> int:
+    require_eval_extra("bench prefill", "openai")
     _quiet_http_logs()
     from eval.bench_prefill import run_bench_prefill
 
@@ -276,6 +355,7 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
+    require_eval_extra("bench e2e", "matplotlib")
     _quiet_http_logs()
     from eval.bench_e2e import E2EOptions, render_markdown, run_bench_e2e
 

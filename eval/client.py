@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from ctxgate.client import ctxgate_extra_body
 from eval.datasets import EvalExample
 
 SYSTEM_PROMPT = (
@@ -30,10 +31,8 @@ def question_messages(example: EvalExample, cache_buster: str | None = None) -> 
 
 
 def ctxgate_extra(example: EvalExample, policy: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    extra: dict[str, Any] = {"documents": example.documents(), "policy": policy}
-    if overrides:
-        extra["overrides"] = overrides
-    return {"ctxgate": extra}
+    """The `ctxgate` request extension for a question: its passages, the policy, any overrides."""
+    return ctxgate_extra_body(example.documents(), policy=policy, overrides=overrides)
 
 
 @dataclass

@@ -6,6 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from eval.stats import percentile
+
 
 def _pyplot() -> Any:
     import matplotlib
@@ -70,8 +72,9 @@ def plot_ttft_distribution(rows: list[dict[str, Any]], arms: list[str], path: Pa
         if values.size == 0:
             continue
         shares = np.arange(1, values.size + 1) / values.size
-        (line,) = axis.step(values, shares, where="post", label=f"{label} (P95 {np.percentile(values, 95):.0f} ms)")
-        axis.axvline(float(np.percentile(values, 95)), color=line.get_color(), linestyle=":", alpha=0.7)
+        p95 = percentile(values.tolist(), 95)
+        (line,) = axis.step(values, shares, where="post", label=f"{label} (P95 {p95:.0f} ms)")
+        axis.axvline(p95, color=line.get_color(), linestyle=":", alpha=0.7)
     if not axis.lines:
         axis.text(0.5, 0.5, "no TTFT measured (compress-only run or every request failed)",
                   ha="center", va="center", transform=axis.transAxes)

@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from eval.metrics import Estimate, bootstrap_mean, paired_bootstrap_difference, percentiles
+from eval.stats import Estimate, bootstrap_mean, paired_bootstrap_difference, percentiles
 
 REPORT_SCHEMA_VERSION = 1
 # The per-question scores the gate compares; `answer_retention` is the headline evidence measure.

@@ -27,6 +27,7 @@ import numpy as np
 from eval.client import question_messages
 from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
 from eval.evidence import evidence_retention
+from eval.stats import percentile
 
 SPLITS = ("all", "tune", "test")
 
@@ -168,8 +169,8 @@ def summarize(results: Sequence[QuestionResult]) -> dict[str, Any]:
         "compression_ratio": round(original / sent, 3) if sent else None,
         "compression_ratio_median": round(float(np.median([r.ratio for r in results])), 3) if results else None,
         "compression_ms_mean": round(float(times.mean()), 2) if results else None,
-        "compression_ms_p50": round(float(np.percentile(times, 50)), 2) if results else None,
-        "compression_ms_p95": round(float(np.percentile(times, 95)), 2) if results else None,
+        "compression_ms_p50": round(percentile(times.tolist(), 50), 2) if results else None,
+        "compression_ms_p95": round(percentile(times.tolist(), 95), 2) if results else None,
     }
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from eval.client import ChatOutcome, GatewayClient
 from eval.datasets import Dataset, EvalExample, load_dataset, resolve_dataset_path
 from eval.evidence import evidence_retention
+from eval.loadgen import closed_loop
 from eval.metrics import answer_in_text, exact_match, token_f1
 from eval.sweep import PolicyVariant, SweepSpec, build_sweep_variants, plain_variants
 
@@ -127,26 +128,25 @@ async def run_against(
 
     client = GatewayClient(url, api_key=config.api_key)
     jobs = [(example, variant) for example in dataset.examples for variant in variants]
-    results: list[dict[str, Any] | None] = [None] * len(jobs)
-    semaphore = asyncio.Semaphore(max(1, config.concurrency))
     progress = tqdm(total=len(jobs), desc="eval", unit="req", disable=not config.progress)
 
-    async def worker(index: int, example: EvalExample, variant: PolicyVariant) -> None:
-        async with semaphore:
-            results[index] = await _run_one(client, example, variant, config)
-            progress.update(1)
-            if results[index]["error"]:
-                progress.set_postfix_str(f"last error: {results[index]['error'][:60]}")
+    async def one(job: tuple[EvalExample, PolicyVariant]) -> dict[str, Any]:
+        return await _run_one(client, job[0], job[1], config)
+
+    def done(row: dict[str, Any]) -> None:
+        progress.update(1)
+        if row["error"]:
+            progress.set_postfix_str(f"last error: {row['error'][:60]}")
 
     started = time.perf_counter()
     try:
         await client.model()  # fail fast (and once) if the gateway is not reachable
-        await asyncio.gather(*(worker(index, example, variant) for index, (example, variant) in enumerate(jobs)))
+        results = await closed_loop(jobs, config.concurrency, one, on_result=done)
     finally:
         progress.close()
         await client.close()
     wall_s = time.perf_counter() - started
-    return [row for row in results if row is not None], wall_s
+    return results, wall_s
 
 
 def build_variants(config: RunConfig, temp_policy_dir: Path | None) -> list[PolicyVariant]:

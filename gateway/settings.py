@@ -11,26 +11,15 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 EMBED_ON = ("engine", "process")  # where the compression embedder runs (GatewaySettings.embed_on)
 MAX_NICE = 19
-# The compression workers' CPU priority below the engine's. Beside the engine's OpenMP team a busy
-# Python thread at the same priority takes half a core from it, and every parallel region of the
-# engine waits for the member that shares that core (`python -m eval.gil_ab --arms "0.5 ms"`: a 4 x
-# 512-token prefill 2.8x slower beside it at nice 0, 1.08x at nice 10). End to end the workers are
-# not that busy thread: their Python is ~13 ms a request and on the critical path of the request it
-# compresses, so at nice 10 compression took 99-107 ms (P50) instead of 65-67, the wait for a worker
-# doubled, and neither efficiency nor the TTFT P95 ratio improved (eval/reports/compression-nice-
-# 2026-12-04/, AMD EPYC AVX-512, two A/B pairs). The default is therefore the engine's own priority;
-# a deployment whose gateway does heavier Python work beside the engine can lower the workers'.
+# The compression workers' CPU priority below the engine's: by default the same, since their Python
+# is on the critical path of the request they compress (docs/decisions/compression-nice.md).
 DEFAULT_COMPRESSION_NICE = 0
 
 
 def default_compression_workers() -> int:
-    """One compression worker per two cores. A worker's Python holds the GIL that the in-process
-    engine re-takes after every op, and the engine's OpenMP team wants every core: on two cores a
-    decode step at batch 4 took 52 ms alone and 131 ms beside one busy Python thread
-    (`python -m eval.gil_ab`, eval/reports/gil-switch-2026-12-02/). A second worker only adds a
-    second such thread: in two pairs of `ctxgate bench e2e` runs (concurrency 4, 24 questions), cold
-    first sights took 62-64 / 92-101 ms (P50 / P95) with one worker and 87-116 / 140-150 ms with two
-    (eval/reports/e2e-one-worker-2026-12-02/)."""
+    """One compression worker per two cores: a worker's Python holds the GIL that the in-process
+    engine re-takes after every op, so a second worker on two cores slows the engine more than it
+    speeds compression (docs/decisions/compression-workers.md)."""
     return max(1, (os.cpu_count() or 1) // 2)
 
 
@@ -87,7 +76,7 @@ class GatewaySettings:
     # thread between its steps and layers (AsyncEngine.run_between_steps), so it is no third busy
     # thread on the engine's cores. "process" (and "engine" with an upstream or a CUDA engine): a
     # child process, because in a thread of this process its Python would hold the GIL the engine
-    # thread re-takes between every op (a decode step 22 ms -> 7.8 s measured).
+    # thread re-takes between every op (docs/decisions/embedder-on-engine-thread.md).
     embed_on: str = "engine"
     # Embedding (and summary) cache shared by replicas and kept across restarts; None: in-process only.
     embed_cache_url: str | None = field(

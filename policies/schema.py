@@ -39,7 +39,7 @@ class DocumentsPolicy(_Section):
     # On first sight (no cached vectors), only the sentences that match the question best lexically
     # are embedded: about this multiple of `max_tokens`, or `embed_min_share` of the input if that is
     # more (compression/prefilter.py). Lower embeds less (a cheaper first sight, less CPU taken from
-    # the engine) at some answer retention; the README's benchmark section has the measured trade.
+    # the engine) at some answer retention (docs/decisions/prefilter-share.md).
     embed_budget_multiple: float = Field(
         DEFAULT_EMBED_BUDGET_MULTIPLE, gt=0, description="first-sight embedding allowance, as a multiple of max_tokens"
     )

@@ -7,7 +7,7 @@ rate). The scorer is ctxgate's default model, the HF directory `ctxgate model pr
 
 Output: one JSON file with, per question and ratio, the compressed context, the compression time
 (model already loaded), llmlingua's own token counts, and answer retention scored with the eval's
-normalization (eval/metrics.py). `eval/peers/retention_curve.py` re-counts every prompt with
+normalization (eval/metrics.py). `ctxgate eval retention-curve` re-counts every prompt with
 ctxgate's tokenizer and chat template, so both compressors' ratios are measured the same way.
 
 This file imports only the standard library, llmlingua/torch and the repository's pure-Python eval
@@ -101,7 +101,7 @@ def compress_one(compressor: Any, example: EvalExample, ratio: float) -> dict[st
     elapsed_ms = (time.perf_counter() - started) * 1000
     cpu_ms = (time.process_time() - cpu_started) * 1000
     context = result["compressed_prompt"]
-    # Scored here on context + question; retention_curve.py scores the full rendered messages again.
+    # Scored here on context + question; `eval retention-curve` scores the full rendered messages again.
     sent_text = f"{context}\n\n{example.question}"
     return {
         "id": example.id,

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,11 +17,8 @@ from eval.bench_e2e import (
     E2EOptions,
     Sample,
     acceptance,
-    arrival_offsets,
     compression_payback,
     new_tag,
-    open_loop,
-    p95_ratio_interval,
     render_markdown,
     render_positions,
     summarize_arm,
@@ -110,23 +105,6 @@ def test_open_loop_acceptance_leaves_the_rate_checks_undecided():
     assert met["first-sight compression <= 1/10 of prefill saved (P95)"] is True
 
 
-def test_p95_ratio_interval_brackets_the_ratio_and_narrows_with_more_requests():
-    import random
-
-    rng = random.Random(7)
-    # the same latency distribution, 10% slower: the ratio of P95s is 1.1 in the limit
-    def draw(count: int, scale: float) -> list[float]:
-        return [scale * rng.lognormvariate(7.0, 0.4) for _ in range(count)]
-
-    few = p95_ratio_interval(draw(24, 1.1), draw(24, 1.0))
-    many = p95_ratio_interval(draw(960, 1.1), draw(960, 1.0))
-    assert few is not None and many is not None
-    assert few[0] < few[1] and many[0] < 1.1 < many[1]
-    assert many[1] - many[0] < (few[1] - few[0]) / 2  # 40x the requests, a much tighter interval
-    assert p95_ratio_interval([1.0, 2.0, 3.0], [1.0, 2.0]) == p95_ratio_interval([1.0, 2.0, 3.0], [1.0, 2.0])
-    assert p95_ratio_interval([1.0], [1.0, 2.0]) is None  # one request has no spread to resample
-
-
 def test_acceptance_shows_the_ttft_ratio_with_its_interval():
     summary = {"cold": {"compressed_vs_ideal_ttft_p95": 1.08, "compressed_vs_ideal_ttft_p95_interval": [0.93, 1.27],
                         "payback": {}}}
@@ -152,33 +130,6 @@ def test_ttft_by_position_takes_each_arms_median_per_place_in_the_send_order():
     assert "| 4 | 301 | 151 | 1.99 |" in table  # the successor that waited for a convoy
     assert ttft_by_position([sample("full", "a", 1.0)]) == {}  # no positions recorded: no table
     assert render_positions({}) == []
-
-
-def test_arrival_offsets_are_poisson_and_the_same_for_a_seed():
-    offsets = arrival_offsets(2000, rate_per_s=4.0, seed=3)
-    assert offsets == arrival_offsets(2000, rate_per_s=4.0, seed=3)
-    assert offsets != arrival_offsets(2000, rate_per_s=4.0, seed=4)
-    assert offsets[0] == 0.0 and offsets == sorted(offsets)
-    gaps = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
-    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)  # 1 / rate
-    assert max(gaps) > 3 * 0.25 > min(gaps)  # exponential gaps, not a fixed interval
-
-
-async def test_open_loop_sends_on_schedule_without_waiting_for_replies():
-    sent: list[float] = []
-    started = time.perf_counter()
-
-    async def one(item: int) -> int:
-        sent.append(time.perf_counter() - started)
-        await asyncio.sleep(0.5)  # a slow reply: a closed-loop client would wait for it
-        return item * 10
-
-    results = await open_loop(list(range(6)), rate_per_s=50.0, one=one, seed=1)
-    took = time.perf_counter() - started
-    assert results == [0, 10, 20, 30, 40, 50]
-    offsets = arrival_offsets(6, 50.0, seed=1)
-    assert all(abs(at - offset) < 0.1 for at, offset in zip(sorted(sent), offsets, strict=True))
-    assert took < 0.5 + offsets[-1] + 0.3  # the replies overlapped: not 6 x 0.5 s
 
 
 def test_open_loop_runs_one_level_in_chunks_of_four_clients_rounds():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ctxgate.cli import main
-from eval.bench_engine import WORKLOADS, make_prompt_messages, percentile, scaled_workload
+from eval.bench_engine import WORKLOADS, make_prompt_messages, scaled_workload
 from tests.backend.engine_server import running_server
 
 TINY = ["--num-requests", "2", "--prompt-tokens", "40", "--output-tokens", "3", "--max-attempts", "1"]
@@ -107,12 +107,6 @@ def test_prompts_differ_and_have_the_requested_length(tokenizer):
     first_tokens = {tuple(tokenizer.encode_chat(m)[:40]) for m in conversations}
     assert len(first_tokens) == 4
     assert make_prompt_messages(tokenizer, workload, seed=2) != conversations
-
-
-def test_percentile_interpolates():
-    assert percentile([1, 2, 3, 4], 50) == 2.5
-    assert percentile([5], 99) == 5
-    assert percentile(list(range(101)), 95) == 95
 
 
 def test_bench_engine_url_mode_with_api_key(tmp_path, model_dir, capsys):

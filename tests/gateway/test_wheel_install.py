@@ -46,6 +46,11 @@ def test_wheel_carries_every_runtime_file(wheel):
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "ctxgate = ctxgate.cli:main" in entry_points
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
+    requirements = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    for eval_only in ("matplotlib", "openai", "pysbd"):  # a plain install carries no eval packages
+        lines = [line for line in requirements if line.split()[1].startswith(eval_only)]
+        assert lines and all('extra == "eval"' in line for line in lines), lines
 
 
 def test_installed_wheel_prepares_the_model_and_serves(wheel, tmp_path):

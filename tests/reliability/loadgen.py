@@ -1,4 +1,5 @@
-"""Open-loop load generator for the gateway: mixed streaming, random disconnects and priorities.
+"""Open-loop load on the gateway: mixed streaming, random disconnects and priorities, sent by the
+benchmarks' load generator (eval/loadgen.py).
 
 Used by the short CI load test and by `make soak` (tests/reliability/soak.py). Every request is
 classified; anything that is neither a success, the documented overload answer (429/503 with
@@ -15,6 +16,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
+
+from eval.loadgen import closed_loop, open_loop, uniform_offsets
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 OVERLOAD_STATUSES = (429, 503)
@@ -146,18 +149,15 @@ class _Request:
 async def measure_capacity(url: str, concurrency: int, num_requests: int, max_tokens: int) -> float:
     """Completed requests per second with `concurrency` clients sending non-streaming requests."""
     async with httpx.AsyncClient(timeout=120) as client:
-        queue = list(range(num_requests))
 
-        async def worker() -> None:
-            while queue:
-                index = queue.pop()
-                body = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                        "messages": [{"role": "user", "content": f"Warm-up {index}: name a colour."}]}
-                response = await client.post(f"{url}/v1/chat/completions", json=body)
-                response.raise_for_status()
+        async def one(index: int) -> None:
+            body = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"Warm-up {index}: name a colour."}]}
+            response = await client.post(f"{url}/v1/chat/completions", json=body)
+            response.raise_for_status()
 
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await closed_loop(range(num_requests), concurrency, one)
         return num_requests / (time.perf_counter() - started)
 
 
@@ -169,24 +169,16 @@ async def run_load(url: str, *, rate_per_s: float, max_requests: int, duration_s
     rng = random.Random(seed)
     report = LoadReport()
     limits = httpx.Limits(max_connections=max_outstanding, max_keepalive_connections=max_outstanding)
+    offsets = [offset for offset in uniform_offsets(max_requests, rate_per_s) if offset <= duration_s]
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=10), limits=limits) as client:
-        outstanding = asyncio.Semaphore(max_outstanding)
-        tasks: list[asyncio.Task] = []
-        started = time.perf_counter()
+        requests = [_Request(client, url, rng, report, index, max_tokens, stream_fraction, disconnect_fraction,
+                             background_fraction) for index in range(len(offsets))]
 
         async def one(request: _Request) -> None:
-            async with outstanding:
-                await request.run(request_timeout_s)
+            await request.run(request_timeout_s)
 
-        for index in range(max_requests):
-            due = started + index / rate_per_s
-            if due - started > duration_s:
-                break
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            request = _Request(client, url, rng, report, index, max_tokens, stream_fraction, disconnect_fraction,
-                               background_fraction)
-            tasks.append(asyncio.create_task(one(request)))
-        await asyncio.gather(*tasks)
+        started = time.perf_counter()
+        await open_loop(requests, offsets, one, max_outstanding=max_outstanding)
         report.elapsed_s = time.perf_counter() - started
     return report
 
