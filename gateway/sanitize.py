@@ -17,8 +17,11 @@ from typing import Any
 from compression.rendering import LINE_MARKERS
 
 ZERO_WIDTH_SPACE = "\u200b"
-# Built from the renderer's own list, so a marker added there is neutralised here too.
-_STRUCTURE_LINE = re.compile(rf"^(\s*)({'|'.join(LINE_MARKERS)})", re.IGNORECASE | re.MULTILINE)
+# Built from the renderer's own list, so a marker added there is neutralised here too. The indent
+# is horizontal whitespace only (possessive): a `\s*` there would also cross line breaks, and every
+# line start of a run of blank lines would rescan the run (quadratic time on client text). The quoted
+# result is the same: the "> " still goes right before the marker.
+_STRUCTURE_LINE = re.compile(rf"^([^\S\n]*+)({'|'.join(LINE_MARKERS)})", re.IGNORECASE | re.MULTILINE)
 
 
 class Neutraliser:
