@@ -12,9 +12,11 @@ question stays the only one.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 from compression.rendering import LINE_MARKERS
+from compression.types import CompressionInput
 
 ZERO_WIDTH_SPACE = "\u200b"
 # Built from the renderer's own list, so a marker added there is neutralised here too. The indent
@@ -46,3 +48,14 @@ class Neutraliser:
     def document(self, value: str) -> str:
         """A passage: inert special tokens, and no line that mimics the context block's markers."""
         return _STRUCTURE_LINE.sub(lambda m: f"{m.group(1)}> {m.group(2)}", self.text(value))
+
+    def compression_input(self, request: CompressionInput) -> CompressionInput:
+        """The request with its client text made inert: each message's (string) content, each
+        document's text and title. Linear-time, but a whole request's text: the gateway runs it in
+        the compression worker, off its event loop."""
+        messages = [message | {"content": self.text(message["content"])} if isinstance(message.get("content"), str)
+                    else message for message in request.messages]
+        documents = [replace(document, text=self.document(document.text),
+                             title=None if document.title is None else self.document(document.title))
+                     for document in request.documents]
+        return replace(request, messages=messages, documents=documents)
