@@ -63,7 +63,7 @@ INPUTS: dict[str, Callable[[int], str]] = {
     "numbered-blocks": lambda n: "[1] x\n" * (n // 6),
     "context-sections": lambda n: ("Context: " + "y" * 80 + "\n\n") * (n // 91),
     "dashes": lambda n: "-" * n + "x",
-    "ampersand-blanks": lambda n: " \n" * (n // 2) + "&",
+    "ampersand-blanks": lambda n: " \n" * (n // 2) + "x&",
     "the-words": lambda n: "the a " * (n // 6),
     "quotes": lambda n: "a='" * (n // 3),
 }
