@@ -27,6 +27,8 @@ the paragraph after it). Each passage keeps its own markup (header, tags) verbat
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from compression.counting import CachedCounter
@@ -39,39 +41,108 @@ MIN_BLOCK_CHARS = 80
 MIN_BARE_PASSAGES = 2
 MIN_BARE_CHARS = 400
 
+_ELEMENT_TAGS = "document|doc|passage|source|search_result|result"
+_CONTAINER_TAGS = "context|contexts|documents|docs|sources|search_results|retrieved_context|knowledge"
+# What an element is; found through `_Elements` (a lazy `.*?` body with no closing tag scans to the end
+# of the text from every opening tag, quadratic time on client text), and matched with these only
+# between an opening tag and the closing tag `_Elements` found for it.
 _ELEMENT = re.compile(
-    r"<(?P<tag>document|doc|passage|source|search_result|result)\b(?P<attrs>[^>]*)>(?P<body>.*?)</(?P=tag)\s*>",
+    rf"<(?P<tag>{_ELEMENT_TAGS})\b(?P<attrs>[^>]*)>(?P<body>.*?)</(?P=tag)\s*>",
     re.IGNORECASE | re.DOTALL,
 )
 _CONTAINER = re.compile(
-    r"<(?P<tag>context|contexts|documents|docs|sources|search_results|retrieved_context|knowledge)\b[^>]*>"
-    r"(?P<body>.*?)</(?P=tag)\s*>",
+    rf"<(?P<tag>{_CONTAINER_TAGS})\b[^>]*>(?P<body>.*?)</(?P=tag)\s*>",
     re.IGNORECASE | re.DOTALL,
 )
-_ATTRIBUTE = re.compile(r"""(\w+)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s>]+))""")
+# Possessive and anchored at a word's start: an attribute name cannot start inside a word (the
+# word's own start would have matched first), and none of the value forms starts with whitespace.
+_ATTRIBUTE = re.compile(r"""(?<!\w)(\w++)\s*+=\s*+(?:"([^"]*)"|'([^']*)'|([^\s>]+))""")
 _DASHES = re.compile(r"^[ \t]*-{3,}[ \t]*$", re.MULTILINE)
-# Numbered passage headers at the start of a line; the rest of the header line is `rest`.
+# Numbered passage headers at the start of a line; the rest of the header line is `rest`. Runs of
+# blanks are possessive: two optional runs side by side would split one run every possible way.
 _NUMBERED_STYLES = (
-    re.compile(r"^[ \t]*Document[ \t]*\[(?P<n>\d+)\](?:[ \t]*\(Title:[ \t]*(?P<title>[^\n]*?)\))?[ \t]*(?P<rest>[^\n]*)",
-               re.MULTILINE | re.IGNORECASE),
-    re.compile(r"^[ \t]*(?:Document|Source|Passage|Doc|Context|Chunk|Excerpt)[ \t]*#?[ \t]*(?P<n>\d+)[ \t]*[:.)\-][ \t]*"
+    re.compile(r"^[ \t]*+Document[ \t]*+\[(?P<n>\d++)\](?:[ \t]*+\(Title:[ \t]*+(?P<title>[^\n]*?)\))?[ \t]*+"
                r"(?P<rest>[^\n]*)", re.MULTILINE | re.IGNORECASE),
-    re.compile(r"^[ \t]*\[(?P<n>\d+)\][ \t]*(?P<rest>[^\n]*)", re.MULTILINE),
+    re.compile(r"^[ \t]*+(?:Document|Source|Passage|Doc|Context|Chunk|Excerpt)[ \t]*+(?:#[ \t]*+)?(?P<n>\d++)[ \t]*+"
+               r"[:.)\-][ \t]*+(?P<rest>[^\n]*)", re.MULTILINE | re.IGNORECASE),
+    re.compile(r"^[ \t]*+\[(?P<n>\d++)\][ \t]*+(?P<rest>[^\n]*)", re.MULTILINE),
 )
 _SECTION = re.compile(
-    r"^[ \t]*(?:#+[ \t]*)?(?:context|contexts|context information|retrieved context|relevant context|documents|"
-    r"retrieved documents|sources|references|search results|background|knowledge)[ \t]*:?[ \t]*$"
-    r"|^[ \t]*(?:context|contexts|retrieved context|documents|sources)[ \t]*:[ \t]*(?=\S)",
+    r"^[ \t]*+(?:#++[ \t]*+)?(?:context|contexts|context information|retrieved context|relevant context|documents|"
+    r"retrieved documents|sources|references|search results|background|knowledge)[ \t]*+(?::[ \t]*+)?$"
+    r"|^[ \t]*+(?:context|contexts|retrieved context|documents|sources)[ \t]*+:[ \t]*+(?=\S)",
     re.MULTILINE | re.IGNORECASE,
 )
 _TERMINATOR = re.compile(
-    r"^[ \t]*(?:#+[ \t]*)?(?:(?:question|query|user question|q|answer|instructions?|task|helpful answer)[ \t]*:"
+    r"^[ \t]*+(?:#++[ \t]*+)?(?:(?:question|query|user question|q|answer|instructions?|task|helpful answer)[ \t]*+:"
     r"|given the context\b)", re.MULTILINE | re.IGNORECASE,
 )
+# A message holds a few context blocks at most; each search for one reads the rest of the message,
+# so the search stops after this many (what follows is left as it is).
+MAX_BLOCKS = 16
 # A paragraph's first line this short, without sentence punctuation, is its title.
 MAX_TITLE_CHARS = 80
 _METADATA_LINE = re.compile(r"^[\w .-]{1,40}:[ \t]+\S.{0,200}$")
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+
+_SPACE_RUN = re.compile(r"\s*")
+
+
+def _fold(tag: str) -> str:
+    """A tag name as `(?P=tag)` compares it under IGNORECASE: character by character, by simple
+    lower case (only U+0130's full lower case, "i" + a combining dot, is longer than one character)."""
+    return tag.replace("\u0130", "i").lower()
+
+
+class _Elements:
+    """The matches `pattern.finditer` returns (an opening tag, a lazy body, the same tag closing),
+    found in time linear in the text: every closing tag is listed once, so an opening tag with no
+    closing tag after it costs a lookup instead of a scan to the end of the text."""
+
+    def __init__(self, tags: str, pattern: re.Pattern[str]):
+        self._open = re.compile(rf"<({tags})\b", re.IGNORECASE)
+        self._close = re.compile(rf"</({tags})\s*+>", re.IGNORECASE)
+        self._pattern = pattern
+
+    def finditer(self, text: str) -> Iterator[re.Match[str]]:
+        closings: dict[str, tuple[list[int], list[int]]] | None = None
+        position = 0
+        tag_end = -1  # the first ">" at or after the last opening tag's name
+        while (opening := self._open.search(text, position)) is not None:
+            if tag_end < opening.end():
+                tag_end = text.find(">", opening.end())
+                if tag_end < 0:
+                    return  # no opening tag can end
+            if closings is None:
+                closings = self._closings(text)
+            starts, ends = closings.get(_fold(opening.group(1)), ((), ()))
+            index = bisect_left(starts, tag_end + 1)
+            if index == len(starts):
+                position = opening.start() + 1
+                continue
+            # The lazy body stops at the first closing tag of the same name: the pattern, matched
+            # up to there, is the whole match (and reads only the element itself).
+            match = self._pattern.match(text, opening.start(), ends[index])
+            if match is None:
+                position = opening.start() + 1
+                continue
+            yield match
+            position = match.end()
+
+    def search(self, text: str) -> re.Match[str] | None:
+        return next(self.finditer(text), None)
+
+    def _closings(self, text: str) -> dict[str, tuple[list[int], list[int]]]:
+        found: dict[str, tuple[list[int], list[int]]] = {}
+        for closing in self._close.finditer(text):
+            starts, ends = found.setdefault(_fold(closing.group(1)), ([], []))
+            starts.append(closing.start())
+            ends.append(closing.end())
+        return found
+
+
+_ELEMENTS = _Elements(_ELEMENT_TAGS, _ELEMENT)
+_CONTAINERS = _Elements(_CONTAINER_TAGS, _CONTAINER)
 
 
 @dataclass
@@ -103,18 +174,19 @@ def find_context(text: str, system: bool) -> FoundContext | None:
 
 
 def _tagged(text: str) -> FoundContext | None:
-    elements = list(_ELEMENT.finditer(text))
-    if elements:
+    elements = _ELEMENTS.finditer(text)
+    first = next(elements, None)
+    if first is not None:
         # One block is a run of elements with only whitespace between them: text between two runs
         # (an instruction, a second container's tags) is not context; the next search finds the next run.
-        run = elements[:1]
-        for element in elements[1:]:
+        run = [first]
+        for element in elements:
             if text[run[-1].end():element.start()].strip():
                 break
             run.append(element)
         passages = [_element_passage(match) for match in run]
         return FoundContext("tagged", run[0].start(), run[-1].end(), passages)
-    container = _CONTAINER.search(text)
+    container = _CONTAINERS.search(text)
     if container is None:
         return None
     start, end = container.span("body")
@@ -265,8 +337,8 @@ def _numbered_passages(block: str) -> list[FoundPassage]:
 
 def _gap(block: str, frame_end: int, body: str) -> str:
     """The whitespace between a header and its body (kept so the rendering matches the original)."""
-    after = block[frame_end:]
-    return after[: len(after) - len(after.lstrip())] if body else ""
+    # Matched, not sliced off the rest of the block: a block of many headers stays linear.
+    return _SPACE_RUN.match(block, frame_end).group() if body else ""
 
 
 # -- lifting the blocks out of the request -------------------------------------------------------
@@ -275,7 +347,7 @@ def find_contexts(text: str, system: bool) -> list[FoundContext]:
     separate tagged containers...): after each block, the rest of the text is searched again."""
     blocks: list[FoundContext] = []
     position = 0
-    while position < len(text):
+    while position < len(text) and len(blocks) < MAX_BLOCKS:
         # The bare-paragraphs layout (instructions, then passages) only describes a whole message.
         found = find_context(text[position:], system=system and not blocks)
         if found is None:

@@ -93,7 +93,17 @@ def normalise(text: str) -> str:
     text = html.unescape(text).lower().replace("\u2019", "'").replace("\u2018", "'")
     if "'" in text:  # "Guns N' Roses" / "Guns N Roses", "James's" / "James'": one form
         text = re.sub(r"(?<=\w)'(?:s\b)?|'(?=\w)|(?<= )'(?= )", "", text)
-    return re.sub(r"\s*&\s*", " and ", text) if "&" in text else text
+    return _and_for_ampersands(text) if "&" in text else text
+
+
+def _and_for_ampersands(text: str) -> str:
+    """What substituting " and " for every blank-surrounded '&' pattern (blanks, '&', blanks) gives,
+    by splitting: that pattern rescans a run of blanks from each of its characters (quadratic time
+    on client text). Each '&' takes the blanks on both sides;
+    blanks between two '&' go with the first."""
+    parts = text.split("&")
+    inner = [part.strip() for part in parts[1:-1]]
+    return " and ".join([parts[0].rstrip(), *inner, parts[-1].lstrip()])
 
 
 def title_core(title: str) -> str:
@@ -148,16 +158,42 @@ class SecondHop:
 # Roses performed"). Only recordings: a film's or a series' disambiguator is mostly a year or a
 # nationality ("(1945 film)", "(American TV series)").
 _WORK_KINDS = "song|single|album|ep|soundtrack|mixtape"
-_DISAMBIGUATOR = re.compile(rf"\((?P<owner>[^()]*?)\s+(?:{_WORK_KINDS})\)\s*$", re.IGNORECASE)
+# The disambiguator ends the title: "(", an owner without parentheses, blanks, a kind, ")" and
+# blanks. Found from the end of the title by string scanning: the pattern
+# `\((?P<owner>[^()]*?)\s+(?:kinds)\)\s*$` tried a lazy owner against every "(" and every blank of a
+# run (quadratic time on client text, reached by every title).
+_KIND_AT_END = re.compile(rf"(?:{_WORK_KINDS})\Z", re.IGNORECASE)
+_LONGEST_KIND = max(len(kind) for kind in _WORK_KINDS.split("|"))
+
+
+def disambiguator_owner(title: str) -> str | None:
+    """The owner a title's recording disambiguator names, as written ('Halo (Beyoncé song)' ->
+    'Beyoncé'), or None."""
+    close = len(title.rstrip()) - 1
+    if close < 0 or title[close] != ")":
+        return None
+    window = max(0, close - _LONGEST_KIND)
+    kind = _KIND_AT_END.search(title, window, close)
+    if kind is None:
+        return None
+    owner_end = kind.start()
+    while owner_end > 0 and title[owner_end - 1].isspace():
+        owner_end -= 1
+    if owner_end == kind.start():
+        return None  # the kind must follow a blank
+    opening = title.rfind("(", 0, owner_end)
+    if opening < 0 or title.find(")", opening, owner_end) >= 0:
+        return None
+    return title[opening + 1:owner_end]
 
 
 def title_owner(title: str) -> str:
     """'Oh My God (Guns N' Roses song)' -> "guns n roses"; '' when the disambiguator names no owner
     ('Kiss and Tell (1945 film)': a year is no entity)."""
-    match = _DISAMBIGUATOR.search(html.unescape(title))
-    if match is None:
+    found = disambiguator_owner(html.unescape(title))
+    if found is None:
         return ""
-    owner = normalise(match.group("owner").strip())
+    owner = normalise(found.strip())
     return owner if len(owner) >= MIN_TITLE_CHARS and any(not w.isdigit() for w in content_words(owner)) else ""
 
 

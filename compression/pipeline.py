@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -91,15 +91,22 @@ class CompressionPipeline:
         self.services.engine = engine
         self.services.summarizer.engine = engine
 
-    async def run(self, request: CompressionInput, policy: Policy) -> CompressionResult:
+    async def run(
+        self, request: CompressionInput, policy: Policy,
+        prepare: Callable[[CompressionInput], CompressionInput] | None = None,
+    ) -> CompressionResult:
+        """`prepare`: work on the request's text to do first (the gateway's neutraliser), in the
+        compression worker, or in a thread of its own when none is used: never on this event loop."""
         if self._executor is None or not policy.compression_enabled:
             # Nothing to compress (counting only): no reason to wait for a compression worker.
+            if prepare is not None:
+                request = await asyncio.to_thread(prepare, request)
             return await self.run_here(request, policy)
         if self._caller_loop is None:
             self._caller_loop = asyncio.get_running_loop()
             if self.services.engine is not None:
                 self.engine = LoopBridge(self.services.engine, self._caller_loop)
-        future = self._executor.submit(self._run_in_worker, request, policy, time.perf_counter())
+        future = self._executor.submit(self._run_in_worker, request, policy, time.perf_counter(), prepare)
         return await asyncio.wrap_future(future)
 
     def close(self) -> None:
@@ -107,8 +114,11 @@ class CompressionPipeline:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _run_in_worker(self, request: CompressionInput, policy: Policy, submitted: float) -> CompressionResult:
+    def _run_in_worker(self, request: CompressionInput, policy: Policy, submitted: float,
+                       prepare: Callable[[CompressionInput], CompressionInput] | None = None) -> CompressionResult:
         wait_ms = (time.perf_counter() - submitted) * 1000
+        if prepare is not None:
+            request = prepare(request)
         loop = getattr(self._worker, "loop", None)
         if loop is None:
             loop = self._worker.loop = asyncio.new_event_loop()

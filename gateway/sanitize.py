@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Protocol
 
 from compression.rendering import LINE_MARKERS
+from compression.types import CompressionInput
 
 ZERO_WIDTH_SPACE = "\u200b"
-# Built from the renderer's own list, so a marker added there is neutralised here too.
-_STRUCTURE_LINE = re.compile(rf"^(\s*)({'|'.join(LINE_MARKERS)})", re.IGNORECASE | re.MULTILINE)
+# Built from the renderer's own list, so a marker added there is neutralised here too. The indent
+# is horizontal whitespace only (possessive): a `\s*` there would also cross line breaks, and every
+# line start of a run of blank lines would rescan the run (quadratic time on client text). The quoted
+# result is the same: the "> " still goes right before the marker.
+_STRUCTURE_LINE = re.compile(rf"^([^\S\n]*+)({'|'.join(LINE_MARKERS)})", re.IGNORECASE | re.MULTILINE)
 
 
 # Upstream mode: the serving model may not be the one the gateway counts with, so the control tokens
@@ -58,3 +63,14 @@ class Neutraliser:
     def document(self, value: str) -> str:
         """A passage: inert special tokens, and no line that mimics the context block's markers."""
         return _STRUCTURE_LINE.sub(lambda m: f"{m.group(1)}> {m.group(2)}", self.text(value))
+
+    def compression_input(self, request: CompressionInput) -> CompressionInput:
+        """The request with its client text made inert: each message's (string) content, each
+        document's text and title. Linear-time, but a whole request's text: the gateway runs it in
+        the compression worker, off its event loop."""
+        messages = [message | {"content": self.text(message["content"])} if isinstance(message.get("content"), str)
+                    else message for message in request.messages]
+        documents = [replace(document, text=self.document(document.text),
+                             title=None if document.title is None else self.document(document.title))
+                     for document in request.documents]
+        return replace(request, messages=messages, documents=documents)

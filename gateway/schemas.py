@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backend.openai_api import schemas as openai
 
@@ -13,11 +13,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# A document's id and title are labels (the title is also matched against every other passage's
+# text by the second hop): beyond these lengths a request is refused, naming the field.
+MAX_DOCUMENT_ID_CHARS = 256
+MAX_DOCUMENT_TITLE_CHARS = 1000
+
+
 class CtxgateDocument(_Strict):
     text: str
     id: str | int | None = None
-    title: str | None = None
+    title: str | None = Field(None, max_length=MAX_DOCUMENT_TITLE_CHARS)
     score: float | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _short_id(cls, value: str | int | None) -> str | int | None:
+        # A validator, not a constrained str: the union would report the int branch's error too.
+        if isinstance(value, str) and len(value) > MAX_DOCUMENT_ID_CHARS:
+            raise ValueError(f"String should have at most {MAX_DOCUMENT_ID_CHARS} characters")
+        return value
 
 
 class CtxgateRetrieval(_Strict):

@@ -11,6 +11,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -78,7 +79,8 @@ class Outcome:
 class Pipeline(Protocol):
     """What the gateway needs of a compressor (compression.pipeline.CompressionPipeline is the one)."""
 
-    async def run(self, inp: CompressionInput, policy: Policy) -> CompressionResult: ...
+    async def run(self, inp: CompressionInput, policy: Policy,
+                  prepare: Callable[[CompressionInput], CompressionInput] | None = None) -> CompressionResult: ...
 
 
 def _index_not_found(name: str) -> APIError:
@@ -291,14 +293,14 @@ class Gateway:
     async def compress(self, body: ChatCompletionRequest, tenant: Tenant, policy: Policy) -> CompressionResult:
         # Client text may not forge control tokens or context markers (gateway/sanitize.py). An
         # upstream also gets each message's other fields (tool_calls, tool_call_id, ...) back.
+        # The neutraliser reads the whole request's text: it runs with the compression, off this loop.
         extra_fields = self.forwards_fields
-        messages = [{"role": m.role, "content": self.neutraliser.text(m.text())}
+        messages = [{"role": m.role, "content": m.text()}
                     | ({"name": m.name} if m.name else {}) | ((m.model_extra or {}) if extra_fields else {})
                     for m in body.messages]
         extras = body.ctxgate or CtxgateExtras()
         documents = [
-            Document(text=self.neutraliser.document(d.text), id=None if d.id is None else str(d.id),
-                     title=None if d.title is None else self.neutraliser.document(d.title), score=d.score)
+            Document(text=d.text, id=None if d.id is None else str(d.id), title=d.title, score=d.score)
             for d in extras.documents or []
         ]
         if extras.retrieval:
@@ -308,7 +310,7 @@ class Gateway:
         inp = CompressionInput(messages=messages, documents=documents, retrieval=retrieval, tenant=tenant.name,
                                neutralise=self.neutraliser.document)
         try:
-            result = await self.pipeline.run(inp, policy)
+            result = await self.pipeline.run(inp, policy, prepare=self.neutraliser.compression_input)
         except BudgetExceededError as exc:
             self.metrics.budget_rejections.labels(policy.name).inc()
             raise APIError(413, str(exc), param="messages", code="prompt_too_long") from None

@@ -176,3 +176,27 @@ async def test_a_smaller_first_sight_allowance_embeds_fewer_texts(make_pipeline,
     narrow, narrow_context = await texts_embedded(0.2, "Parish")
     assert narrow < wide
     assert "Mara Quist" in wide_context and "Mara Quist" in narrow_context
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_prepare_runs_off_the_event_loop(make_pipeline, workers, enabled):
+    """The gateway's neutraliser reads the whole request's text: `prepare` runs in the compression
+    worker (or a thread of its own), never on the caller's event loop, and its output is compressed."""
+    import threading
+
+    pipeline = make_pipeline(workers=workers)
+    loop_thread = threading.current_thread()
+    seen: list[threading.Thread] = []
+
+    def prepare(request: CompressionInput) -> CompressionInput:
+        seen.append(threading.current_thread())
+        return CompressionInput(messages=request.messages, documents=[Document(text="Mayor Mara Quist of Cirra.")])
+
+    policy = Policy(name="p", max_input_tokens=400, documents={"max_tokens": 60}, compression_enabled=enabled)
+    try:
+        result = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), policy, prepare=prepare)
+    finally:
+        pipeline.close()
+    assert len(seen) == 1 and seen[0] is not loop_thread
+    assert "Mara Quist" in result.context_text and "Tomas Veld" not in result.context_text
