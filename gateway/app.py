@@ -39,7 +39,7 @@ from backend.openai_api.sse import DONE, event_stream_response, sse_event
 from gateway.admission import AdmissionCollector, AdmissionControl, AdmissionController
 from gateway.keys import KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
-from gateway.quota import create_store
+from gateway.quota import Clock, create_store
 from gateway.request_id import RequestId
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
 from gateway.service import Gateway, Outcome, Pipeline, Prepared
@@ -170,7 +170,9 @@ def create_app(
     settings: GatewaySettings,
     engine: EngineClient | None = None,
     pipeline: Pipeline | None = None,
+    clock: Clock = time.time,
 ) -> FastAPI:
+    """The gateway app. `clock` decides every quota window (and so Retry-After); tests pass their own."""
     metrics = GatewayMetrics()
     owns_engine = engine is None
     engine = engine if engine is not None else _default_engine(settings)
@@ -179,7 +181,7 @@ def create_app(
     gateway = Gateway(
         settings=settings, engine=engine, tokenizer=tokenizer, pipeline=pipeline,
         policies=_policy_registry(settings, metrics), keys=KeyStore(settings.keys_file),
-        store=create_store(settings.redis_url), metrics=metrics,
+        store=create_store(settings.redis_url, clock=clock), metrics=metrics,
     )
     app = FastAPI(title="ctxgate", version=package_version("ctxgate"), lifespan=_lifespan)
     app.state.gateway = gateway

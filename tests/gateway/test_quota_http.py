@@ -3,25 +3,32 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from tests.gateway.clock import FakeClock
 from tests.gateway.conftest import ServerThread, write_policy
+
+START = 1_700_000_040.0 + 5  # 5 s into a minute, far from the end of the UTC day
 
 
 @pytest.fixture(scope="module")
-def server(engine, tmp_path_factory):
+def clock() -> FakeClock:
+    return FakeClock(START)
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory, clock):
     policy_dir = tmp_path_factory.mktemp("quota")
     write_policy(policy_dir, "rpm", "name: rpm\nmax_input_tokens: 128\nreserve_output_tokens: 2\n"
                  "documents: {max_tokens: 64}\nquota: {requests_per_minute: 2}\n")
     write_policy(policy_dir, "priced", "name: priced\nmax_input_tokens: 128\nreserve_output_tokens: 8\n"
                  "documents: {max_tokens: 64}\ncost: {prompt_per_1k: 1.0, completion_per_1k: 2.0}\n"
                  "quota: {tokens_per_day: 1000000, spend_per_day: 0.05}\n")
-    app = create_app(GatewaySettings(policy_dir=policy_dir), engine=engine)
+    app = create_app(GatewaySettings(policy_dir=policy_dir), engine=engine, clock=clock)
     with ServerThread(app) as running:
         running.store = app.state.gateway.store
         yield running
@@ -32,17 +39,24 @@ def _chat(policy: str, max_tokens: int = 1) -> dict:
             "max_tokens": max_tokens, "temperature": 0, "ctxgate": {"policy": policy}}
 
 
-def test_requests_per_minute_gives_429_with_retry_after(server):
-    if time.time() % 60 > 55:
-        time.sleep(61 - time.time() % 60)
-    statuses = [httpx.post(f"{server.url}/v1/ctxgate/compress", json=_chat("rpm"), timeout=60) for _ in range(3)]
+def _compress(server, policy: str) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/ctxgate/compress", json=_chat(policy), timeout=60)
+
+
+def test_requests_per_minute_gives_429_with_retry_after(server, clock):
+    clock.advance(20)  # 25 s into the minute: 35 s to its end
+    statuses = [_compress(server, "rpm") for _ in range(3)]
     assert [r.status_code for r in statuses] == [200, 200, 429]
     rejected = statuses[-1]
     assert rejected.json()["error"]["type"] == "rate_limit_error"
     assert rejected.json()["error"]["code"] == "requests_per_minute"
-    assert 1 <= int(rejected.headers["retry-after"]) <= 60
+    assert rejected.headers["retry-after"] == "35"
     assert 'ctxgate:quota_rejections_total{reason="requests_per_minute",tenant="anonymous"} 1.0' in httpx.get(
         f"{server.url}/metrics").text
+    clock.advance(34)  # still the same minute
+    assert _compress(server, "rpm").status_code == 429
+    clock.advance(1)  # the next minute has room again
+    assert [_compress(server, "rpm").status_code for _ in range(3)] == [200, 200, 429]
 
 
 def test_reservation_is_reconciled_to_the_real_count_and_spend(server):
@@ -59,7 +73,7 @@ def test_reservation_is_reconciled_to_the_real_count_and_spend(server):
         usage["prompt_tokens"] / 1000 * 1.0 + usage["completion_tokens"] / 1000 * 2.0)
 
 
-def test_spend_per_day_is_enforced(server):
+def test_spend_per_day_is_enforced(server, clock):
     statuses = []
     for _ in range(60):  # ~0.03-0.05 cost units per request against a 0.05 daily budget
         response = httpx.post(f"{server.url}/v1/chat/completions", json=_chat("priced", max_tokens=1), timeout=60)
@@ -68,4 +82,4 @@ def test_spend_per_day_is_enforced(server):
             break
     assert statuses[-1] == 429
     assert response.json()["error"]["code"] == "spend_per_day"
-    assert int(response.headers["retry-after"]) > 0
+    assert int(response.headers["retry-after"]) == 86400 - clock() % 86400  # to the end of the clock's UTC day

@@ -14,7 +14,9 @@ from gateway.quota import (
     QuotaLimits,
     RedisQuotaStore,
     StoreUnavailable,
+    create_store,
 )
+from tests.gateway.clock import FakeClock
 
 NOW = 1_699_999_990.0  # 10 s into a minute (and an hour, and a day is far)
 
@@ -42,6 +44,23 @@ async def test_tokens_per_minute_reserve_and_reconcile(store):
     usage = await store.usage("t", now=NOW + 2)
     assert usage["tokens_this_minute"] == 90 and usage["requests_this_minute"] == 2
     await store.reserve("t", limits, 100, 0, now=NOW + 60)  # the next minute starts empty
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_without_a_time_the_store_reads_its_clock(kind, request):
+    clock = FakeClock(NOW)
+    store = create_store(request.getfixturevalue("redis_server").url if kind == "redis" else None, clock=clock)
+    limits = QuotaLimits(tokens_per_minute=100, max_parallel_requests=1)
+    await store.reserve("t", limits, 60, 0, slot_id="r1")
+    clock.advance(5)
+    with pytest.raises(QuotaExceeded) as info:
+        await store.reserve("t", limits, 60, 0)
+    assert (info.value.reason, info.value.retry_after_s) == ("tokens_per_minute", 45)
+    assert (await store.usage("t"))["tokens_this_minute"] == 60
+    clock.advance(DEFAULT_SLOT_TTL_S)  # a later minute, and r1's slot (never settled) has expired
+    assert (await store.usage("t"))["tokens_this_minute"] == 0
+    await store.reserve("t", limits, 100, 0, slot_id="r2")
+    await store.close()
 
 
 async def test_requests_per_minute_and_day_and_spend(store):

@@ -23,13 +23,15 @@ from gateway.quota import InProcessQuotaStore, QuotaExceeded, QuotaLimits, Redis
 from gateway.service import quota_cap, tenant_prices
 from gateway.settings import GatewaySettings
 from policies.loader import packaged_policy_dir, parse_policy
+from tests.gateway.clock import FakeClock, in_one_minute
 from tests.gateway.conftest import ServerThread, engine, free_port, wait_http, write_policy  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 MESSAGES = [{"role": "user", "content": "Which mountain is the tallest in Europe?"}]
-KEYS = {name: f"cg-{name}-secret" for name in ("acme", "globex", "initech", "pricing", "models")}
+KEYS = {name: f"cg-{name}-secret" for name in ("acme", "acme-again", "globex", "initech", "pricing", "models")}
 HOME = "home-strict"
+START = 1_700_000_045.0  # in-process gateways run on a FakeClock from here: no minute ends mid-test
 # Requests fit in the quota twice, not three times (see `quota_tokens`).
 HOME_POLICY = ("name: home-strict\nmax_input_tokens: 256\nreserve_output_tokens: 1\ndocuments: {max_tokens: 128}\n"
                "cost: {prompt_per_1k: 1.0, completion_per_1k: 2.0}\nquota: {tokens_per_minute: %d}\n")
@@ -44,6 +46,8 @@ def _tenants() -> dict:
     return {"tenants": {
         # May name passthrough (no quota at all) and the others; its home quota still holds.
         "acme": {"policy": HOME, "policies": ["passthrough", "tiny", "pricey"], "keys": key["acme"]},
+        # acme's twin, for a burst on the wall clock that a minute boundary cut through.
+        "acme-again": {"policy": HOME, "policies": ["passthrough", "tiny", "pricey"], "keys": key["acme-again"]},
         "globex": {"policy": HOME, "keys": key["globex"]},  # its home policy only
         "initech": {"policy": HOME, "policies": ["tiny"], "keys": key["initech"]},
         # The tenant's own quota raises its home policy's; prices stay the home policy's.
@@ -82,9 +86,9 @@ def _post(url: str, tenant: str, body: dict, path: str = "/v1/chat/completions")
 
 
 def _until_refused(urls: list[str], tenant: str, body: dict, path: str = "/v1/chat/completions",
-                   most: int = 6) -> list[httpx.Response]:
-    """Requests (round robin over `urls`) up to and including the first refusal. Two fit in the
-    quota; `most` leaves room for a minute window that rolls over during the burst."""
+                   most: int = 3) -> list[httpx.Response]:
+    """Requests (round robin over `urls`) up to and including the first refusal, at most `most`
+    (two fit in the quota)."""
     responses = []
     for i in range(most):
         responses.append(_post(urls[i % len(urls)], tenant, body, path))
@@ -99,7 +103,7 @@ def _assert_held_to_quota(responses: list[httpx.Response], usage: dict[str, int]
     assert statuses[:2] == [200, 200] and set(statuses[:-1]) == {200}
     assert responses[-1].json()["error"]["code"] == "tokens_per_minute"
     # The ledger is the tenant's, whatever policy a request named: this minute stays within the quota.
-    assert 0 < usage["tokens_this_minute"] <= quota or len(responses) > 3  # > 3: the window rolled over
+    assert 0 < usage["tokens_this_minute"] <= quota
 
 
 def _assert_policy_refused(response: httpx.Response, policy: str, tenant: str = "globex") -> None:
@@ -175,7 +179,7 @@ def gateway(engine, files):  # noqa: F811 (the engine fixture)
 
     settings = GatewaySettings(policy_dir=files / "policies", keys_file=files / "keys.yaml",
                                index_dir=files / "indexes")
-    app = create_app(settings, engine=engine)
+    app = create_app(settings, engine=engine, clock=FakeClock(START))
     with ServerThread(app) as running:
         running.store = app.state.gateway.store
         yield running
@@ -201,8 +205,8 @@ def test_a_policy_outside_the_allow_list_is_403(gateway):
 
 
 def test_a_stricter_policy_tightens_the_tenants_limits(gateway):
-    responses = _until_refused([gateway.url], "initech", _chat("tiny"), "/v1/ctxgate/compress", most=3)
-    assert [r.status_code for r in responses][-1] == 429 and len(responses) <= 3
+    responses = _until_refused([gateway.url], "initech", _chat("tiny"), "/v1/ctxgate/compress")
+    assert [r.status_code for r in responses] == [200, 429]
     assert responses[-1].json()["error"]["code"] == "requests_per_minute"
 
 
@@ -257,7 +261,7 @@ def test_upstream_mode_holds_the_quota(backend, files, quota_tokens):
 
     settings = GatewaySettings(upstreams=[f"{backend.url}/v1"], served_model_name="front",
                                policy_dir=files / "policies", keys_file=files / "keys.yaml")
-    app = create_app(settings)
+    app = create_app(settings, clock=FakeClock(START))
     with ServerThread(app) as front:
         responses = _until_refused([front.url], "acme", _chat("passthrough", model="front"))
         usage = asyncio.run(app.state.gateway.store.usage("acme"))
@@ -306,17 +310,22 @@ def replicas(backend, files, tmp_path_factory):
 
 def test_two_replicas_on_redis_hold_the_quota(replicas, quota_tokens):
     urls, redis = replicas
-    responses = _until_refused(urls, "acme", _chat("passthrough", model="front"))
-    assert {str(r.request.url).split("/v1")[0] for r in responses} == set(urls)  # both replicas served it
 
-    async def usage() -> dict[str, int]:
+    async def usage(tenant: str, minute: int) -> dict[str, int]:
         store = RedisQuotaStore(redis.url)
         try:
-            return await store.usage("acme")
+            return await store.usage(tenant, now=minute * 60)
         finally:
             await store.close()
 
-    _assert_held_to_quota(responses, asyncio.run(usage()), quota_tokens[1])
+    def attempt(tenant: str, minute: int) -> tuple[list[httpx.Response], dict[str, int]]:
+        responses = _until_refused(urls, tenant, _chat("passthrough", model="front"))
+        return responses, asyncio.run(usage(tenant, minute))
+
+    # The replicas read the wall clock: a burst a minute boundary cut through runs again as acme's twin.
+    responses, used = in_one_minute(attempt, ["acme", "acme-again"])
+    assert {str(r.request.url).split("/v1")[0] for r in responses} == set(urls)  # both replicas served it
+    _assert_held_to_quota(responses, used, quota_tokens[1])
     for url in urls:
         _assert_policy_refused(_post(url, "globex", _chat("passthrough", model="front")), "passthrough")
 

@@ -1,27 +1,26 @@
-"""Quotas per tenant and per API key: reserve before the model call, reconcile with the real count after.
+"""The quota model: limits, windows, meters and reservations. Pure: no I/O, no clock of its own.
 
-Windows are fixed and aligned to the clock (minute, UTC day, ISO week, calendar month), so every
-replica computes the same window keys. A reservation touches a list of meters (the tenant's and,
-when the key has limits of its own, the key's); it is admitted only if it fits under every limit,
-checked and applied in one atomic step (a Lua script in Redis), so replicas sharing a store never
-exceed a limit by more than the amount a reconcile can add after the fact (one request's reservation).
+Invariants the stores rely on:
 
-Parallel-request limits are sets of (request id, deadline): a slot is released when the request is
-settled, and a slot whose replica died expires by itself at its deadline instead of leaking.
+- Windows are fixed and aligned to the epoch (minute, UTC day, ISO week, calendar month) and are a
+  function of `now` only, so every replica given the same time computes the same window keys.
+- The ledger identity is the tenant (and, for a key's own limits, the key's `quota_id`), never the
+  policy a request runs under: a policy changes the limits a reservation is checked against, not
+  the counters it draws on. Every key of a tenant shares one `{tenant}` hash tag.
+- A reservation is checked against every meter and applied to all or none.
+- A reservation is reconciled at most once (`reconcile_deltas` marks it), so a held parallel slot
+  is released exactly once and a late second settle changes nothing.
+- Spend is integer micro-units of the currency (`SPEND_SCALE`): stores never add floats.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 from policies.schema import QuotaPolicy
-
-logger = logging.getLogger(__name__)
 
 MINUTE_S = 60
 DAY_S = 86400
@@ -33,6 +32,8 @@ BUDGET_PERIODS = ("daily", "weekly", "monthly")
 DEFAULT_SLOT_TTL_S = 900
 
 COUNTER, SLOT_CHECK, SLOT_HOLD = 0, 1, 2  # meter kinds, as the Lua scripts know them
+
+USAGE_NAMES = ("requests_this_minute", "tokens_this_minute", "tokens_today", "spend_micros_today")
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,17 @@ def _check_fits_at_all(meters: list[Meter]) -> None:
             )
 
 
-def _exceeded(meter: Meter) -> QuotaExceeded:
+def plan_reservation(tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float,
+                     key_id: str | None, key_limits: QuotaLimits | None, slot_id: str | None) -> list[Meter]:
+    """The meters a store checks and applies for one request at `now`; raises QuotaExceeded at once
+    for a request that could not fit in an empty window. `slot_id`: hold a parallel slot under it."""
+    meters = build_meters(tenant, limits, tokens, spend_micros, now, key_id, key_limits, hold_slot=slot_id is not None)
+    _check_fits_at_all(meters)
+    return meters
+
+
+def exceeded(meter: Meter) -> QuotaExceeded:
+    """The refusal a store raises when `meter` has no room left."""
     if meter.unit == "slots":
         message = f"{meter.scope} already has {meter.limit} requests in flight (max_parallel_requests)"
     else:
@@ -238,230 +249,15 @@ def _exceeded(meter: Meter) -> QuotaExceeded:
     return QuotaExceeded(meter.reason, meter.retry_after_s, message)
 
 
-class QuotaStore(Protocol):
-    name: str
-
-    async def reserve(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
-    ) -> Reservation: ...
-
-    async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None: ...
-
-    async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]: ...
-
-    async def ping(self) -> bool: ...
-
-    async def close(self) -> None: ...
-
-
-_USAGE_NAMES = ("requests_this_minute", "tokens_this_minute", "tokens_today", "spend_micros_today")
-
-
-def _usage_keys(tenant: str, now: float) -> list[str]:
+def usage_keys(tenant: str, now: float) -> list[str]:
+    """The tenant's counters at `now`, in the order of `USAGE_NAMES`."""
     windows = Windows.at(now)
     prefix = _tenant_prefix(tenant)
     return [f"{prefix}:rpm:{windows.minute}", f"{prefix}:tpm:{windows.minute}", f"{prefix}:tpd:{windows.day}",
             f"{prefix}:spd:{windows.day}"]
 
 
-def _prepare(tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None,
-             key_id: str | None, key_limits: QuotaLimits | None, slot_id: str | None) -> tuple[float, list[Meter]]:
-    now = time.time() if now is None else now
-    meters = build_meters(tenant, limits, tokens, spend_micros, now, key_id, key_limits, hold_slot=slot_id is not None)
-    _check_fits_at_all(meters)
-    return now, meters
-
-
-class InProcessQuotaStore:
-    """One process's ledger. Enough for a single gateway; replicas need the Redis store."""
-
-    name = "memory"
-
-    def __init__(self) -> None:
-        self._counters: dict[str, int] = {}
-        self._expiry: dict[str, float] = {}
-        self._slots: dict[str, dict[str, float]] = {}  # parallel-slot sets: request id -> deadline
-
-    def _get(self, key: str, now: float) -> int:
-        if self._expiry.get(key, math.inf) <= now:
-            self._counters.pop(key, None)
-            self._expiry.pop(key, None)
-        return self._counters.get(key, 0)
-
-    def _add(self, key: str, amount: int, ttl: float, now: float) -> None:
-        self._counters[key] = self._get(key, now) + amount
-        self._expiry.setdefault(key, now + ttl)
-
-    def _live_slots(self, key: str, now: float) -> dict[str, float]:
-        slots = self._slots.setdefault(key, {})
-        for slot, deadline in list(slots.items()):
-            if deadline <= now:
-                del slots[slot]
-        return slots
-
-    def _evict_expired(self, now: float) -> None:
-        for key in [k for k, expiry in self._expiry.items() if expiry <= now]:
-            self._counters.pop(key, None)
-            self._expiry.pop(key, None)
-
-    async def reserve(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
-    ) -> Reservation:
-        now, meters = _prepare(tenant, limits, tokens, spend_micros, now, key_id, key_limits, slot_id)
-        self._evict_expired(now)
-        # No await between check and apply: atomic on the event loop.
-        for meter in meters:
-            if meter.kind == COUNTER:
-                over = meter.limit != NO_LIMIT and self._get(meter.key, now) + meter.amount > meter.limit
-            else:
-                over = len(self._live_slots(meter.key, now)) + 1 > meter.limit
-            if over:
-                raise _exceeded(meter)
-        for meter in meters:
-            if meter.kind == COUNTER:
-                self._add(meter.key, meter.amount, meter.ttl_s, now)
-            elif meter.kind == SLOT_HOLD:
-                self._live_slots(meter.key, now)[str(slot_id)] = now + meter.ttl_s
-        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id)
-
-    async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
-        for meter, delta in _reconcile_deltas(reservation, actual_tokens, actual_spend_micros):
-            if meter.kind == SLOT_HOLD:
-                self._slots.get(meter.key, {}).pop(str(reservation.slot_id), None)
-            elif delta and meter.key in self._counters:  # a window already evicted stays gone
-                self._counters[meter.key] = max(0, self._counters[meter.key] + delta)
-
-    async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]:
-        now = time.time() if now is None else now
-        return {name: self._get(key, now) for name, key in zip(_USAGE_NAMES, _usage_keys(tenant, now), strict=True)}
-
-    async def ping(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        return None
-
-
-# Check every meter first, then apply every one: all-or-nothing in one atomic script.
-# ARGV: now, slot id, then per key: kind, limit, amount, ttl. Returns {1, 0} or {0, index of the refusing meter}.
-_RESERVE_LUA = """
-local now = tonumber(ARGV[1])
-for i = 1, #KEYS do
-  local base = 2 + (i - 1) * 4
-  local kind, limit, amount = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  if kind == 0 then
-    if limit >= 0 and tonumber(redis.call('GET', KEYS[i]) or '0') + amount > limit then return {0, i} end
-  else
-    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
-    if redis.call('ZCARD', KEYS[i]) + 1 > limit then return {0, i} end
-  end
-end
-for i = 1, #KEYS do
-  local base = 2 + (i - 1) * 4
-  local kind, amount, ttl = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
-  if kind == 0 then
-    redis.call('INCRBY', KEYS[i], amount)
-    if redis.call('TTL', KEYS[i]) < 0 then redis.call('EXPIRE', KEYS[i], ttl) end
-  elseif kind == 2 then
-    redis.call('ZADD', KEYS[i], now + ttl, ARGV[2])
-    redis.call('EXPIRE', KEYS[i], ttl)
-  end
-end
-return {1, 0}
-"""
-
-# Counters: add the delta only to keys that still exist (an expired window must not be resurrected
-# by a late delta). Slot sets: remove this request's slot. ARGV: slot id, then one delta per key
-# ('slot' for a slot set).
-_RECONCILE_LUA = """
-for i = 1, #KEYS do
-  local arg = ARGV[i + 1]
-  if arg == 'slot' then
-    redis.call('ZREM', KEYS[i], ARGV[1])
-  else
-    local delta = tonumber(arg)
-    if delta ~= 0 and redis.call('EXISTS', KEYS[i]) == 1 then
-      local value = redis.call('INCRBY', KEYS[i], delta)
-      if value < 0 then redis.call('SET', KEYS[i], 0, 'KEEPTTL') end
-    end
-  end
-end
-return 1
-"""
-
-
-class RedisQuotaStore:
-    """A ledger shared by every gateway replica pointing at the same Redis."""
-
-    name = "redis"
-
-    def __init__(self, url: str, timeout_s: float = 0.5):
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
-        self.url = url
-        # Fail fast when Redis is down (the policy decides allow/deny); the client reconnects on its
-        # own on the next command, which is how the gateway recovers without a restart.
-        self._client = aioredis.Redis.from_url(
-            url,
-            socket_connect_timeout=timeout_s,
-            socket_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1),
-            decode_responses=True,
-        )
-        self._reserve = self._client.register_script(_RESERVE_LUA)
-        self._reconcile = self._client.register_script(_RECONCILE_LUA)
-
-    async def _call(self, coro_factory):
-        from redis.exceptions import RedisError
-
-        try:
-            return await coro_factory()
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise StoreUnavailable(f"quota store (redis) unavailable: {exc.__class__.__name__}: {exc}") from exc
-
-    async def reserve(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
-    ) -> Reservation:
-        now, meters = _prepare(tenant, limits, tokens, spend_micros, now, key_id, key_limits, slot_id)
-        keys = [meter.key for meter in meters]
-        args: list[Any] = [repr(now), slot_id or ""]
-        for meter in meters:
-            args += [meter.kind, meter.limit, meter.amount, meter.ttl_s]
-        admitted, index = await self._call(lambda: self._reserve(keys=keys, args=args))
-        if int(admitted) != 1:
-            raise _exceeded(meters[int(index) - 1])
-        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id)
-
-    async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
-        deltas = [(meter, delta) for meter, delta in _reconcile_deltas(reservation, actual_tokens, actual_spend_micros)
-                  if delta or meter.kind == SLOT_HOLD]
-        if not deltas:
-            return
-        keys = [meter.key for meter, _ in deltas]
-        args = [reservation.slot_id or ""] + ["slot" if meter.kind == SLOT_HOLD else delta for meter, delta in deltas]
-        await self._call(lambda: self._reconcile(keys=keys, args=args))
-
-    async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]:
-        now = time.time() if now is None else now
-        values = await self._call(lambda: self._client.mget(_usage_keys(tenant, now)))
-        return {name: int(value or 0) for name, value in zip(_USAGE_NAMES, values, strict=True)}
-
-    async def ping(self) -> bool:
-        try:
-            return bool(await self._call(self._client.ping))
-        except StoreUnavailable:
-            return False
-
-    async def close(self) -> None:
-        await self._client.aclose()
-
-
-def _reconcile_deltas(
+def reconcile_deltas(
     reservation: Reservation, actual_tokens: int, actual_spend_micros: int
 ) -> list[tuple[Meter, int]]:
     """(meter, delta) for every token, spend and held-slot meter; empty if nothing to reconcile.
@@ -483,7 +279,3 @@ def _reconcile_deltas(
         elif meter.unit == "spend":
             deltas.append((meter, spend_delta))
     return deltas
-
-
-def create_store(redis_url: str | None) -> QuotaStore:
-    return RedisQuotaStore(redis_url) if redis_url else InProcessQuotaStore()

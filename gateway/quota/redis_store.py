@@ -1,0 +1,148 @@
+"""The Redis ledger, shared by every gateway replica pointing at the same Redis.
+
+Each reservation and each reconcile is one Lua script, so it is atomic against every replica's.
+The time comes from the calling gateway's clock (passed as an argument), never from Redis: it
+picks the window keys and the parallel-slot deadlines. Redis's own TTLs only collect windows that
+have ended. A counter is created with a TTL and a late reconcile never recreates an expired one.
+Any Redis or socket error surfaces as `StoreUnavailable`; the client reconnects by itself on the
+next command, which is how a gateway recovers without a restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from gateway.quota.model import (
+    SLOT_HOLD,
+    USAGE_NAMES,
+    QuotaLimits,
+    Reservation,
+    StoreUnavailable,
+    exceeded,
+    plan_reservation,
+    reconcile_deltas,
+    usage_keys,
+)
+from gateway.quota.store import Clock
+
+T = TypeVar("T")
+
+# Check every meter first, then apply every one: all-or-nothing in one atomic script.
+# ARGV: now, slot id, then per key: kind, limit, amount, ttl. Returns {1, 0} or {0, index of the refusing meter}.
+RESERVE_LUA = """
+local now = tonumber(ARGV[1])
+for i = 1, #KEYS do
+  local base = 2 + (i - 1) * 4
+  local kind, limit, amount = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  if kind == 0 then
+    if limit >= 0 and tonumber(redis.call('GET', KEYS[i]) or '0') + amount > limit then return {0, i} end
+  else
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+    if redis.call('ZCARD', KEYS[i]) + 1 > limit then return {0, i} end
+  end
+end
+for i = 1, #KEYS do
+  local base = 2 + (i - 1) * 4
+  local kind, amount, ttl = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
+  if kind == 0 then
+    redis.call('INCRBY', KEYS[i], amount)
+    if redis.call('TTL', KEYS[i]) < 0 then redis.call('EXPIRE', KEYS[i], ttl) end
+  elseif kind == 2 then
+    redis.call('ZADD', KEYS[i], now + ttl, ARGV[2])
+    redis.call('EXPIRE', KEYS[i], ttl)
+  end
+end
+return {1, 0}
+"""
+
+# Counters: add the delta only to keys that still exist (an expired window must not be resurrected
+# by a late delta). Slot sets: remove this request's slot. ARGV: slot id, then one delta per key
+# ('slot' for a slot set).
+RECONCILE_LUA = """
+for i = 1, #KEYS do
+  local arg = ARGV[i + 1]
+  if arg == 'slot' then
+    redis.call('ZREM', KEYS[i], ARGV[1])
+  else
+    local delta = tonumber(arg)
+    if delta ~= 0 and redis.call('EXISTS', KEYS[i]) == 1 then
+      local value = redis.call('INCRBY', KEYS[i], delta)
+      if value < 0 then redis.call('SET', KEYS[i], 0, 'KEEPTTL') end
+    end
+  end
+end
+return 1
+"""
+
+
+class RedisQuotaStore:
+    """A ledger shared by every gateway replica pointing at the same Redis."""
+
+    name = "redis"
+
+    def __init__(self, url: str, timeout_s: float = 0.5, clock: Clock = time.time):
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        self.url = url
+        self.clock = clock
+        # Fail fast when Redis is down (the policy decides allow/deny); the client reconnects on its
+        # own on the next command, which is how the gateway recovers without a restart.
+        self._client = aioredis.Redis.from_url(
+            url,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
+            decode_responses=True,
+        )
+        self._reserve = self._client.register_script(RESERVE_LUA)
+        self._reconcile = self._client.register_script(RECONCILE_LUA)
+
+    async def _call(self, coro_factory: Callable[[], Awaitable[T]]) -> T:
+        from redis.exceptions import RedisError
+
+        try:
+            return await coro_factory()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"quota store (redis) unavailable: {exc.__class__.__name__}: {exc}") from exc
+
+    async def reserve(
+        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
+    ) -> Reservation:
+        now = self.clock() if now is None else now
+        meters = plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, slot_id)
+        keys = [meter.key for meter in meters]
+        args: list[Any] = [repr(now), slot_id or ""]
+        for meter in meters:
+            args += [meter.kind, meter.limit, meter.amount, meter.ttl_s]
+        admitted, index = await self._call(lambda: self._reserve(keys=keys, args=args))
+        if int(admitted) != 1:
+            raise exceeded(meters[int(index) - 1])
+        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id)
+
+    async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
+        deltas = [(meter, delta) for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros)
+                  if delta or meter.kind == SLOT_HOLD]
+        if not deltas:
+            return
+        keys = [meter.key for meter, _ in deltas]
+        args = [reservation.slot_id or ""] + ["slot" if meter.kind == SLOT_HOLD else delta for meter, delta in deltas]
+        await self._call(lambda: self._reconcile(keys=keys, args=args))
+
+    async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]:
+        now = self.clock() if now is None else now
+        values = await self._call(lambda: self._client.mget(usage_keys(tenant, now)))
+        return {name: int(value or 0) for name, value in zip(USAGE_NAMES, values, strict=True)}
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._call(self._client.ping))
+        except StoreUnavailable:
+            return False
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,42 @@
+"""What the gateway needs of a quota ledger (`QuotaStore`) and the clock a ledger reads.
+
+Invariants every store keeps:
+
+- `reserve` checks every meter and applies all of them or none, atomically with respect to every
+  other reservation on the same ledger (so replicas sharing one never exceed a limit by more than
+  what one reconcile can add afterwards: one request's reservation).
+- The windows a call falls in come from `now` when given, otherwise from the store's clock; nothing
+  else decides which minute, day or budget period a request is counted in (or its Retry-After).
+- `reconcile` applies a reservation's deltas at most once, never to a window that has already
+  expired, and never below zero.
+- Failing to reach the ledger raises `StoreUnavailable`, never anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from gateway.quota.model import QuotaLimits, Reservation
+
+# Seconds since the epoch, as time.time gives them. Injectable so tests own time instead of
+# waiting for the wall clock.
+Clock = Callable[[], float]
+
+
+class QuotaStore(Protocol):
+    name: str
+
+    async def reserve(
+        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
+    ) -> Reservation: ...
+
+    async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None: ...
+
+    async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]: ...
+
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
