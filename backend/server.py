@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from backend.api import EngineError, GenerationDelta, GenerationRequest, Priority, SamplingParams
+from backend.api import EngineError, GenerationRequest, Priority, SamplingParams
 from backend.async_engine import AsyncEngine, RequestStream
+from backend.deltas import DeltaTotals
 from backend.openai_api.errors import APIError, install_error_handlers
 from backend.openai_api.fields import enforce_supported
 from backend.openai_api.http import BearerAuth, document_request_bodies, parse_body, unless_disconnected
@@ -123,36 +124,6 @@ def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[
 
 
 # ---------------------------------------------------------------------------- one request's answer
-class _Outcome:
-    """What a finished request produced, folded from its deltas."""
-
-    def __init__(self, prompt_tokens: int):
-        self.text_parts: list[str] = []
-        self.finish_reason: str | None = None
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-
-    def add(self, delta: GenerationDelta) -> None:
-        self.text_parts.append(delta.text)
-        self.completion_tokens += len(delta.token_ids)
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            if delta.prompt_tokens:
-                self.prompt_tokens = delta.prompt_tokens
-            if delta.completion_tokens:
-                self.completion_tokens = delta.completion_tokens
-            if delta.metrics is not None:
-                self.cached_tokens = delta.metrics.cached_prompt_tokens
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
-
-    def usage(self) -> Usage:
-        return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-
-
 async def _answer(
     request: Request, server: EngineServer, body: ChatCompletionRequest | CompletionRequest,
     prompt_ids: list[int], max_tokens: int | None,
@@ -163,34 +134,38 @@ async def _answer(
                             int(time.time()), chat)
     if body.stream:
         return event_stream_response(_events(stream, writer, len(prompt_ids), body.usage_wanted()))
-    outcome = await unless_disconnected(request, _collect(stream, len(prompt_ids)))
-    return JSONResponse(writer.whole(outcome.text, outcome.finish_reason, outcome.usage()))
+    totals = await unless_disconnected(request, _collect(stream, len(prompt_ids)))
+    return JSONResponse(writer.whole(totals.text, totals.finish_reason, _usage(totals)))
 
 
-async def _collect(stream: RequestStream, prompt_tokens: int) -> _Outcome:
-    outcome = _Outcome(prompt_tokens)
+def _usage(totals: DeltaTotals) -> Usage:
+    return Usage.of(totals.prompt_tokens, totals.completion_tokens, totals.cached_prompt_tokens)
+
+
+async def _collect(stream: RequestStream, prompt_tokens: int) -> DeltaTotals:
+    totals = DeltaTotals(prompt_tokens=prompt_tokens)
     try:
         async for delta in stream:
-            outcome.add(delta)
+            totals.add(delta)
     finally:
         stream.close()  # a no-op once finished; if the client left, it aborts and frees the KV blocks
-    return outcome
+    return totals
 
 
 async def _events(stream: RequestStream, writer: ResponseWriter, prompt_tokens: int,
                   include_usage: bool) -> AsyncIterator[str]:
-    outcome = _Outcome(prompt_tokens)
+    totals = DeltaTotals(prompt_tokens=prompt_tokens)
     try:
         for event in writer.opening():
             yield event
         async for delta in stream:
-            outcome.add(delta)
+            totals.add(delta)
             if delta.text:
                 yield writer.text(delta.text)
-            if delta.finish_reason is not None:
-                yield writer.finish(delta.finish_reason)
+            if totals.finished:
+                yield writer.finish(totals.finish_reason)
         if include_usage:
-            yield writer.usage(outcome.usage())
+            yield writer.usage(_usage(totals))
     except EngineError as exc:  # headers are sent: report in-band, as OpenAI does
         yield sse_event(APIError(exc.status_code, str(exc)).body())
     finally:

@@ -179,23 +179,23 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any])
 async def local_generate(engine: Any, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
     """One request to an in-process `AsyncEngine`, timed like `stream_chat` (usage in the same shape)."""
     from backend.api import GenerationRequest, SamplingParams
+    from backend.deltas import DeltaTotals
 
     started = time.perf_counter()
     ids = engine.tokenizer.encode_chat(messages)
     request = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids,
                                 sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     first: float | None = None
-    tokens = 0
-    prefill_ms = queue_ms = None
+    totals = DeltaTotals(prompt_tokens=len(ids))
     async for delta in engine.generate(request):
         if delta.token_ids and first is None:
             first = time.perf_counter()
-        tokens += len(delta.token_ids)
-        if delta.finish_reason is not None and delta.metrics is not None:
-            prefill_ms, queue_ms = delta.metrics.prefill_ms, delta.metrics.queue_ms
+        totals.add(delta)
     ended = time.perf_counter()
-    usage = {"prompt_tokens": len(ids), "completion_tokens": tokens,
-             "ctxgate": {"prefill_ms": prefill_ms, "queue_ms": queue_ms}}
+    metrics = totals.metrics
+    usage = {"prompt_tokens": len(ids), "completion_tokens": totals.completion_tokens,
+             "ctxgate": {"prefill_ms": metrics.prefill_ms if metrics else None,
+                         "queue_ms": metrics.queue_ms if metrics else None}}
     return {"ttft_ms": ((first or ended) - started) * 1000, "e2e_ms": (ended - started) * 1000, "usage": usage}
 
 

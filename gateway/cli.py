@@ -223,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if engine is not None:
             engine.shutdown()
-    from gateway.app import exit_if_still_loading
+    from gateway.lifecycle import exit_if_still_loading
 
     exit_if_still_loading(app)
     return 0

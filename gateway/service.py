@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backend.api import EngineClient, EngineError, Priority, RequestMetrics, SamplingParams
+from backend.deltas import DeltaTotals
 from backend.openai_api.errors import APIError, generic_server_error
 from backend.openai_api.fields import enforce_supported
 from backend.openai_api.responses import Usage
@@ -63,17 +64,6 @@ class Prepared:
     choices: int = 1
     received_at: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
-
-
-@dataclass
-class Outcome:
-    """What the model produced, for usage and accounting."""
-
-    text: str = ""
-    finish_reason: str = "stop"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    metrics: RequestMetrics | None = None
 
 
 class Pipeline(Protocol):
@@ -479,28 +469,28 @@ class Gateway:
         return prepared
 
     # -- after the model -----------------------------------------------------------------------
-    async def settle(self, prepared: Prepared, outcome: Outcome, count_metrics: bool = True) -> Usage:
+    async def settle(self, prepared: Prepared, totals: DeltaTotals, count_metrics: bool = True) -> Usage:
         """Reconcile the quota, record metrics, and return `usage` (with `usage.ctxgate`)."""
         policy, tenant, result = prepared.policy, prepared.tenant, prepared.result
-        prompt_tokens = outcome.prompt_tokens or result.prompt_tokens
-        cost = self.cost(policy, prompt_tokens, outcome.completion_tokens)
-        await self.reconcile(prepared.reservation, prompt_tokens + outcome.completion_tokens, cost["total"])
+        prompt_tokens = totals.prompt_tokens or result.prompt_tokens
+        cost = self.cost(policy, prompt_tokens, totals.completion_tokens)
+        await self.reconcile(prepared.reservation, prompt_tokens + totals.completion_tokens, cost["total"])
         if count_metrics:
             labels = (tenant.name, policy.name)
             self.metrics.prompt_tokens_original.labels(*labels).inc(result.original_prompt_tokens)
             self.metrics.prompt_tokens_sent.labels(*labels).inc(result.prompt_tokens)
-            self.metrics.completion_tokens.labels(*labels).inc(outcome.completion_tokens)
+            self.metrics.completion_tokens.labels(*labels).inc(totals.completion_tokens)
             for stage, saved in result.saved_tokens.items():
                 self.metrics.saved_tokens.labels(stage, policy.name).inc(max(0, saved))
             if cost["total"] > 0:
                 self.metrics.spend.labels(tenant.name, cost["currency"]).inc(cost["total"])
-        metrics = outcome.metrics or RequestMetrics()
+        metrics = totals.metrics or RequestMetrics()
         estimator = getattr(self.pipeline, "cost_estimator", None)
         if estimator is not None and metrics.prefill_ms > 0:
             # Measured prefill cost lets the pipeline skip compression that would not pay for itself.
             estimator.observe_prefill(prompt_tokens, metrics.prefill_ms)
         return Usage.of(
-            prompt_tokens, outcome.completion_tokens, metrics.cached_prompt_tokens,
+            prompt_tokens, totals.completion_tokens, metrics.cached_prompt_tokens,
             ctxgate={
                 "tenant": tenant.name,
                 "policy": policy.name,

@@ -1,0 +1,218 @@
+"""One request on the engine: consume its deltas, answer whole or streamed, settle its usage.
+
+Every request that reserved quota is settled exactly once (whole answer, stream end, error, or client
+disconnect), and a request the engine never started gives its whole reservation back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from backend.api import GenerationDelta, GenerationRequest
+from backend.deltas import DeltaTotals
+from backend.openai_api.errors import ClientDisconnected
+from backend.openai_api.http import unless_disconnected
+from backend.openai_api.responses import ResponseWriter, Usage, fold_chunks
+from backend.openai_api.sse import DONE, event_stream_response, sse_event
+from gateway.service import Gateway, Prepared
+
+
+class Generation:
+    """Consumes the engine's deltas for one request and keeps what usage needs."""
+
+    def __init__(self, gateway: Gateway, prepared: Prepared, generation: GenerationRequest):
+        self.gateway = gateway
+        self.prepared = prepared
+        self.generation = generation
+        self.totals = DeltaTotals()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        # Upstream mode: the upstream's chunks, relayed as they are (and folded when not streamed).
+        self.relayed = generation.forward is not None
+        self.chunks: list[dict[str, Any]] = []
+        self.upstream_id: str | None = None
+        self._iterator: Any = None
+        self._first: Any = None
+
+    async def start(self) -> None:
+        """Open the engine stream and wait for its first delta, so a refusal becomes an HTTP status."""
+        self._iterator = _bounded(self.gateway.engine.generate(self.generation),
+                                  self.gateway.settings.request_timeout_s, self.prepared.received_at)
+        try:
+            self._first = await self._iterator.__anext__()
+        except StopAsyncIteration:
+            self._first = None
+        except BaseException:
+            await self._stop_engine()
+            raise
+
+    async def _stop_engine(self) -> None:
+        # The client went away or the backend failed: stop the work upstream.
+        with contextlib.suppress(Exception):
+            await self._iterator.aclose()
+        with contextlib.suppress(Exception):
+            await self.gateway.engine.abort(self.generation.request_id)
+
+    def _take(self, delta: GenerationDelta) -> str:
+        if delta.raw is not None:
+            self.chunks.append(delta.raw)
+            self.upstream_id = self.upstream_id or delta.raw.get("id")
+        if delta.text:
+            now = time.perf_counter()
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+        self.totals.add(delta)
+        return delta.text
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text pieces (and, when relaying, one item per upstream chunk, "" if it has no text); records
+        finish reason, counts and metrics from the final delta."""
+        if self._iterator is None:
+            await self.start()
+        try:
+            if self._first is not None:
+                first, self._first = self._first, None
+                text = self._take(first)
+                if text or first.raw is not None:  # relayed chunks go out as they come, text or not
+                    yield text
+            if not self.totals.finished:
+                async for delta in self._iterator:
+                    text = self._take(delta)
+                    if text or delta.raw is not None:
+                        yield text
+        finally:
+            if not self.totals.finished:
+                await self._stop_engine()
+
+    def relayed_chunks(self) -> list[dict[str, Any]]:
+        """Upstream chunks not yet sent to a streaming client (taken: each is sent once)."""
+        chunks, self.chunks = self.chunks, []
+        return chunks
+
+    def usage_body(self, usage: Usage) -> dict[str, Any]:
+        """`usage` as the client gets it: the upstream's own object plus `ctxgate` when relaying."""
+        if self.relayed and self.totals.upstream_usage:
+            return {**self.totals.upstream_usage, "ctxgate": usage.model_extra.get("ctxgate")}
+        return usage.model_dump()
+
+    async def drain(self) -> None:
+        """Run the request to the end, keeping only what `totals` records."""
+        async for _ in self.deltas():
+            pass
+
+    def observe_latency(self, endpoint: str) -> None:
+        metrics = self.gateway.metrics
+        started = self.prepared.received_at
+        if self.first_token_at is not None:
+            metrics.ttft_seconds.observe(self.first_token_at - started)
+            if self.totals.completion_tokens > 1 and self.last_token_at is not None:
+                metrics.tpot_seconds.observe(
+                    (self.last_token_at - self.first_token_at) / (self.totals.completion_tokens - 1)
+                )
+        metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+
+
+async def _bounded(iterator: AsyncIterator[Any], timeout_s: float | None, started: float) -> AsyncIterator[Any]:
+    """`iterator`, raising TimeoutError once `timeout_s` has passed since `started` (perf_counter)."""
+    try:
+        if timeout_s is None:
+            async for item in iterator:
+                yield item
+            return
+        loop = asyncio.get_running_loop()
+        # One deadline on the loop's clock; a timer per token (asyncio.timeout_at) instead of a new
+        # task per token (asyncio.wait_for), which showed in the per-token cost of streaming.
+        deadline = loop.time() + started + timeout_s - time.perf_counter()
+        while True:
+            if loop.time() >= deadline:
+                raise TimeoutError(f"the request took longer than {timeout_s:g}s")
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await anext(iterator)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise TimeoutError(f"the request took longer than {timeout_s:g}s") from None
+            yield item
+    finally:
+        with contextlib.suppress(Exception):
+            await iterator.aclose()  # closing the wrapper closes the engine stream (frees its blocks)
+
+
+async def complete(request: Request, run: Generation, writer: ResponseWriter) -> JSONResponse:
+    gateway, prepared = run.gateway, run.prepared
+    try:
+        await unless_disconnected(request, run.drain())
+    except ClientDisconnected:  # generation was cancelled (which aborted it upstream): bill what ran
+        await gateway.settle(prepared, run.totals, count_metrics=False)
+        raise
+    except Exception as exc:
+        if run.first_token_at is None:
+            await gateway.release(prepared)  # the backend did no work: give the quota back
+        else:
+            await gateway.settle(prepared, run.totals, count_metrics=False)
+        raise gateway.engine_error(exc) from None
+    usage = await gateway.settle(prepared, run.totals)
+    run.observe_latency(request.url.path)
+    if run.relayed:  # the upstream's answer as it is; only the model name (rewritten going up) and usage
+        whole = fold_chunks(run.chunks, writer.chat) | {"model": writer.model, "usage": run.usage_body(usage)}
+        return JSONResponse(whole)
+    return JSONResponse(writer.whole(run.totals.text, run.totals.finish_reason or "stop", usage))
+
+
+async def stream(run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool) -> StreamingResponse:
+    try:
+        await run.start()
+    except Exception as exc:
+        await run.gateway.release(run.prepared)  # refused before any work: give the quota back
+        raise run.gateway.engine_error(exc) from None
+    return event_stream_response(_events(run, writer, endpoint, include_usage))
+
+
+async def _events(run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool) -> AsyncIterator[str]:
+    gateway, prepared = run.gateway, run.prepared
+    settled = False
+    try:
+        for event in [] if run.relayed else writer.opening():
+            yield event
+        try:
+            async for text in run.deltas():
+                if not run.relayed and text:
+                    yield writer.text(text)
+                for chunk in run.relayed_chunks():
+                    yield _relay(chunk, writer)
+        except Exception as exc:  # headers are sent: report in-band, as OpenAI does
+            yield sse_event(gateway.engine_error(exc).body())
+            yield DONE
+            return
+        usage = await gateway.settle(prepared, run.totals)
+        settled = True
+        run.observe_latency(endpoint)
+        for chunk in run.relayed_chunks():  # chunks after the last text (tool calls, the finish reason)
+            yield _relay(chunk, writer)
+        if not run.relayed:
+            yield writer.finish(run.totals.finish_reason or "stop")
+        if include_usage and run.relayed:  # the upstream's envelope (id, created), the gateway's usage
+            yield sse_event({"id": run.upstream_id or writer.response_id,
+                             "object": "chat.completion.chunk" if writer.chat else "text_completion",
+                             "created": writer.created, "model": writer.model,
+                             "choices": [], "usage": run.usage_body(usage)})
+        elif include_usage:
+            yield writer.usage(usage)
+        yield DONE
+    finally:
+        if not settled:
+            await asyncio.shield(gateway.settle(prepared, run.totals, count_metrics=False))
+
+
+def _relay(chunk: dict[str, Any], writer: ResponseWriter) -> str:
+    """An upstream chunk as it came, under the model name the client asked for; usage is sent once,
+    at the end, with the gateway's accounting added."""
+    return sse_event({key: value for key, value in chunk.items() if key != "usage"} | {"model": writer.model})

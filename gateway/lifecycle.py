@@ -1,0 +1,146 @@
+"""The gateway's life: start the engine, poll policy and key files, load the embedder, shut down.
+
+Shutdown order: stop the file watcher and the embedder load, close the quota store and the
+pipeline, then the engine if the gateway owns it; a request still draining never loses its engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from gateway.service import Gateway
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    gateway: Gateway = app.state.gateway
+    gateway.engine.start()
+    await gateway.engine.check_health()
+    watcher = asyncio.create_task(watch_files(gateway), name="ctxgate-reload")
+    embedder_load = app.state.embedder_load = EmbedderLoad(gateway)
+    warm_up = asyncio.create_task(embedder_load.run(), name="ctxgate-embedder-load")
+    try:
+        yield
+    finally:
+        warm_up.cancel()
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        # Before the engine stops: a warm-up call waiting on the engine's thread finishes there.
+        await embedder_load.stop()
+        await gateway.store.close()
+        close_pipeline = getattr(gateway.pipeline, "close", None)
+        if close_pipeline is not None:
+            close_pipeline()
+        if app.state.owns_engine:
+            await gateway.engine.stop()
+
+
+class EmbedderLoad:
+    """Loads the embedding model (and starts its process) on a thread of its own at startup, and runs
+    it once on each shape it will meet (`Embedder.warm_up`), so the first compressing requests pay for
+    neither; a request that comes sooner waits for the same load, not for the warm-up.
+
+    Not asyncio.to_thread: shutdown must not wait for the whole load (on a busy 2-core machine
+    loading the model and starting its process can outlast a supervisor's stop timeout), so `stop`
+    ends the warm-up between two calls and waits two seconds at most. A daemon thread still inside
+    torch when the interpreter finalizes aborts the process ("terminate called without an active
+    exception", exit -6 after a clean drain), so `ctxgate serve` skips finalization while the thread
+    runs (`exit_if_still_loading`).
+    """
+
+    STOP_TIMEOUT_S = 2.0
+
+    def __init__(self, gateway: Gateway):
+        self.services = getattr(gateway.pipeline, "services", None)
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    async def run(self) -> None:
+        if self.services is None:
+            return
+        loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            # Running from here on: cancelling the awaiting task at shutdown no longer cancels
+            # `loaded`, so setting its result below cannot fail.
+            loaded.set_running_or_notify_cancel()
+            try:
+                self._load()
+            except Exception as exc:  # the first request that needs it will report the error too
+                loaded.set_exception(exc)
+            else:
+                loaded.set_result(None)
+
+        self.thread = threading.Thread(target=run, name="ctxgate-embedder-load", daemon=True)
+        self.thread.start()
+        try:
+            await asyncio.wrap_future(loaded)
+        except Exception:
+            logger.exception("loading the embedding model failed")
+
+    def _load(self) -> None:
+        from backend import openmp
+        from compression.text import normalize_for_dedup
+
+        if self.stopping.is_set():
+            return
+        openmp.limit_calling_thread(1)  # no OpenMP team beside the engine's (backend/openmp.py)
+        started = time.perf_counter()
+        calls = self.services.embedder.warm_up(self.stopping)  # the property loads the model
+        normalize_for_dedup("\u00e9")  # builds its combining-marks table (~0.15 s) before a request does
+        logger.info("embedding model loaded and warmed up (%d calls) in %.1f s", calls, time.perf_counter() - started)
+
+    async def stop(self) -> None:
+        """End the warm-up after its current call and wait a little for the thread."""
+        self.stopping.set()
+        thread = self.thread
+        if thread is not None and thread.is_alive():
+            await asyncio.to_thread(thread.join, self.STOP_TIMEOUT_S)
+
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+
+def exit_if_still_loading(app: FastAPI) -> None:
+    """After a clean shutdown, end the process at once if the embedding model is still loading:
+    interpreter finalization beside a thread in torch aborts (see `EmbedderLoad`). Everything the
+    gateway owns is closed by then; the log is flushed first."""
+    embedder_load = getattr(app.state, "embedder_load", None)
+    if embedder_load is None or not embedder_load.running():
+        return
+    logger.info("the embedding model is still loading; exiting without waiting for it")
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+async def watch_files(gateway: Gateway) -> None:
+    """Poll policies and keys so edits apply within a couple of intervals, no restart needed."""
+    interval = gateway.settings.reload_interval_s
+    ticks = 0
+    while True:
+        await asyncio.sleep(interval)
+        ticks += 1
+        try:
+            if await asyncio.to_thread(gateway.policies.refresh):
+                gateway.metrics.policies_loaded.set(len(gateway.policies.names()))
+            await asyncio.to_thread(gateway.keys.refresh)
+            if gateway.engine.needs_health_check and ticks % 3 == 0:
+                await gateway.engine.check_health()
+        except Exception:  # the watcher must survive anything a file can do to it
+            logger.exception("policy/keys reload failed")

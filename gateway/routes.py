@@ -1,0 +1,181 @@
+"""The gateway's HTTP routes: OpenAI's generation endpoints, ctxgate's own, health and metrics.
+
+Every route that touches tenant data authenticates first; a key sees only what its tenant may use.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from backend.api import GenerationRequest
+from backend.openai_api.errors import APIError
+from backend.openai_api.http import parse_body, parse_body_and_json
+from backend.openai_api.responses import ResponseWriter
+from gateway.generation import Generation, complete, stream
+from gateway.keys import Tenant
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
+from gateway.service import Gateway, Prepared
+from policies.loader import ReloadError
+
+
+def add_routes(app: FastAPI) -> None:
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/ctxgate/policies", policies, methods=["GET"])
+    app.add_api_route("/v1/ctxgate/compress", compress, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def _tenant(request: Request) -> Tenant:
+    return _gateway(request).authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+
+
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+async def ready(request: Request) -> JSONResponse:
+    gateway = _gateway(request)
+    engine_ready = gateway.engine.is_ready() and not request.app.state.admission.draining
+    store_ready = await gateway.store.ping()
+    gateway.metrics.quota_store_up.set(1 if store_ready else 0)
+    body = {"status": "ready" if engine_ready and store_ready else "not ready",
+            "engine": engine_ready, "store": store_ready, "store_kind": gateway.store.name}
+    return JSONResponse(body, status_code=200 if engine_ready and store_ready else 503)
+
+
+async def prometheus_metrics(request: Request) -> Response:
+    gateway = _gateway(request)
+    _check_metrics_key(gateway.settings.metrics_key, request.headers.get("authorization"))
+    payload = generate_latest(gateway.metrics.registry)
+    engine_registry = gateway.engine.metrics_registry
+    if engine_registry is not None:
+        payload += generate_latest(engine_registry)
+    return Response(payload, media_type=CONTENT_TYPE_LATEST)
+
+
+def _check_metrics_key(expected: str | None, authorization: str | None) -> None:
+    """With a metrics key set, /metrics (tenant names, spend, upstream health) needs it as a Bearer
+    token; compared in constant time."""
+    if expected is None:
+        return
+    given = (authorization or "").encode()
+    if not hmac.compare_digest(given, f"Bearer {expected}".encode()):
+        message = "/metrics needs the metrics key (Authorization: Bearer <key>)"
+        raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def models(request: Request) -> dict[str, Any]:
+    tenant = _tenant(request)
+    gateway = _gateway(request)
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "ctxgate",
+         "max_model_len": gateway.engine.max_model_len, "engine_path": gateway.engine.path_info}
+        for name in gateway.allowed_models(tenant)
+    ]}
+
+
+async def policies(request: Request) -> dict[str, Any]:
+    """The policies the caller may name, as they apply. A key sees only its own (no reload errors:
+    those are about files, the operator's business); open mode lists every policy and error. File
+    names only, never the server's directories."""
+    tenant = _tenant(request)
+    gateway = _gateway(request)
+    allowed = gateway.allowed_policies(tenant)
+    listed = [item for item in gateway.policies.loaded() if allowed is None or item.policy.name in allowed]
+    body: dict[str, Any] = {
+        "default": gateway.home_policy_name(tenant),
+        "policies": [
+            {"name": item.policy.name, "loaded_at": item.loaded_at,
+             "effective": gateway.fit_to_model(item.policy).model_dump(mode="json")}
+            | ({} if tenant.bounded else {"file": os.path.basename(item.path)})
+            for item in listed
+        ],
+    }
+    if not tenant.bounded:
+        errors = [_reload_error(err, gateway.policies.directories) for err in gateway.policies.errors()]
+        body |= {"errors": errors, "last_reload_error": errors[-1] if errors else None}
+    return body
+
+
+def _reload_error(error: ReloadError, directories: list[Any]) -> dict[str, Any]:
+    # The loader's messages name files by their full paths: show file names instead.
+    message = error.message
+    for directory in directories:
+        message = message.replace(f"{directory}{os.sep}", "")
+    return {"file": os.path.basename(error.path), "message": message, "at": error.at}
+
+
+async def compress(request: Request) -> dict[str, Any]:
+    tenant = _tenant(request)
+    gateway = _gateway(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    gateway.check_model(body.model, tenant)
+    policy = gateway.resolve_policy(tenant, body.ctxgate)
+    result = await gateway.compress(body, tenant, policy)
+    gateway.encode_checked(result, policy)
+    # Compression is metered like a request that generates nothing: one request, its prompt tokens.
+    await gateway.reserve(tenant, policy, result.prompt_tokens, 0)
+    return {
+        "messages": result.messages,
+        "policy": policy.name,
+        "report": {
+            "original_prompt_tokens": result.original_prompt_tokens,
+            "prompt_tokens": result.prompt_tokens,
+            "saved_tokens": result.saved_tokens,
+            "compression_ms": result.compression_ms,
+            "compression_wait_ms": round(result.wait_ms, 3),
+            "compression_engine_ms": round(result.engine_ms, 3),
+            "message_context": result.message_context,
+            "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
+                        "details": s.details} for s in result.stages],
+        },
+    }
+
+
+async def chat_completions(request: Request) -> Response:
+    tenant = _tenant(request)
+    body, raw = await parse_body_and_json(request, ChatCompletionRequest)
+    prepared = await _gateway(request).prepare_chat(body, tenant, raw)
+    return await _answer(request, body, prepared, messages=prepared.result.messages)
+
+
+async def completions(request: Request) -> Response:
+    tenant = _tenant(request)
+    body, raw = await parse_body_and_json(request, CompletionRequest)
+    prepared = await _gateway(request).prepare_completion(body, tenant, raw)
+    return await _answer(request, body, prepared, messages=None)
+
+
+async def _answer(
+    request: Request, body: GatewayRequest, prepared: Prepared, messages: list[dict[str, Any]] | None
+) -> Response:
+    """Run the prepared request on the engine and answer whole or streamed, as the client asked."""
+    gateway = _gateway(request)
+    generation = GenerationRequest(
+        request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+        sampling=prepared.sampling, priority=prepared.priority,
+        cache_salt=gateway.cache_salt(prepared.tenant.name),
+        messages=messages, prompt_text=prepared.prompt_text, forward=prepared.forward,
+    )
+    writer = ResponseWriter(prepared.request_id, body.model, prepared.created,
+                            chat=isinstance(body, ChatCompletionRequest))
+    run = Generation(gateway, prepared, generation)
+    if body.stream:
+        return await stream(run, writer, request.url.path, body.usage_wanted())
+    return await complete(request, run, writer)
+
+
