@@ -28,7 +28,7 @@ def tokenizer(model_dir):
 @pytest.fixture
 def redis_server(tmp_path):
     """A real redis-server on a free port, in this test's temporary folder."""
-    from tests.gateway.conftest import RedisServer
+    from tests.support.redis import RedisServer
 
     server = RedisServer(tmp_path)
     server.start()

@@ -8,7 +8,8 @@ import uuid
 import pytest
 
 from backend.api import EngineError, GenerationRequest, SamplingParams
-from tests.backend.engine_server import metric_value, wait_until_pool_free
+from tests.support.metrics import metric_value
+from tests.support.waiting import wait_until_engine_idle
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ async def test_generate_streams_to_a_final_delta(engine):
     assert final.prompt_tokens == len(request.prompt_token_ids)
     assert final.metrics is not None and final.metrics.ttft_ms > 0
     assert all(d.finish_reason is None for d in deltas[:-1])
-    wait_until_pool_free(engine)
+    wait_until_engine_idle(engine)
 
 
 async def test_explicit_abort_ends_the_stream_and_frees_blocks(engine):
@@ -54,11 +55,11 @@ async def test_explicit_abort_ends_the_stream_and_frees_blocks(engine):
             await engine.abort(request.request_id)
     assert deltas[-1].finish_reason == "abort"
     assert sum(len(d.token_ids) for d in deltas) < 200
-    await asyncio.to_thread(wait_until_pool_free, engine)
+    await asyncio.to_thread(wait_until_engine_idle, engine)
 
 
 async def test_consumer_leaving_aborts(engine):
-    await asyncio.to_thread(wait_until_pool_free, engine)
+    await asyncio.to_thread(wait_until_engine_idle, engine)
     before = _finished_counts(engine)
     request = _request(engine, "Another long tale:", max_tokens=200)
     stream = engine.generate(request)
@@ -66,7 +67,7 @@ async def test_consumer_leaving_aborts(engine):
     await stream.aclose()  # what a disconnecting HTTP client does to the server's generator
     # A free pool alone would also follow a request that ran all 200 tokens: the counters tell
     # that the engine aborted it, and the token count that it stopped early.
-    await asyncio.to_thread(wait_until_pool_free, engine)
+    await asyncio.to_thread(wait_until_engine_idle, engine)
     after = _finished_counts(engine)
     assert after["abort"] == before["abort"] + 1
     assert after["length"] == before["length"] and after["stop"] == before["stop"]
@@ -113,11 +114,11 @@ async def test_bounded_waiting_queue_refuses_with_503(engine):
     outcomes = await asyncio.gather(*(run(r) for r in requests))
     assert outcomes.count(503) >= 1
     assert "length" in outcomes
-    await asyncio.to_thread(wait_until_pool_free, engine)
+    await asyncio.to_thread(wait_until_engine_idle, engine)
 
 
 async def test_idle_engine_thread_sleeps(engine):
-    await asyncio.to_thread(wait_until_pool_free, engine)
+    await asyncio.to_thread(wait_until_engine_idle, engine)
     thread_ids = {engine._thread.native_id}
     before = _thread_cpu_seconds(thread_ids)
     await asyncio.sleep(0.5)
@@ -156,7 +157,7 @@ async def test_jobs_run_on_the_engine_thread_between_steps(engine):
     assert job_threads == ["ctxgate-engine"]
     assert deltas[-1].finish_reason == "length"
     assert sum(len(d.token_ids) for d in deltas) == 40
-    await asyncio.to_thread(wait_until_pool_free, engine)
+    await asyncio.to_thread(wait_until_engine_idle, engine)
 
 
 async def test_a_failing_job_fails_its_future_not_the_engine(engine):

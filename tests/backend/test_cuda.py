@@ -137,7 +137,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(make_engine, tokeniz
 def test_client_disconnect_frees_blocks(model_dir):
     from backend.async_engine import AsyncEngine
     from backend.config import EngineConfig
-    from tests.backend.engine_server import wait_until_pool_free
+    from tests.support.waiting import wait_until_engine_idle
 
     engine = AsyncEngine(EngineConfig(model=str(model_dir), device="cuda", kv_cache_memory_mb=64, max_model_len=1024))
     try:
@@ -152,7 +152,7 @@ def test_client_disconnect_frees_blocks(model_dir):
             await stream.aclose()  # what a disconnecting HTTP client does to the server's generator
 
         asyncio.run(leave_after_first_delta())
-        wait_until_pool_free(engine)
+        wait_until_engine_idle(engine)
     finally:
         engine.shutdown()
 

@@ -8,7 +8,9 @@ import httpx
 import openai
 import pytest
 
-from tests.backend.engine_server import metric_value, running_server, wait_until_pool_free
+from tests.support.metrics import metric_value
+from tests.support.servers import serve_engine
+from tests.support.waiting import wait_until_engine_idle
 
 MAX_MODEL_LEN = 256
 
@@ -27,7 +29,7 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def base_url(engine):
-    with running_server(engine) as url:
+    with serve_engine(engine) as url:
         yield url
 
 
@@ -154,7 +156,7 @@ def test_prefix_cache_hits_and_salt_isolation(base_url, client, engine):
 
 
 def test_client_disconnect_mid_stream_frees_blocks(base_url, client, engine):
-    wait_until_pool_free(engine)
+    wait_until_engine_idle(engine)
     metrics_url = base_url + "/metrics"
     aborts_before = metric_value(httpx.get(metrics_url).text, "ctxgate:request_success_total",
                                  finished_reason="abort")
@@ -169,14 +171,14 @@ def test_client_disconnect_mid_stream_frees_blocks(base_url, client, engine):
         if received >= 2:
             break
     stream.close()
-    wait_until_pool_free(engine)
+    wait_until_engine_idle(engine)
     aborts_after = metric_value(httpx.get(metrics_url).text, "ctxgate:request_success_total",
                                 finished_reason="abort")
     assert aborts_after == aborts_before + 1
 
 
 def test_client_disconnect_non_streamed_frees_blocks(base_url, engine):
-    wait_until_pool_free(engine)
+    wait_until_engine_idle(engine)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             base_url + "/v1/completions",
@@ -184,7 +186,7 @@ def test_client_disconnect_non_streamed_frees_blocks(base_url, engine):
                   "ignore_eos": True},
             timeout=httpx.Timeout(10, read=0.5),
         )
-    wait_until_pool_free(engine)
+    wait_until_engine_idle(engine)
 
 
 def _post(base_url: str, path: str, **kwargs) -> httpx.Response:
@@ -260,7 +262,7 @@ def test_unknown_model_is_404(client, base_url):
 ])
 def test_unsupported_fields_are_400_naming_them_or_dropped_with_the_flag(base_url, engine, path, fields, param):
     from backend.server import create_app
-    from tests.gateway.conftest import ServerThread
+    from tests.support.servers import ServerThread
 
     body = {"max_tokens": 1} | fields | (
         {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "One, two,"})
@@ -273,7 +275,7 @@ def test_unsupported_fields_are_400_naming_them_or_dropped_with_the_flag(base_ur
 
 def test_api_key_guards_v1_but_not_health(engine):
     from backend.server import create_app
-    from tests.gateway.conftest import ServerThread
+    from tests.support.servers import ServerThread
 
     with ServerThread(create_app(engine, manage_engine=False, api_key="k1")) as keyed:
         assert httpx.get(keyed.url + "/v1/models", timeout=30).status_code == 401

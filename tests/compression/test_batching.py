@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from compression.batching import EmbedBatcher
 from compression.types import CompressionInput, Document
 from policies.schema import Policy
+from tests.support.waiting import eventually
 
 
 class RecordingEncode:
@@ -34,10 +34,7 @@ class RecordingEncode:
 
 
 def wait_until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
+    eventually(condition, timeout_s=timeout_s, interval_s=0.005)
 
 
 def test_calls_waiting_while_the_model_runs_share_one_batch_and_each_gets_its_rows():

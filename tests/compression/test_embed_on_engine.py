@@ -9,6 +9,8 @@ import threading
 import numpy as np
 import pytest
 
+from tests.support.waiting import eventually
+
 TEXTS = ["The river Vey runs north.", "Ida Holm is the mayor of Arlen.", "Photosynthesis needs light."]
 
 
@@ -114,7 +116,6 @@ def test_warm_up_runs_each_shape_as_an_engine_job(engine, own_embedder, monkeypa
 def test_calls_that_wait_for_the_engine_together_share_one_forward_pass(engine, own_embedder):
     """A burst of cold requests: their calls queue while the engine's thread is busy, then run as
     one pass on it, each caller with the vectors it would have got alone."""
-    import time
 
     alone = {text: own_embedder._encode_now([text])[0] for text in TEXTS}
     own_embedder.use_runner(engine.run_between_steps)
@@ -134,10 +135,8 @@ def test_calls_that_wait_for_the_engine_together_share_one_forward_pass(engine, 
     threads = [threading.Thread(target=call, args=(text,)) for text in TEXTS]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 30
-    while len(own_embedder._engine_jobs._pending) < len(TEXTS):
-        assert time.monotonic() < deadline, "the calls never queued"
-        time.sleep(0.005)
+    eventually(lambda: len(own_embedder._engine_jobs._pending) >= len(TEXTS), timeout_s=30, interval_s=0.005,
+               message="the calls never queued")
     release.set()
     for thread in threads:
         thread.join(timeout=30)

@@ -6,7 +6,7 @@ import json
 
 from ctxgate.cli import main
 from eval.bench_engine import WORKLOADS, make_prompt_messages, scaled_workload
-from tests.backend.engine_server import running_server
+from tests.support.servers import serve_engine
 
 TINY = ["--num-requests", "2", "--prompt-tokens", "40", "--output-tokens", "3", "--max-attempts", "1"]
 
@@ -43,7 +43,7 @@ def test_bench_engine_url_mode(tmp_path, model_dir):
 
     engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, max_model_len=128))
     out_dir = tmp_path / "bench"
-    with running_server(engine) as url:
+    with serve_engine(engine) as url:
         # The same server once more as a "peer": the interleaved side-by-side mode.
         code = main(["bench", "engine", "--url", url, "--peer", f"again={url}", "--workloads", "W2", *TINY,
                      "--no-baseline", "--out", str(out_dir), "--model", str(model_dir)])
@@ -118,7 +118,7 @@ def test_bench_engine_url_mode_with_api_key(tmp_path, model_dir, capsys):
     from gateway.app import create_app
     from gateway.keys import hash_key
     from gateway.settings import GatewaySettings
-    from tests.gateway.conftest import ServerThread
+    from tests.support.servers import ServerThread
 
     keys = tmp_path / "keys.yaml"
     keys.write_text(yaml.safe_dump({"tenants": {"bench": {"keys": [{"sha256": hash_key("cg-bench-key")}]}}}))

@@ -9,7 +9,7 @@ import yaml
 from gateway.app import create_app
 from gateway.keys import add_key, hash_key
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import ServerThread, write_policy
+from tests.support.servers import ServerThread, write_policy
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from ctxgate.cli import build_parser, parse_args
 from gateway.cli import resolve_serve_args
 from gateway.config_file import ConfigError, CtxgateConfig, interpolate, load_config
 from gateway.keys import hash_key
-from tests.gateway.conftest import free_port, wait_http
+from tests.support.servers import free_port, wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import ServerThread, write_policy
+from tests.support.servers import ServerThread, write_policy
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "Say hi."}]

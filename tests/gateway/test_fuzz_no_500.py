@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import write_policy
+from tests.support.servers import write_policy
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),

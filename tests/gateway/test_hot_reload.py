@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import ServerThread, write_policy
+from tests.support.servers import ServerThread, write_policy
+from tests.support.waiting import eventually
 
 PASSAGE = "Paris is the capital of France and its largest city, on the Seine. " * 3
 
@@ -45,13 +45,7 @@ def _effective(server) -> dict:
 
 
 def _wait_for(predicate, timeout_s: float = 5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not met within 5 s")
+    return eventually(predicate, timeout_s=timeout_s, interval_s=0.1)
 
 
 def test_valid_edit_applies_and_invalid_edit_keeps_old_policy(server):

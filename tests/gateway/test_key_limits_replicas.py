@@ -22,7 +22,8 @@ import yaml
 
 from gateway.keys import hash_key
 from tests.gateway.clock import in_one_minute
-from tests.gateway.conftest import RedisServer, ServerThread, free_port, wait_http, write_policy
+from tests.support.redis import RedisServer
+from tests.support.servers import ServerThread, free_port, wait_http, write_policy
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "ctxgate-test"

@@ -22,7 +22,7 @@ from backend.server import create_app as create_engine_app
 from gateway.app import create_app
 from gateway.keys import hash_key
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import ServerThread, write_policy
+from tests.support.servers import ServerThread, write_policy
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "ctxgate-test"

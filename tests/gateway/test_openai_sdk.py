@@ -10,7 +10,7 @@ from openai import OpenAI
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import ServerThread, write_policy
+from tests.support.servers import ServerThread, write_policy
 
 SMALL_POLICY = """
 name: small

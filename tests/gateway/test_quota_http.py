@@ -10,7 +10,7 @@ import pytest
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from tests.gateway.clock import FakeClock
-from tests.gateway.conftest import ServerThread, write_policy
+from tests.support.servers import ServerThread, write_policy
 
 START = 1_700_000_040.0 + 5  # 5 s into a minute, far from the end of the UTC day
 

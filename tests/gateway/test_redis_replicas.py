@@ -21,7 +21,9 @@ import yaml
 
 from gateway.keys import hash_key
 from tests.gateway.clock import in_one_minute
-from tests.gateway.conftest import RedisServer, free_port, wait_http, write_policy
+from tests.support.redis import RedisServer
+from tests.support.servers import free_port, wait_http, write_policy
+from tests.support.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "ctxgate-test"
@@ -162,10 +164,8 @@ def test_redis_outage_follows_on_store_error_then_recovers(gateways, redis_modul
     finally:
         redis_module.start()  # same port, empty data
 
-    deadline = time.monotonic() + 10
-    while asyncio.run(call(second, "deny")).status_code != 200:
-        assert time.monotonic() < deadline, "gateway did not recover after Redis came back"
-        time.sleep(0.2)
+    eventually(lambda: asyncio.run(call(second, "deny")).status_code == 200, timeout_s=10, interval_s=0.2,
+               message="gateway did not recover after Redis came back")
     assert asyncio.run(call(first, "allow")).status_code == 200
     assert _counted(redis_module.url, "allow") > 0  # counted in the restarted (empty) Redis again
     assert "ctxgate:quota_store_up 1.0" in httpx.get(f"{first}/metrics").text

@@ -6,7 +6,7 @@ import httpx
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import ServerThread
+from tests.support.servers import ServerThread
 
 
 def test_retrieval_from_an_index_and_unknown_index(engine, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from gateway.tokenizers import TiktokenTokenizer, load_counting_tokenizer
-from tests.gateway.conftest import free_port, wait_http
+from tests.support.servers import free_port, wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "engine-secret"

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.conftest import free_port, wait_http
+from tests.support.servers import free_port, wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import ServerThread, engine  # noqa: F401 (the session's real engine)
+from tests.gateway.conftest import engine  # noqa: F401 (the session's real engine)
+from tests.support.servers import ServerThread
 from tests.town_facts import TOWN_FACTS, TOWN_QUESTION
 
 MODEL = "SmolLM2-135M-Instruct"

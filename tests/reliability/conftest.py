@@ -6,12 +6,11 @@ queueing are reached with a handful of short requests on two CPU cores.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.gateway.conftest import ServerThread, free_port, wait_http, write_policy  # noqa: F401 (re-exported)
+from tests.support.servers import write_policy
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 # 24 blocks x 16 tokens = 384 tokens of KV for everything running at once.
@@ -65,15 +64,3 @@ def gateway_settings(root: Path, **overrides):
 def chat_body(content: str = "Say hi.", max_tokens: int = 4, **extra) -> dict:
     return {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, **extra}
-
-
-def wait_until_idle(engine, timeout_s: float = 60.0) -> None:
-    """No request running or waiting and every KV block back in the pool (cached blocks count as free)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_free == stats.num_kv_blocks_total:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"engine not idle / KV blocks leaked: {stats}")
-        time.sleep(0.05)

@@ -31,13 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     from backend.async_engine import AsyncEngine
     from backend.model_prepare import prepare_default_model
     from gateway.app import create_app
-    from tests.reliability.conftest import (
-        ServerThread,
-        gateway_settings,
-        small_engine_config,
-        wait_until_idle,
-    )
+    from tests.reliability.conftest import gateway_settings, small_engine_config
     from tests.reliability.loadgen import measure_capacity, merge_reports, rss_bytes, run_load
+    from tests.support.servers import ServerThread
+    from tests.support.waiting import wait_until_engine_idle
 
     engine = AsyncEngine(small_engine_config(prepare_default_model()), max_waiting_requests=4)
     with tempfile.TemporaryDirectory() as root:
@@ -46,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             capacity = asyncio.run(measure_capacity(server.url, concurrency=4, num_requests=8, max_tokens=8))
             asyncio.run(run_load(server.url, rate_per_s=args.factor * capacity, max_requests=12, duration_s=10,
                                  seed=args.seed + 1))
-            wait_until_idle(engine)
+            wait_until_engine_idle(engine)
             rss_start = rss_bytes()
             started = time.monotonic()
             # Three equal segments, RSS after each: growth that continues after the first is a leak.
@@ -58,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 rss_after.append(round(rss_bytes() / 2**20, 1))
             report = merge_reports(segments)
             try:
-                wait_until_idle(engine, timeout_s=60)
+                wait_until_engine_idle(engine, timeout_s=60)
             except AssertionError as exc:
                 print(exc, file=sys.stderr)
             stats = engine.stats()

@@ -15,19 +15,11 @@ import pytest
 
 from backend.api import GenerationRequest, Priority, SamplingParams
 from gateway.app import create_app
-from tests.gateway.conftest import RedisServer
-from tests.reliability.conftest import (
-    MODEL_NAME,
-    RELIABILITY_POLICY,
-    ServerThread,
-    chat_body,
-    free_port,
-    gateway_settings,
-    wait_http,
-    wait_until_idle,
-    write_policy,
-)
+from tests.reliability.conftest import MODEL_NAME, RELIABILITY_POLICY, chat_body, gateway_settings
 from tests.reliability.loadgen import run_load
+from tests.support.redis import RedisServer
+from tests.support.servers import ServerThread, free_port, wait_http, write_policy
+from tests.support.waiting import eventually, wait_until_engine_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,7 +53,7 @@ def test_engine_out_of_kv_blocks_preempts_instead_of_failing(small_engine, token
     stats = small_engine.stats()
     assert stats.num_preemptions > stats_before.num_preemptions
     assert sum(final.metrics.preemptions for final, _ in results) > 0
-    wait_until_idle(small_engine)
+    wait_until_engine_idle(small_engine)
 
 
 # -- a policy file corrupted while serving --------------------------------------------------------
@@ -88,12 +80,9 @@ def test_policy_corrupted_while_serving_keeps_old_policy(small_engine, tmp_path)
         assert listing["last_reload_error"] and "rel.yaml" in listing["last_reload_error"]["file"]
         # Repaired file: applies again.
         write_policy(policy_dir, "rel", RELIABILITY_POLICY.replace("max_input_tokens: 256", "max_input_tokens: 200"))
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{server.url}/v1/ctxgate/policies").json()["policies"][0]["effective"][
-                "max_input_tokens"] != 200:
-            assert time.monotonic() < deadline, "repaired policy not reloaded"
-            time.sleep(0.2)
-    wait_until_idle(small_engine)
+        eventually(lambda: httpx.get(f"{server.url}/v1/ctxgate/policies").json()["policies"][0]["effective"][
+            "max_input_tokens"] == 200, timeout_s=10, interval_s=0.2, message="repaired policy not reloaded")
+    wait_until_engine_idle(small_engine)
 
 
 # -- an upstream engine process killed mid-stream -------------------------------------------------
@@ -176,10 +165,8 @@ def test_redis_killed_mid_load_then_recovers(small_engine, tmp_path):
             # on_store_error: allow -> every request is served through the outage, none fails.
             assert report.problems == [] and report.errors_5xx == 0, report.figures()
             assert report.completed + report.aborted == report.sent
-            deadline = time.monotonic() + 10
-            while httpx.get(f"{server.url}/ready").status_code != 200:
-                assert time.monotonic() < deadline, "store did not come back"
-                time.sleep(0.2)
+            eventually(lambda: httpx.get(f"{server.url}/ready").status_code == 200, timeout_s=10, interval_s=0.2,
+                       message="store did not come back")
             metrics = httpx.get(f"{server.url}/metrics").text
             assert 'ctxgate:quota_store_errors_total{action="allow"}' in metrics
             ok = httpx.post(f"{server.url}/v1/chat/completions", json=chat_body(max_tokens=2), timeout=60)
@@ -190,4 +177,4 @@ def test_redis_killed_mid_load_then_recovers(small_engine, tmp_path):
             assert keys, "the ledger is written to Redis again after recovery"
     finally:
         redis_server.stop()
-    wait_until_idle(small_engine)
+    wait_until_engine_idle(small_engine)

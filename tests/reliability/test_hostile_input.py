@@ -12,7 +12,9 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from tests.reliability.conftest import MODEL_NAME, ServerThread, chat_body, gateway_settings, wait_until_idle
+from tests.reliability.conftest import MODEL_NAME, chat_body, gateway_settings
+from tests.support.servers import ServerThread
+from tests.support.waiting import wait_until_engine_idle
 
 pytestmark = pytest.mark.timeout(400)
 MAX_BODY_BYTES = 256 * 1024
@@ -122,7 +124,7 @@ def test_huge_bodies_are_refused_with_413(hostile_gateway):
 def test_engine_survived_the_hostile_list(hostile_gateway, small_engine):
     response = httpx.post(f"{hostile_gateway.url}/v1/chat/completions", json=chat_body(max_tokens=2), timeout=120)
     assert response.status_code == 200, response.text
-    wait_until_idle(small_engine)
+    wait_until_engine_idle(small_engine)
     assert small_engine.is_ready()
 
 
@@ -187,7 +189,7 @@ def test_schemathesis_finds_no_500(hostile_gateway, small_engine):
     assert total >= 200
     assert counts.get("POST /v1/chat/completions positive", 0) >= 30
     assert statuses.get(200, 0) >= 10, "valid bodies must reach the model too"
-    wait_until_idle(small_engine)
+    wait_until_engine_idle(small_engine)
 
 
 def _fuzz_operation(operation, mode, url: str, counts: dict[str, int], failures: list[str],

@@ -11,7 +11,9 @@ import pytest
 from gateway.admission import AdmissionController, Overloaded
 from gateway.app import create_app
 from gateway.keys import add_key
-from tests.reliability.conftest import ServerThread, chat_body, gateway_settings, wait_until_idle
+from tests.reliability.conftest import chat_body, gateway_settings
+from tests.support.servers import ServerThread
+from tests.support.waiting import wait_until_engine_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,7 +48,7 @@ def test_prefix_cache_never_crosses_tenants(tenants_gateway, small_engine):
     assert _cached_tokens(tenants_gateway, "alpha", prompt) >= 32  # same tenant: the prefix is reused
     assert _cached_tokens(tenants_gateway, "beta", prompt) == 0  # other tenant: a miss, never a hit
     assert _cached_tokens(tenants_gateway, "beta", prompt) >= 32  # its own cache works
-    wait_until_idle(small_engine)
+    wait_until_engine_idle(small_engine)
 
 
 def test_history_summaries_are_keyed_per_tenant():
@@ -129,7 +131,7 @@ def test_gateway_overload_answer_is_503_with_retry_after(small_engine, tmp_path)
         # Health and metrics are never queued behind generation.
         assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
         assert 'status="503"' in httpx.get(f"{server.url}/metrics", timeout=5).text
-    wait_until_idle(small_engine)
+    wait_until_engine_idle(small_engine)
 
 
 def test_request_timeout_is_a_clean_504_and_frees_the_engine(small_engine, tmp_path):
@@ -152,4 +154,4 @@ def test_request_timeout_is_a_clean_504_and_frees_the_engine(small_engine, tmp_p
         if status != 504:  # 504: timed out before the first token, still an HTTP status
             assert status == 200 and lines[-1] == "data: [DONE]"
             assert '"timeout"' in lines[-2]  # timed out mid-stream: a clean in-band error event
-    wait_until_idle(small_engine, timeout_s=30)
+    wait_until_engine_idle(small_engine, timeout_s=30)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from gateway.app import create_app
-from tests.reliability.conftest import ServerThread, gateway_settings, wait_until_idle
+from tests.reliability.conftest import gateway_settings
 from tests.reliability.loadgen import measure_capacity, rss_bytes, run_load
+from tests.support.servers import ServerThread
+from tests.support.waiting import eventually, wait_until_engine_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,7 +34,7 @@ def test_twice_capacity_sheds_load_and_leaks_nothing(loaded_gateway, small_engin
     capacity = asyncio.run(measure_capacity(url, concurrency=4, num_requests=8, max_tokens=8))
     # Second warm-up round at load so allocator caches and pools reach their steady size.
     asyncio.run(run_load(url, rate_per_s=2 * capacity, max_requests=12, duration_s=10, seed=1))
-    wait_until_idle(small_engine)
+    wait_until_engine_idle(small_engine)
     rss_start = rss_bytes()
 
     report = asyncio.run(run_load(url, rate_per_s=2 * capacity, max_requests=60, duration_s=25, seed=2))
@@ -46,12 +47,10 @@ def test_twice_capacity_sheds_load_and_leaks_nothing(loaded_gateway, small_engin
     assert report.accepted == report.completed + report.aborted
     assert report.sent == report.accepted + report.rejected_503 + report.rejected_429
     # Everything accepted has finished or been aborted: no request left running, every KV block free.
-    wait_until_idle(small_engine, timeout_s=30)
-    deadline = time.monotonic() + 20  # handlers may still be writing their last bytes
-    while admission.in_flight and time.monotonic() < deadline:
-        time.sleep(0.1)
-    print(f"admission drained {20 - (deadline - time.monotonic()):.1f}s after the engine went idle")
-    assert admission.in_flight == 0 and admission.stats().queued == 0, admission.stats()
+    wait_until_engine_idle(small_engine, timeout_s=30)
+    # Handlers may still be writing their last bytes.
+    eventually(lambda: admission.in_flight == 0, timeout_s=20, interval_s=0.1, message=lambda: str(admission.stats()))
+    assert admission.stats().queued == 0, admission.stats()
     stats = small_engine.stats()
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
     assert small_engine.engine.sequences == {}  # no finished or aborted request left behind

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from gateway.keys import add_key
-from tests.reliability.conftest import MODEL_NAME, free_port, wait_http, write_policy
+from tests.reliability.conftest import MODEL_NAME
+from tests.support.servers import free_port, wait_http, write_policy
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -24,7 +24,8 @@ from gateway.service import quota_cap, tenant_prices
 from gateway.settings import GatewaySettings
 from policies.loader import packaged_policy_dir, parse_policy
 from tests.gateway.clock import FakeClock, in_one_minute
-from tests.gateway.conftest import ServerThread, engine, free_port, wait_http, write_policy  # noqa: F401
+from tests.gateway.conftest import engine  # noqa: F401
+from tests.support.servers import ServerThread, free_port, wait_http, write_policy
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -272,7 +273,7 @@ def test_upstream_mode_holds_the_quota(backend, files, quota_tokens):
 @pytest.fixture(scope="module")
 def replicas(backend, files, tmp_path_factory):
     """Two `ctxgate serve` processes in upstream mode sharing one real redis-server."""
-    from tests.gateway.conftest import RedisServer
+    from tests.support.redis import RedisServer
 
     redis = RedisServer(tmp_path_factory.mktemp("redis"))
     redis.start()

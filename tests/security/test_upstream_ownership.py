@@ -13,7 +13,7 @@ import pytest
 
 from gateway.keys import Limits, add_key
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import ServerThread
+from tests.support.servers import ServerThread
 
 SALT_SECRET = "test-salt-secret"
 UPSTREAM_KEY = "engine-secret"
