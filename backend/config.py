@@ -95,7 +95,7 @@ class EngineServerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = Field("127.0.0.1", description="bind address")
-    port: int = Field(8001, ge=1, le=65535, description="port")
+    port: int = Field(8001, ge=1, le=65535, description="TCP port to listen on")
     served_model_name: str | None = Field(None, description="model id reported by the API")
     max_waiting_requests: int | None = Field(
         None, ge=1, description="refuse new requests with 503 when this many are already waiting")

@@ -80,7 +80,7 @@ class GatewaySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = Field("127.0.0.1", description="bind address")
-    port: int = Field(8000, ge=1, le=65535, description="port")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
     # The in-process engine's (or the tokenizer's) model directory; `serve` sets it from engine.model.
     model: str | None = Field(None, description="Hugging Face model directory for the in-process engine and the "
                               "tokenizer; default: the packaged model. Configured as engine.model / --model")
