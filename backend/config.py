@@ -1,64 +1,108 @@
-"""Engine configuration: one dataclass shared by the engine, its CLI flags and the benchmarks."""
+"""Engine configuration: the pydantic models behind the engine's flags, its config-file section
+(`engine:`) and the benchmarks. Each field's name, default, constraint and help are defined here once;
+`backend/settings_cli.py` turns them into flags."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from backend.settings_cli import Cli
 
 DEFAULT_CPU_KV_CACHE_MB = 256
 
 
-@dataclass
-class EngineConfig:
-    model: str | None = None  # HF dir; None -> default model via backend.model_prepare.resolve_model_path
-    dtype: str = "auto"  # auto|float32|bfloat16|float16 ; auto = fastest accurate dtype on the device
-    device: str = "auto"  # auto|cpu|cuda
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # if None, derived from kv_cache_memory_mb
-    # KV pool size; None: 256 MiB on CPU, on CUDA what gpu_memory_utilization leaves after the weights.
-    kv_cache_memory_mb: int | None = None
-    # CUDA: the fraction of the GPU's total memory the engine may hold (weights, activations, KV
-    # pool), like vLLM's; what other processes already use counts against it too.
-    gpu_memory_utilization: float = 0.9
-    # Decode CUDA graphs: None = on where they run (CUDA, the cuda attention backend, 16/32-bit
-    # KV); True = required (a start-up error where they cannot run); False = off.
-    cuda_graphs: bool | None = None
-    # CPU decode steps traced into TorchScript, one function per padded batch size: None = on where
-    # they run (the C++ kernels, bfloat16 weights and KV); True = required; False = off.
-    cpu_decode_graphs: bool | None = None
-    kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8
-    # none | int4: decode-sized matmuls read 4-bit weights (groups of 32, asymmetric); the default
-    # model ships as Q4_1, whose grid int4 reproduces up to bfloat16 scale rounding.
-    weight_quant: str = "none"
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 32
-    max_model_len: int | None = None  # default: min(model max positions, 8192)
-    enable_prefix_caching: bool = True
-    ttft_target_ms: float = 1500.0
-    num_threads: int | None = None  # torch.set_num_threads; default os.cpu_count()
-    attention_backend: str = "auto"  # auto|reference|cpu_batched|cuda
+def _known_device(value: str) -> str:
+    if value not in ("auto", "cpu", "cuda") and not value.startswith("cuda:"):
+        raise ValueError(f"device must be auto, cpu or cuda, not {value!r}")
+    return value
+
+
+class EngineConfig(BaseModel):
+    """The built-in engine's configuration."""
+
+    model_config = ConfigDict(extra="forbid")
+    # Flags of one group may not be given together (argparse refuses; the model validator too).
+    EXCLUSIVE: ClassVar[tuple[tuple[str, ...], ...]] = (("num_kv_blocks", "kv_cache_memory_mb"),)
+
+    model: str | None = Field(
+        None, description="Hugging Face model directory; default: the packaged SmolLM2-135M (converted on first use)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weight and activation dtype; auto: what backend/cpu_features.py chooses for this CPU "
+        "(bfloat16 with AVX-512 BF16 or AVX2 kernels, else float32), bfloat16 on CUDA")
+    device: Annotated[str, AfterValidator(_known_device)] = Field("auto", description="auto (cuda when torch sees a GPU), cpu, cuda or cuda:N")
+    block_size: int = Field(16, ge=1, description="tokens per KV-cache block")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV blocks in the pool; default: derived from kv_cache_memory_mb")
+    kv_cache_memory_mb: int | None = Field(
+        None, ge=1, description="KV pool size in MiB; default: 256 on CPU, on CUDA what gpu_memory_utilization leaves "
+        "after the weights")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="CUDA: the fraction of the GPU's total memory the engine may hold (weights, activations, "
+        "KV pool), like vLLM's; what other processes already use counts against it too")
+    cuda_graphs: bool | None = Field(
+        None, description="decode through captured CUDA graphs: unset = on where they run (CUDA, the cuda attention "
+        "backend, 16/32-bit KV); true = required (a start-up error where they cannot run); false = off")
+    cpu_decode_graphs: bool | None = Field(
+        None, description="CPU: decode steps traced into TorchScript, one per padded batch size: unset = on where "
+        "they run (the C++ kernels, bfloat16 weights and KV); true = required; false = off")
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        "auto", description="KV cache storage; auto: the model dtype; int8 halves its memory (per-block, per-head "
+        "scales) for a small accuracy cost")
+    weight_quant: Literal["none", "int4"] = Field(
+        "none", description="int4: decode-sized matmuls read 4-bit weights (groups of 32, asymmetric; bfloat16 "
+        "activations, prefill keeps bfloat16); the default model ships as Q4_1, which int4 reproduces")
+    max_num_batched_tokens: int = Field(512, ge=1, description="token budget of one engine step")
+    max_num_seqs: int = Field(32, ge=1, description="sequences scheduled in one engine step at most")
+    max_model_len: int | None = Field(
+        None, ge=16, description="context window in tokens; default: the smaller of the model's and 8192")
+    enable_prefix_caching: Annotated[bool, Cli(old=("--prefix-caching",))] = Field(
+        True, description="reuse the KV blocks of a prompt prefix already computed (automatic prefix caching)")
+    ttft_target_ms: float = Field(1500.0, gt=0, description="time-to-first-token target the scheduler plans prefill for")
+    num_threads: Annotated[int | None, Cli(old=("--threads",))] = Field(
+        None, ge=1, description="torch CPU threads; default: every core")
+    attention_backend: str = Field(
+        "auto", description="attention implementation: auto (cuda on a GPU, cpu_batched on CPU), reference, "
+        "cpu_batched or cuda")
 
     @property
     def cpu_kv_cache_memory_mb(self) -> int:
         return DEFAULT_CPU_KV_CACHE_MB if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb
 
-    def validate(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
-        if self.weight_quant not in ("none", "int4"):
-            raise ValueError(f"weight_quant must be none or int4, not {self.weight_quant!r}")
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
         if self.weight_quant == "int4" and self.dtype not in ("auto", "bfloat16"):
             raise ValueError("weight_quant int4 runs with bfloat16 activations: use dtype bfloat16 (or auto)")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be auto or int8, not {self.kv_cache_dtype!r}")
-        if self.block_size <= 0:
-            raise ValueError("block_size must be positive")
-        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
-            raise ValueError("num_kv_blocks must be positive")
-        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb <= 0:
-            raise ValueError("kv_cache_memory_mb must be positive")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
+        for names in self.EXCLUSIVE:
+            if sum(getattr(self, name) is not None for name in names) > 1:
+                raise ValueError(f"set {' or '.join(names)}, not both")
+        return self
+
+    def validate(self) -> None:  # type: ignore[override]  # pydantic's deprecated classmethod of this name
+        """Check the current values (callers may have assigned fields since construction)."""
+        type(self).model_validate(self.model_dump())
+
+
+def _engine_api_key() -> str | None:
+    return os.environ.get("CTXGATE_ENGINE_API_KEY") or None
+
+
+class EngineServerSettings(BaseModel):
+    """`ctxgate engine serve`: the HTTP server around the engine (the engine itself: EngineConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8001, ge=1, le=65535, description="TCP port to listen on")
+    served_model_name: str | None = Field(None, description="model id reported by the API")
+    max_waiting_requests: int | None = Field(
+        None, ge=1, description="refuse new requests with 503 when this many are already waiting")
+    vllm_metric_names: bool = Field(
+        False, description="also export the engine's metrics under vLLM's names (vllm:num_requests_waiting, ...)")
+    api_key: str | None = Field(
+        default_factory=_engine_api_key, repr=False,
+        description="require 'Authorization: Bearer KEY' on /v1 routes (default $CTXGATE_ENGINE_API_KEY)")
+    drop_params: bool = Field(
+        False, description="drop request fields the engine cannot honour instead of answering 400")

@@ -18,7 +18,6 @@ import sys
 import textwrap
 import types
 import typing
-import warnings
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -286,88 +285,46 @@ generated from them at build time). Nested sections are written as YAML mappings
 
 def config_page() -> str:
     from backend.config import EngineConfig
-    from gateway.config_file import CtxgateConfig
+    from gateway.config_file import DEPRECATED_KEYS, CtxgateConfig, key_flags
     from gateway.settings import GatewaySettings
 
-    serve = _subparser(build_cli_parser(), ["serve"])
-    flags = {action.dest: next(o for o in action.option_strings if o.startswith("--"))
-             for action in serve._actions if action.option_strings}
-    flag_defaults = serve.get_default("flag_defaults") or {}
-    dests = config_key_dests()
+    flags = key_flags()
     intro = """
-Every key of the `ctxgate serve --config FILE` YAML file, from `gateway/config_file.py` (generated
-at build time). Every key is optional; a flag given on the command line overrides the file, and
-any value written `os.environ/NAME` is read from that environment variable. The *Flag* column is
-the `ctxgate serve` flag that sets the same value and *Default* that flag's default; an engine
-key whose default is `null` takes the engine's own default ([below](#engine-settings-engineconfig)).
+Every key of the `ctxgate serve --config FILE` YAML file (generated at build time). The `server:`
+section is the gateway's settings (`GatewaySettings`, `gateway/settings.py`) and `engine:` the
+in-process engine's (`EngineConfig`, `backend/config.py`): each key is the setting's name, and the
+*Flag* column is the `ctxgate serve` flag that sets the same value (the name with dashes). Every key
+is optional; `null` or leaving it out means the *Default*. A flag given on the command line
+overrides the file, and any value written `os.environ/NAME` is read from that environment variable.
 How the file works, and a complete example: [Configuration](../configuration.md).
 """
-    page = models_page("Configuration reference", intro, CtxgateConfig, "Top level",
-                       extra=lambda name: flags.get(dests.get(name), ""), extra_header="Flag")
-    out = [_with_flag_defaults(page, dests, flag_defaults)]
+    out = [models_page("Configuration reference", intro, CtxgateConfig, "Top level",
+                       extra=lambda name: flags.get(name, ""), extra_header="Flag")]
+    out.append("""
+## Keys of earlier releases
+
+Still accepted, with a warning naming the key to use instead.
+
+""")
+    out.append("| Old key | Key |\n| --- | --- |\n")
+    out.append("".join(f"| `{old}` | `{new}` |\n" for old, new in DEPRECATED_KEYS.items()))
     out.append("""
 ## Gateway settings (`GatewaySettings`)
 
-What the file and the flags become inside the gateway (`gateway/settings.py`); the names used by
-code and tests that build a gateway directly (`create_app(GatewaySettings(...))`).
+The same settings as the code sees them: the names used by code and tests that build a gateway
+directly (`create_app(GatewaySettings(...))`). `model` is set from `engine.model` (`--model`).
 
 """)
     out.append(table(settings_rows(GatewaySettings)))
     out.append("""
 ## Engine settings (`EngineConfig`)
 
-The built-in engine's configuration (`backend/config.py`), built from the `engine:` section or the
-engine flags of `ctxgate serve`, `ctxgate engine serve` and `ctxgate bench engine`.
+The built-in engine's configuration, built from the `engine:` section or the engine flags of
+`ctxgate serve`, `ctxgate engine serve` and `ctxgate bench engine`.
 
 """)
     out.append(table(settings_rows(EngineConfig)))
     return "".join(out)
-
-
-def _with_flag_defaults(page: str, dests: dict[str, str], flag_defaults: dict[str, Any]) -> str:
-    # Config keys are all optional (null = not set); what applies when unset is the flag's default.
-    lines = []
-    for line in page.splitlines(keepends=True):
-        for key, dest in dests.items():
-            prefix = f"| `{key}` | "
-            if line.startswith(prefix) and dest in flag_defaults:
-                cells = line.split(" | ")
-                value = flag_defaults[dest]
-                if dest.startswith("no_") and isinstance(value, bool):
-                    value = not value  # `prefix_caching: true` is the absence of --no-prefix-caching
-                cells[2] = f"`{default_text(value)}`"
-                line = " | ".join(cells)
-        lines.append(line)
-    return "".join(lines)
-
-
-def config_key_dests() -> dict[str, str]:
-    """Config key (dotted) -> the argparse dest of `ctxgate serve` it sets.
-
-    Each key is set alone on an unvalidated config and `flag_values()` says which dest it fills,
-    so the mapping is the code's own, not a naming rule.
-    """
-    from gateway.config_file import CtxgateConfig
-
-    mapping: dict[str, str] = {}
-    for name, info in CtxgateConfig.model_fields.items():
-        section = _nested_model(info.annotation)
-        keys = [(f"{name}.{key}", name, key) for key in section[0].model_fields] if section else [(name, None, name)]
-        for dotted, section_name, key in keys:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    if section_name:
-                        inner = section[0].model_construct(**{key: "x"})
-                        config = CtxgateConfig.model_construct(**{section_name: inner})
-                    else:
-                        config = CtxgateConfig.model_construct(**{key: "x"})
-                    values = config.flag_values()
-            except Exception:  # noqa: BLE001 - a key the mapping cannot show just has no flag column
-                continue
-            if len(values) == 1:
-                mapping[dotted] = next(iter(values))
-    return mapping
 
 
 def keys_page() -> str:
@@ -376,7 +333,7 @@ def keys_page() -> str:
     intro = """
 The keys file's format, from the pydantic models in `gateway/keys.py` (generated at build time).
 `ctxgate keys add|list|rotate|revoke` edit it; running gateways re-read it within
-`server.reload_interval`. Keys are stored only as their sha256. `<name>` is a tenant's name and
+`server.reload_interval_s`. Keys are stored only as their sha256. `<name>` is a tenant's name and
 `[]` an item of a list. How keys, tenants and limits work: [Keys and quotas](../keys-and-quotas.md).
 """
     return models_page("Keys file reference", intro, KeysFile, "Top level")

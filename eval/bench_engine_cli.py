@@ -64,8 +64,8 @@ def bench_engine_command(args: argparse.Namespace) -> int:
     set_progress(not args.no_progress)
     peer_specs = parse_peers(args.peer, OpenAIServerRunner.name if args.url else EngineRunner.name)
     model_dir = str(args.model or prepare_default_model())
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
 
     from backend.cpu_features import cpu_path
 

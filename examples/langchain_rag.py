@@ -1,6 +1,6 @@
 """A LangChain RAG chain through the ctxgate gateway, unchanged apart from `base_url`.
 
-    ctxgate serve --port 8000            # or: ctxgate serve --upstream http://vllm:8000/v1 --tokenizer DIR
+    ctxgate serve --port 8000            # or: ctxgate serve --upstreams http://vllm:8000/v1 --tokenizer DIR
     python examples/langchain_rag.py
 
 The stuff-documents prompt puts the retrieved passages inside the system message; the gateway's

@@ -5,79 +5,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
-from backend.cli_actions import DeprecatedOption, at_least_one, nice_increment
-from gateway.config_file import defer_defaults, exclusive_groups
-from gateway.settings import DEFAULT_COMPRESSION_NICE
+from pydantic import ValidationError
+
+from backend.config import EngineConfig
+from backend.settings_cli import add_model_flags, describe_errors, given_values, kebab, static_defaults
+from gateway.config_file import SERVER_SKIP
+from gateway.settings import GatewaySettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible budget gateway")
     serve.add_argument("--config", default=None, metavar="FILE",
                        help="YAML config file (see `ctxgate config schema`); flags given here override it")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
-    serve.add_argument("--policy-dir", default=None,
-                       help="directory of policy YAML files, watched for edits (packaged policies stay available)")
-    serve.add_argument("--default-policy", default="rag-default", help="policy when none is named")
-    serve.add_argument("--index-dir", default=None,
-                       help="retrieval indexes built by `ctxgate index build` (default $CTXGATE_INDEX_DIR)")
-    serve.add_argument("--keys", default=None, help="keys file (YAML); without it the gateway is open")
-    serve.add_argument("--upstream", action="append", default=[], metavar="URL",
-                       help="OpenAI-compatible upstream instead of the in-process engine (repeat to fail over)")
-    serve.add_argument("--upstream-model", default=None, action=DeprecatedOption, replacement="--served-model-name",
-                       help="deprecated: use --served-model-name (the upstream's own name is discovered from its "
-                       "/v1/models; upstreams.model in the config file overrides that)")
-    serve.add_argument("--upstream-connect-timeout", type=float, default=2.0,
-                       help="seconds to connect to an upstream before trying the next (default 2)")
-    serve.add_argument("--upstream-read-timeout", type=float, default=120.0,
-                       help="seconds an upstream may stay silent mid-response before the request fails (default 120)")
-    serve.add_argument("--upstream-retries", type=int, default=1,
-                       help="extra connection attempts per upstream URL before failing over (default 1)")
-    serve.add_argument("--upstream-api-key", default=os.environ.get("CTXGATE_UPSTREAM_API_KEY"),
-                       help="Bearer key sent to the upstream (default $CTXGATE_UPSTREAM_API_KEY)")
-    serve.add_argument("--tokenizer", default=None,
-                       help="count budgets with this: a local HF tokenizer dir or a tiktoken encoding name "
-                       "(for a remote model; no local model is needed then)")
-    serve.add_argument("--drop-params", action="store_true",
-                       help="drop request fields the built-in engine cannot honour instead of answering 400")
-    serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                       help="shared quota store (default: $REDIS_URL; in-process when unset)")
-    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
-                       help="larger request bodies are refused with 413 before being read (default 8 MiB)")
-    serve.add_argument("--reload-interval", type=float, default=1.0, help="seconds between policy file checks")
-    serve.add_argument("--max-in-flight", type=int, default=64,
-                       help="generation requests running at once; 0 for no limit (default 64)")
-    serve.add_argument("--max-queued", type=int, default=64, help="requests waiting for a slot before 503s")
-    serve.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request may wait for a slot")
-    serve.add_argument("--request-timeout", type=float, default=300.0,
-                       help="seconds an admitted request may take; 0 for no limit (default 300)")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="on SIGTERM, seconds to let in-flight requests finish (new ones get 503)")
-    serve.add_argument("--max-waiting-requests", type=int, default=256,
-                       help="in-process engine: refuse new requests with 503 beyond this many waiting (default 256)")
-    serve.add_argument("--allow-unauthenticated", action="store_true",
-                       help="serve on a non-loopback --host without --keys (only behind a proxy that authenticates)")
-    serve.add_argument("--metrics-key", default=os.environ.get("CTXGATE_METRICS_KEY"),
-                       help="Bearer token /metrics requires (default $CTXGATE_METRICS_KEY; unset: /metrics is open)")
-    serve.add_argument("--body-read-timeout", type=float, default=30.0,
-                       help="seconds a client may take to send its request body; slower ones get 408 (default 30)")
-    serve.add_argument("--access-log", action="store_true",
-                       help="log one line per request (method, path, status, duration, request id, tenant)")
-    serve.add_argument("--embed-on", choices=("engine", "process"), default="engine",
-                       help="where the compression embedder's forward passes run: on the in-process CPU engine's "
-                       "thread between its steps (default), or in a child process of their own")
-    serve.add_argument("--compression-workers", type=at_least_one, default=None, metavar="N",
-                       help="threads that compress requests, off the event loop (default: one per two cores)")
-    serve.add_argument("--compression-nice", type=nice_increment, default=None, metavar="N",
-                       help="run the compression workers N steps below the engine's CPU priority, 0-19 "
-                       f"(Linux nice; default {DEFAULT_COMPRESSION_NICE}): they yield the cores to the engine")
-    serve.add_argument("--vllm-metric-names", action="store_true",
-                       help="also export the in-process engine's metrics under vLLM's names (vllm:...)")
-    _add_engine_arguments(serve)  # --model and the in-process engine's knobs, as in `engine serve`
-    # Defaults are applied after parsing, below the config file: only flags really given override it.
-    serve.set_defaults(func=_serve, flag_defaults=defer_defaults(serve), flag_exclusive=exclusive_groups(serve))
+    # Every other flag is a settings field (gateway/settings.py, backend/config.py), with no argparse
+    # default: what is not given comes from the config file, then from the field's default.
+    add_model_flags(serve, GatewaySettings, skip=SERVER_SKIP)
+    add_model_flags(serve, EngineConfig)  # --model and the in-process engine's knobs, as in `engine serve`
+    # For the reference docs: the defaults that apply when neither a flag nor the file sets a value.
+    serve.set_defaults(func=_serve, flag_defaults={**static_defaults(GatewaySettings, SERVER_SKIP),
+                                                   **static_defaults(EngineConfig)})
 
     config = subparsers.add_parser("config", help="validate a `serve --config` file and print its schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -149,54 +97,63 @@ def _register_keys(subparsers: argparse._SubParsersAction) -> None:
     rotate.set_defaults(func=_keys_rotate)
 
 
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    try:
-        from backend.cli import add_engine_arguments
-    except ImportError:  # an engine package without the shared flags: the model dir is enough
-        parser.add_argument("--model", default=None, help="Hugging Face model dir (default: SmolLM2-135M)")
-        return
-    add_engine_arguments(parser)
+@dataclass
+class ServeConfig:
+    """What `ctxgate serve` runs with, once flags, the config file and defaults are layered."""
+
+    settings: GatewaySettings
+    engine: EngineConfig
+    log_level: str
 
 
-def resolve_serve_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Layer command line > config file > defaults into `args` (in place) and return it."""
+def resolve_serve_args(args: argparse.Namespace) -> ServeConfig:
+    """Layer command line > config file > environment > defaults into the settings models.
+
+    Sets the logging level from the file unless --log-level was given. A problem names the flag
+    and the config key of the setting.
+    """
     import logging
 
-    from gateway.config_file import layer, load_config
+    from gateway.config_file import CtxgateConfig, load_config
 
     path = getattr(args, "config", None)
-    file_values = load_config(path).flag_values() if path else {}
-    layer(args, args.flag_defaults, file_values, args.flag_exclusive)
-    if not getattr(args, "log_level_given", False) and "log_level" in file_values:
-        args.log_level = file_values["log_level"]
-        logging.getLogger().setLevel(args.log_level)
-    return args
+    config = load_config(path) if path else CtxgateConfig()
+    server = {**config.server_values(), **given_values(args, GatewaySettings, SERVER_SKIP)}
+    flags = given_values(args, EngineConfig)
+    engine = config.engine_values()
+    for group in EngineConfig.EXCLUSIVE:  # a flag of the group replaces the file's choice among them
+        if any(name in flags for name in group):
+            for name in group:
+                engine.pop(name, None)
+    engine.update(flags)
+    problems: list[str] = []
+    settings = engine_config = None
+    try:
+        settings = GatewaySettings(**server, model=engine.get("model"))
+    except ValidationError as exc:
+        problems += describe_errors(exc, lambda name: f"{kebab(name)} (server.{name})", "server")
+    try:
+        engine_config = EngineConfig(**engine)
+    except ValidationError as exc:
+        problems += describe_errors(exc, lambda name: f"{kebab(name)} (engine.{name})", "engine")
+    if problems:
+        raise ValueError("; ".join(problems))
+    log_level = args.log_level
+    if not getattr(args, "log_level_given", False) and config.logging.level is not None:
+        log_level = args.log_level = config.logging.level
+        logging.getLogger().setLevel(log_level)
+    return ServeConfig(settings, engine_config, log_level)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    resolve_serve_args(args)
+    resolved = resolve_serve_args(args)
+    settings = resolved.settings
 
     from gateway.app import create_app
-    from gateway.settings import GatewaySettings, exposure_problem
+    from gateway.settings import exposure_problem
 
-    settings = GatewaySettings(
-        host=args.host, port=args.port, model=args.model, served_model_name=args.served_model_name,
-        policy_dir=args.policy_dir, keys_file=args.keys, index_dir=args.index_dir, upstreams=args.upstream,
-        upstream_model=args.upstream_model, upstream_connect_timeout_s=args.upstream_connect_timeout,
-        upstream_read_timeout_s=args.upstream_read_timeout, upstream_retries=args.upstream_retries,
-        upstream_api_key=args.upstream_api_key or None, tokenizer=args.tokenizer, drop_params=args.drop_params,
-        redis_url=args.redis_url or None, default_policy=args.default_policy,
-        max_body_bytes=args.max_body_bytes, reload_interval_s=args.reload_interval,
-        max_in_flight=args.max_in_flight or None, max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
-        request_timeout_s=args.request_timeout or None, engine_max_waiting_requests=args.max_waiting_requests,
-        drain_timeout_s=args.drain_timeout, access_log=args.access_log, embed_on=args.embed_on,
-        allow_unauthenticated=args.allow_unauthenticated, metrics_key=args.metrics_key or None,
-        body_read_timeout_s=args.body_read_timeout,
-        **({"compression_workers": args.compression_workers} if args.compression_workers is not None else {}),
-        **({"compression_nice": args.compression_nice} if args.compression_nice is not None else {}),
-    )
     problem = exposure_problem(settings)
     if problem is not None:
         print(f"ctxgate serve: {problem}", file=sys.stderr)
@@ -205,20 +162,19 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.shutdown import DrainingServer
 
     engine = None
-    if not settings.upstreams and hasattr(args, "dtype"):
+    if not settings.upstreams:
         from backend.async_engine import AsyncEngine
-        from backend.cli import engine_config_from_args
 
-        engine = AsyncEngine(engine_config_from_args(args), max_waiting_requests=args.max_waiting_requests)
-        if args.vllm_metric_names:
+        engine = AsyncEngine(resolved.engine, max_waiting_requests=settings.engine_max_waiting_requests)
+        if settings.vllm_metric_names:
             from backend.metrics import export_vllm_names
 
             export_vllm_names(engine.metrics)
     app = create_app(settings, engine=engine)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=resolved.log_level.lower(),
+                            access_log=False, timeout_graceful_shutdown=5)
     try:
-        # SIGTERM drains: new requests get 503, in-flight ones finish (bounded by --drain-timeout).
+        # SIGTERM drains: new requests get 503, in-flight ones finish (bounded by drain_timeout_s).
         DrainingServer(config, app.state.admission, settings.drain_timeout_s).run()
     finally:
         if engine is not None:
@@ -241,24 +197,40 @@ def _log_request_ids() -> None:
 
 
 def _config_check(args: argparse.Namespace) -> int:
+    """Every problem of every file (not just the first), one line each; status 1 if any."""
     from gateway.config_file import ConfigError, load_config
-    from gateway.keys import read_keys_file
 
     failed = 0
     for path in args.files:
         try:
             config = load_config(path)
-            if config.keys_file is not None and os.path.exists(config.keys_file):
-                read_keys_file(config.keys_file)  # a broken keys file would stop `serve` too
-            for name, value in (("keys_file", config.keys_file), ("policy_dir", config.policy_dir)):
-                if value is not None and not os.path.exists(value):
-                    raise ConfigError(f"{path}: field '{name}': {value} does not exist")
-        except ValueError as exc:
-            print(exc, file=sys.stderr)
+            problems = _file_references_problems(config)
+        except ConfigError as exc:
+            problems = exc.problems
+        if problems:
+            print(ConfigError(path, problems), file=sys.stderr)
             failed += 1
             continue
         print(f"{path}: ok")
     return 1 if failed else 0
+
+
+def _file_references_problems(config) -> list[str]:
+    """The files a config names: they exist, and a keys file parses (a broken one would stop `serve` too)."""
+    from gateway.keys import read_keys_file
+
+    problems = []
+    for name in ("keys_file", "policy_dir"):
+        value = getattr(config.server, name)
+        if value is not None and not os.path.exists(value):
+            problems.append(f"field 'server.{name}': {value} does not exist")
+    keys_file = config.server.keys_file
+    if keys_file is not None and os.path.exists(keys_file):
+        try:
+            read_keys_file(keys_file)
+        except ValueError as exc:
+            problems.append(f"field 'server.keys_file': {exc}")
+    return problems
 
 
 def _config_schema(_args: argparse.Namespace) -> int:

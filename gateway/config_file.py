@@ -1,275 +1,246 @@
-"""`ctxgate serve --config FILE`: one YAML file for everything the serve flags configure.
+"""`ctxgate serve --config FILE`: one YAML file for every setting the serve flags configure.
 
-Every key is the matching flag's name with underscores (`--max-in-flight` -> `server.max_in_flight`),
-grouped in sections. String values of the form `os.environ/NAME` are replaced by that environment
-variable (as in LiteLLM's proxy config), so secrets such as the Redis URL never live in the file.
-Relative paths are resolved against the file's directory, so a config and its keys file can move
-together. Precedence: a flag given on the command line > the file > the flag's default.
+The sections are the settings models themselves: `server:` holds `GatewaySettings` fields and
+`engine:` `EngineConfig` fields, each key spelled as the field (and its flag is `--` + the key with
+dashes: `server.max_in_flight` <-> `--max-in-flight`); `logging.level` is `--log-level`. A key
+written `null` (or left out) takes the default. String values of the form `os.environ/NAME` are
+replaced by that environment variable (as in LiteLLM's proxy config), so secrets never live in the
+file. Relative paths are resolved against the file's directory, so a config and its keys file can
+move together. Precedence: a flag given on the command line > the file > the environment variable
+a setting reads (where it has one) > the setting's default.
+
+Keys of earlier releases (`engine.threads`, `upstreams.urls`, `redis.url`, ...) still load, with a
+deprecation warning naming the key to use (`DEPRECATED_KEYS`).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from backend.config import EngineConfig
+from backend.settings_cli import error_text, kebab
+from gateway.settings import GatewaySettings
 
 ENV_PREFIX = "os.environ/"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# GatewaySettings.model is the engine's model directory: the file and the flags set it once, as engine.model.
+SERVER_SKIP = ("model",)
+
+# Old key (dotted) -> the key that replaced it. One name per setting: the settings field's.
+DEPRECATED_KEYS = {
+    "server.reload_interval": "server.reload_interval_s",
+    "server.queue_timeout": "server.queue_timeout_s",
+    "server.request_timeout": "server.request_timeout_s",
+    "server.drain_timeout": "server.drain_timeout_s",
+    "server.body_read_timeout": "server.body_read_timeout_s",
+    "keys_file": "server.keys_file",
+    "policy_dir": "server.policy_dir",
+    "upstreams.urls": "server.upstreams",
+    "upstreams.model": "server.upstream_model",
+    "upstreams.connect_timeout": "server.upstream_connect_timeout_s",
+    "upstreams.read_timeout": "server.upstream_read_timeout_s",
+    "upstreams.retries": "server.upstream_retries",
+    "upstreams.api_key": "server.upstream_api_key",
+    "redis.url": "server.redis_url",
+    "logging.access_log": "server.access_log",
+    "metrics.key": "server.metrics_key",
+    "metrics.vllm_names": "server.vllm_metric_names",
+    "engine.max_waiting_requests": "server.engine_max_waiting_requests",
+    "engine.embed_on": "server.embed_on",
+    "engine.threads": "engine.num_threads",
+    "engine.prefix_caching": "engine.enable_prefix_caching",
+}
+_OLD_SECTIONS = ("upstreams", "redis", "metrics")  # emptied by the renames above
+# Fields holding paths: resolved against the config file's directory when relative.
+_PATH_KEYS = ("server.keys_file", "server.policy_dir", "server.index_dir", "engine.model")
 
 
 class ConfigError(ValueError):
-    """A config file that cannot be used; the message names the file, the field and the reason."""
+    """A config file that cannot be used; one line per problem, each naming the file, field and reason."""
+
+    def __init__(self, path: str | Path | None, problems: list[str]) -> None:
+        self.path = path
+        self.problems = problems
+        prefix = f"{path}: " if path is not None else ""
+        super().__init__("\n".join(prefix + problem for problem in problems))
 
 
-class _Section(BaseModel):
-    # Unknown keys are errors: a typo must not silently fall back to a default.
+def _section_of(model: type[BaseModel], skip: tuple[str, ...], doc: str) -> type[BaseModel]:
+    """`model`'s fields (constraints and validators included), but `skip`, as a config section."""
+    fields = {name: (info.annotation, info) for name, info in model.model_fields.items() if name not in skip}
+    section = create_model(model.__name__ + "Section", __config__=ConfigDict(extra="forbid"), __doc__=doc,
+                           **fields)
+    return section
+
+
+ServerSection = _section_of(GatewaySettings, SERVER_SKIP, "The gateway (`GatewaySettings`; `model` is `engine.model`).")
+
+
+class LoggingSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-
-class ServerSection(_Section):
-    host: str | None = Field(None, description="bind address (default 127.0.0.1)")
-    port: int | None = Field(None, ge=1, le=65535, description="port (default 8000)")
-    served_model_name: str | None = Field(None, description="the name clients send as 'model'")
-    default_policy: str | None = Field(None, description="policy when neither the key nor the request names one")
-    index_dir: str | None = Field(None, description="retrieval indexes built by `ctxgate index build`")
-    max_body_bytes: int | None = Field(None, ge=1, description="larger request bodies get 413")
-    reload_interval: float | None = Field(None, gt=0, description="seconds between policy/keys file checks")
-    max_in_flight: int | None = Field(None, ge=0, description="generation requests running at once; 0: no limit")
-    max_queued: int | None = Field(None, ge=0, description="requests waiting for a slot before 503s")
-    queue_timeout: float | None = Field(None, gt=0, description="seconds a request may wait for a slot")
-    request_timeout: float | None = Field(None, ge=0, description="seconds an admitted request may take; 0: none")
-    drain_timeout: float | None = Field(None, ge=0, description="on SIGTERM, seconds for in-flight requests")
-    drop_params: bool | None = Field(None, description="drop request fields the engine cannot honour instead of 400")
-    tokenizer: str | None = Field(None, description="count budgets with a local HF tokenizer dir or a tiktoken "
-                                  "encoding name (for a remote model)")
-    compression_workers: int | None = Field(None, ge=1, description="threads that compress requests, off the "
-                                            "event loop (default: one per two cores)")
-    compression_nice: int | None = Field(None, ge=0, le=19, description="the compression workers' CPU priority "
-                                         "below the engine's (Linux nice steps, 0-19; default 0)")
-    allow_unauthenticated: bool | None = Field(None, description="serve on a non-loopback host without a keys "
-                                               "file (only behind a proxy that authenticates); default false")
-    body_read_timeout: float | None = Field(None, gt=0, description="seconds a client may take to send its "
-                                            "request body; slower ones get 408 (default 30)")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None = Field(
+        None, description="logging level (--log-level); default INFO")
 
 
-class EngineSection(_Section):
-    """The in-process engine (used when no upstreams are configured)."""
+class CtxgateConfig(BaseModel):
+    """The whole `ctxgate serve` configuration; every key is optional."""
 
-    model: str | None = Field(None, description="Hugging Face model dir (default: the packaged SmolLM2-135M)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    device: str | None = Field(None, description="auto, cpu or cuda")
-    kv_cache_dtype: Literal["auto", "int8"] | None = None
-    weight_quant: Literal["none", "int4"] | None = None
-    block_size: int | None = Field(None, ge=1)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_mb: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=16)
-    ttft_target_ms: float | None = Field(None, gt=0)
-    threads: int | None = Field(None, ge=1)
-    attention_backend: str | None = None
-    prefix_caching: bool | None = Field(None, description="automatic prefix caching (default true)")
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="CUDA: fraction of GPU memory")
-    cuda_graphs: bool | None = Field(None, description="CUDA: decode through captured graphs (default: where they run)")
-    cpu_decode_graphs: bool | None = Field(
-        None, description="CPU: decode steps traced into TorchScript per batch size (default: where they run)")
-    max_waiting_requests: int | None = Field(None, ge=1, description="refuse with 503 beyond this many waiting")
-    embed_on: Literal["engine", "process"] | None = Field(
-        None, description="where the compression embedder runs: the CPU engine's thread between its steps "
-        "(default) or a child process")
+    model_config = ConfigDict(extra="forbid")
 
-    @model_validator(mode="after")
-    def _one_kv_size(self) -> EngineSection:
-        if self.num_kv_blocks is not None and self.kv_cache_memory_mb is not None:
-            raise ValueError("set num_kv_blocks or kv_cache_memory_mb, not both")
-        return self
+    server: ServerSection = Field(default_factory=ServerSection, description="the gateway")  # type: ignore[valid-type]
+    engine: EngineConfig = Field(default_factory=EngineConfig,
+                                 description="the in-process engine, used when server.upstreams is empty")
+    logging: LoggingSection = Field(default_factory=LoggingSection, description="logging")
+
+    def server_values(self) -> dict[str, Any]:
+        """The GatewaySettings fields this file sets."""
+        return {name: getattr(self.server, name) for name in self.server.model_fields_set}
+
+    def engine_values(self) -> dict[str, Any]:
+        """The EngineConfig fields this file sets."""
+        return {name: getattr(self.engine, name) for name in self.engine.model_fields_set}
 
 
-class UpstreamsSection(_Section):
-    """OpenAI-compatible servers used instead of the in-process engine, in fail-over order."""
-
-    urls: list[str] | None = Field(None, min_length=1)
-    model: str | None = Field(None, description="model name sent upstream (default: discovered)")
-    connect_timeout: float | None = Field(None, gt=0)
-    read_timeout: float | None = Field(None, gt=0)
-    retries: int | None = Field(None, ge=0)
-    api_key: str | None = Field(None, description="Bearer key sent to the upstreams, e.g. os.environ/VLLM_API_KEY")
+def key_flags() -> dict[str, str]:
+    """Config key (dotted) -> the `ctxgate serve` flag that sets the same setting."""
+    keys = {f"server.{name}": kebab(name) for name in ServerSection.model_fields}
+    keys.update({f"engine.{name}": kebab(name) for name in EngineConfig.model_fields})
+    keys["logging.level"] = "--log-level"
+    return keys
 
 
-class RedisSection(_Section):
-    url: str | None = Field(None, description="shared quota ledger for replicas, e.g. os.environ/REDIS_URL")
+# -- reading a file ------------------------------------------------------------------------------
+
+_DROP = object()  # an interpolation that failed: the key is left out (and the problem reported)
 
 
-class LoggingSection(_Section):
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None = None
-    access_log: bool | None = Field(None, description="one line per request: method, path, status, duration, "
-                                    "request id, tenant (never keys or prompts); default false")
+def interpolate(value: Any, environ: dict[str, str] | os._Environ, where: str = "",
+                problems: list[str] | None = None) -> Any:
+    """Replace every `os.environ/NAME` string (anywhere in the tree) with that variable's value.
 
-
-class MetricsSection(_Section):
-    vllm_names: bool | None = Field(None, description="also export the engine's metrics under vLLM's vllm: names")
-    key: str | None = Field(None, description="Bearer token /metrics requires, e.g. os.environ/CTXGATE_METRICS_KEY "
-                            "(unset: /metrics is open)")
-
-
-class CtxgateConfig(_Section):
-    """The whole `ctxgate serve` configuration; every field is optional."""
-
-    server: ServerSection = ServerSection()
-    engine: EngineSection = EngineSection()
-    upstreams: UpstreamsSection = UpstreamsSection()
-    redis: RedisSection = RedisSection()
-    keys_file: str | None = Field(None, description="keys file (YAML); without it the gateway is open")
-    policy_dir: str | None = Field(None, description="directory of policy YAML files, watched for edits")
-    logging: LoggingSection = LoggingSection()
-    metrics: MetricsSection = MetricsSection()
-
-    def flag_values(self) -> dict[str, Any]:
-        """The values this file sets, keyed by the serve parser's argparse `dest` names."""
-        values: dict[str, Any] = {}
-        values.update(self.server.model_dump(exclude_none=True))
-        engine = self.engine.model_dump(exclude_none=True)
-        if "prefix_caching" in engine:
-            values["no_prefix_caching"] = not engine.pop("prefix_caching")
-        values.update(engine)
-        upstreams = self.upstreams.model_dump(exclude_none=True)
-        for key, dest in (("urls", "upstream"), ("model", "upstream_model"), ("connect_timeout",
-                          "upstream_connect_timeout"), ("read_timeout", "upstream_read_timeout"),
-                          ("retries", "upstream_retries"), ("api_key", "upstream_api_key")):
-            if key in upstreams:
-                values[dest] = upstreams[key]
-        if self.redis.url is not None:
-            values["redis_url"] = self.redis.url
-        if self.keys_file is not None:
-            values["keys"] = self.keys_file
-        if self.policy_dir is not None:
-            values["policy_dir"] = self.policy_dir
-        if self.logging.level is not None:
-            values["log_level"] = self.logging.level
-        if self.logging.access_log is not None:
-            values["access_log"] = self.logging.access_log
-        if self.metrics.vllm_names is not None:
-            values["vllm_metric_names"] = self.metrics.vllm_names
-        if self.metrics.key is not None:
-            values["metrics_key"] = self.metrics.key
-        return values
-
-
-# Fields holding paths: resolved against the config file's directory when relative.
-_PATH_FIELDS = (("keys_file",), ("policy_dir",), ("server", "index_dir"), ("engine", "model"))
-
-
-def interpolate(value: Any, environ: dict[str, str] | os._Environ, where: str = "") -> Any:
-    """Replace every `os.environ/NAME` string (anywhere in the tree) with that variable's value."""
+    Without `problems` the first bad reference raises ConfigError; with it, each is appended there
+    and its key dropped, so the rest of the file is still checked.
+    """
     if isinstance(value, dict):
-        return {key: interpolate(item, environ, f"{where}.{key}" if where else str(key))
-                for key, item in value.items()}
+        items = {key: interpolate(item, environ, f"{where}.{key}" if where else str(key), problems)
+                 for key, item in value.items()}
+        return {key: item for key, item in items.items() if item is not _DROP}
     if isinstance(value, list):
-        return [interpolate(item, environ, f"{where}.{index}") for index, item in enumerate(value)]
+        items = [interpolate(item, environ, f"{where}.{index}", problems) for index, item in enumerate(value)]
+        return [item for item in items if item is not _DROP]
     if isinstance(value, str) and value.startswith(ENV_PREFIX):
         name = value[len(ENV_PREFIX):]
+        problem = None
         if not _ENV_NAME.match(name):
-            raise ConfigError(f"field '{where}': '{value}' is not a valid environment reference")
-        if name not in environ:
-            raise ConfigError(f"field '{where}': environment variable {name} is not set")
-        return environ[name]
+            problem = f"field '{where}': '{value}' is not a valid environment reference"
+        elif name not in environ:
+            problem = f"field '{where}': environment variable {name} is not set"
+        if problem is None:
+            return environ[name]
+        if problems is None:
+            raise ConfigError(None, [problem])
+        problems.append(problem)
+        return _DROP
     return value
 
 
-def load_config(path: str | Path, environ: dict[str, str] | None = None) -> CtxgateConfig:
-    """Read, interpolate and validate a config file; ConfigError says file, field and reason."""
+def _print_warning(message: str) -> None:
+    print(f"ctxgate: warning: {message}", file=sys.stderr)
+
+
+def _rename_deprecated(data: dict[str, Any], problems: list[str], warn: Callable[[str], None], where: str) -> None:
+    """Move keys of earlier releases to their current names (in place), warning for each."""
+    for old, new in DEPRECATED_KEYS.items():
+        old_parts, new_parts = old.split("."), new.split(".")
+        owner = data.get(old_parts[0]) if len(old_parts) == 2 else data
+        if not isinstance(owner, dict) or old_parts[-1] not in owner:
+            continue
+        value = owner.pop(old_parts[-1])
+        target = data.setdefault(new_parts[0], {})
+        if not isinstance(target, dict):
+            continue  # the section itself is malformed: validation reports it
+        if new_parts[-1] in target:
+            problems.append(f"field '{old}': the deprecated name of '{new}', which is also set")
+            continue
+        target[new_parts[-1]] = value
+        warn(f"{where}: '{old}' is deprecated; use '{new}'")
+    for section in _OLD_SECTIONS:
+        if data.get(section) == {}:
+            del data[section]
+
+
+def _drop_nulls(data: dict[str, Any]) -> None:
+    """`key: null` means the default, as if the key were not written."""
+    for name in list(data):
+        if data[name] is None:
+            del data[name]
+        elif isinstance(data[name], dict):
+            data[name] = {key: value for key, value in data[name].items() if value is not None}
+
+
+def _resolve_paths(data: dict[str, Any], base: Path) -> None:
+    for key in _PATH_KEYS:
+        section, name = key.split(".")
+        owner = data.get(section)
+        if not isinstance(owner, dict) or not isinstance(owner.get(name), str):
+            continue
+        candidate = Path(owner[name]).expanduser()
+        # engine.model may also be a name the loader resolves; only rewrite what exists relative to the file.
+        if key == "engine.model" and not (base / candidate).exists():
+            continue
+        if not candidate.is_absolute():
+            owner[name] = str(base / candidate)
+
+
+def validation_problems(exc: ValidationError) -> list[str]:
+    """Every error of a validation, as `field 'dotted.location': reason`."""
+    problems = []
+    for error in exc.errors(include_url=False):
+        loc = ".".join(str(part) for part in error["loc"])
+        problems.append(f"field '{loc}': {error_text(error)}")
+    return problems
+
+
+def load_config(path: str | Path, environ: dict[str, str] | None = None,
+                warn: Callable[[str], None] = _print_warning) -> CtxgateConfig:
+    """Read, interpolate and validate a config file. ConfigError lists every problem found (file,
+    field and reason); deprecated keys are passed to `warn`."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigError(path, [f"cannot read: {exc.strerror or exc}"]) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        raise ConfigError(path, [f"invalid YAML: {exc}"]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        raise ConfigError(path, ["the top level must be a mapping of sections"])
+    problems: list[str] = []
+    data = interpolate(data, os.environ if environ is None else environ, problems=problems)
+    _rename_deprecated(data, problems, warn, str(path))
+    _drop_nulls(data)
+    _resolve_paths(data, path.parent)
+    config = None
     try:
-        data = interpolate(data, os.environ if environ is None else environ)
         config = CtxgateConfig.model_validate(data)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        loc = ".".join(str(part) for part in first["loc"])
-        raise ConfigError(f"{path}: field '{loc}': {first['msg']}") from None
-    return _resolve_paths(config, path.parent)
-
-
-def _resolve_paths(config: CtxgateConfig, base: Path) -> CtxgateConfig:
-    for location in _PATH_FIELDS:
-        owner: Any = config
-        for part in location[:-1]:
-            owner = getattr(owner, part)
-        value = getattr(owner, location[-1])
-        if value is None:
-            continue
-        candidate = Path(value).expanduser()
-        # engine.model may also be a name the loader resolves; only rewrite what exists relative to the file.
-        if location == ("engine", "model") and not (base / candidate).exists():
-            continue
-        if not candidate.is_absolute():
-            setattr(owner, location[-1], str(base / candidate))
+        problems += validation_problems(exc)
+    if problems:
+        raise ConfigError(path, problems)
     return config
 
 
 def config_schema() -> dict[str, Any]:
     return CtxgateConfig.model_json_schema()
-
-
-# -- flag precedence ---------------------------------------------------------------------------
-def defer_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Make every optional flag's default SUPPRESS and return the real defaults.
-
-    After parsing, a dest present in the namespace was given on the command line; `layer` then fills
-    the rest from the config file and, failing that, from these defaults.
-    """
-    defaults: dict[str, Any] = {}
-    for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", argparse.SUPPRESS):
-            continue
-        if action.default is not argparse.SUPPRESS:
-            defaults[action.dest] = action.default
-            action.default = argparse.SUPPRESS
-    return defaults
-
-
-def exclusive_groups(parser: argparse.ArgumentParser) -> list[list[str]]:
-    """The dests of each mutually exclusive group (e.g. --num-kv-blocks / --kv-cache-memory-mb)."""
-    return [[action.dest for action in group._group_actions] for group in parser._mutually_exclusive_groups]
-
-
-def layer(args: argparse.Namespace, defaults: dict[str, Any], file_values: dict[str, Any],
-          exclusive: list[list[str]] = ()) -> list[str]:
-    """Fill `args` in place: command line > file > default. Returns the dests taken from the file.
-
-    A flag given from a mutually exclusive group also overrides the file's value for the others.
-    """
-    file_values = dict(file_values)
-    for group in exclusive:
-        if any(hasattr(args, dest) for dest in group):
-            for dest in group:
-                file_values.pop(dest, None)
-    from_file = []
-    for dest, default in defaults.items():
-        if hasattr(args, dest):
-            continue
-        if dest in file_values:
-            setattr(args, dest, file_values[dest])
-            from_file.append(dest)
-        else:
-            setattr(args, dest, default)
-    return from_file

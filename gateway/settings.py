@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from backend.settings_cli import Cli
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
-EMBED_ON = ("engine", "process")  # where the compression embedder runs (GatewaySettings.embed_on)
 MAX_NICE = 19
 # The compression workers' CPU priority below the engine's: by default the same, since their Python
 # is on the critical path of the request they compress (docs/decisions/compression-nice.md).
@@ -23,94 +27,141 @@ def default_compression_workers() -> int:
     return max(1, (os.cpu_count() or 1) // 2)
 
 
-@dataclass
-class GatewaySettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # HF model directory (for the in-process engine and the tokenizer); None: the default model.
-    model: str | None = None
-    # Name clients put in "model"; defaults to the engine's model name.
-    served_model_name: str | None = None
-    # Extra policy directory watched for edits; the packaged policies are always available beneath it.
-    policy_dir: Path | None = None
-    keys_file: Path | None = None
-    # Retrieval indexes (`ctxgate index build`); None: $CTXGATE_INDEX_DIR or ~/.cache/ctxgate/indexes.
-    index_dir: Path | None = None
-    upstreams: list[str] = field(default_factory=list)
-    upstream_model: str | None = None
-    upstream_connect_timeout_s: float = 2.0
-    upstream_read_timeout_s: float = 120.0
-    upstream_retries: int = 1
-    # Bearer key the upstream expects (vLLM's --api-key); also $CTXGATE_UPSTREAM_API_KEY.
-    upstream_api_key: str | None = field(default_factory=lambda: os.environ.get("CTXGATE_UPSTREAM_API_KEY") or None)
-    # What budgets are counted with when the model is remote: a local HF directory or a tiktoken
-    # encoding name (e.g. cl100k_base). None: the engine's own tokenizer, or the --model directory.
-    tokenizer: str | None = None
-    # Drop request fields the built-in engine cannot honour instead of answering 400 (any policy).
-    drop_params: bool = False
-    redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL") or None)
-    default_policy: str = "rag-default"
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    reload_interval_s: float = 1.0
-    include_packaged_policies: bool = True
-    # Admission control (gateway/admission.py): requests running at once, how many more may wait for
-    # a slot and for how long; beyond that the answer is 503 + Retry-After. None: no limit.
-    max_in_flight: int | None = 64
-    max_queued: int = 64
-    queue_timeout_s: float = 10.0
-    # Whole-request limit once admitted (generation included); None: no limit. Over it: 504.
-    request_timeout_s: float | None = 300.0
-    # Bound on the in-process engine's waiting queue (beyond it the engine refuses with 503).
-    engine_max_waiting_requests: int | None = 256
-    # Compression's own thread budget: requests are compressed in this many worker threads, off the
-    # event loop (default: default_compression_workers()); the embedding model runs in one batching
-    # thread with `embed_threads` OpenMP threads, coalescing concurrent requests' sentences within
-    # `embed_batch_window_ms` (on the engine's thread, calls waiting together share one pass instead).
-    compression_workers: int = field(default_factory=lambda: default_compression_workers())
-    # How much lower than the engine's the workers' CPU priority is (a Linux nice increment, 0-19;
-    # 0: the same). See DEFAULT_COMPRESSION_NICE.
-    compression_nice: int = field(default_factory=lambda: DEFAULT_COMPRESSION_NICE)
-    embed_threads: int = 1
-    embed_batch_window_ms: float = 3.0
-    # Where the embedding model runs. "engine": with the in-process engine on a CPU, on the engine's
-    # thread between its steps and layers (AsyncEngine.run_between_steps), so it is no third busy
-    # thread on the engine's cores. "process" (and "engine" with an upstream or a CUDA engine): a
-    # child process, because in a thread of this process its Python would hold the GIL the engine
-    # thread re-takes between every op (docs/decisions/embedder-on-engine-thread.md).
-    embed_on: str = "engine"
-    # Embedding (and summary) cache shared by replicas and kept across restarts; None: in-process only.
-    embed_cache_url: str | None = field(
-        default_factory=lambda: os.environ.get("CTXGATE_EMBED_CACHE_URL") or os.environ.get("REDIS_URL") or None
-    )
-    # On SIGTERM: refuse new requests with 503 and wait up to this long for in-flight ones.
-    drain_timeout_s: float = 30.0
-    # One line per request on the `ctxgate.access` logger (no keys, no prompts); off by default.
-    access_log: bool = False
-    # Serving on a non-loopback address without a keys file is refused unless this says so.
-    allow_unauthenticated: bool = False
-    # Bearer token /metrics requires (tenant names and spend are there); None: open. Also
-    # $CTXGATE_METRICS_KEY.
-    metrics_key: str | None = field(default_factory=lambda: os.environ.get("CTXGATE_METRICS_KEY") or None)
-    # Seconds a client may take to send its whole request body; a slower one gets 408.
-    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
-    # Server secret behind each tenant's upstream `cache_salt` (HMAC-SHA256 of the tenant name). Replicas
-    # sharing an upstream should share it ($CTXGATE_CACHE_SALT_SECRET); unset: random per process.
-    cache_salt_secret: str | None = field(
-        default_factory=lambda: os.environ.get("CTXGATE_CACHE_SALT_SECRET") or None, repr=False)
+def _env(*names: str) -> Callable[[], str | None]:
+    """A default read from the first of these environment variables that is set and not empty."""
+    return lambda: next((os.environ[name] for name in names if os.environ.get(name)), None)
 
-    def __post_init__(self) -> None:
-        if self.compression_workers < 1:
-            raise ValueError(f"compression_workers must be at least 1, not {self.compression_workers}")
-        if not 0 <= self.compression_nice <= MAX_NICE:
-            raise ValueError(f"compression_nice must be from 0 to {MAX_NICE}, not {self.compression_nice}")
-        if self.embed_on not in EMBED_ON:
-            raise ValueError(f"embed_on must be one of {', '.join(EMBED_ON)}, not {self.embed_on!r}")
-        if self.policy_dir is not None:
-            self.policy_dir = Path(self.policy_dir)
-        if self.keys_file is not None:
-            self.keys_file = Path(self.keys_file)
-        if self.body_read_timeout_s <= 0:
-            raise ValueError(f"body_read_timeout_s must be positive, not {self.body_read_timeout_s}")
+
+def _zero_is_none(value: Any) -> Any:
+    return None if value == 0 and not isinstance(value, bool) else value  # 0: no limit
+
+
+def _empty_is_none(value: Any) -> Any:
+    return value or None  # an empty secret or URL (e.g. VAR= in a compose file): unset
+
+
+def _at_least_one_worker(value: Any) -> Any:
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"compression_workers must be at least 1, not {value}")
+    return value
+
+
+def _nice(value: Any) -> Any:
+    if isinstance(value, int) and not 0 <= value <= MAX_NICE:
+        raise ValueError(f"compression_nice must be from 0 to {MAX_NICE}, not {value}")
+    return value
+
+
+def _positive_body_timeout(value: Any) -> Any:
+    if isinstance(value, int | float) and value <= 0:
+        raise ValueError(f"body_read_timeout_s must be positive, not {value}")
+    return value
+
+
+NoLimit = BeforeValidator(_zero_is_none)
+EmptyIsNone = BeforeValidator(_empty_is_none)
+
+
+class GatewaySettings(BaseModel):
+    """The gateway's settings: `ctxgate serve` flags, the config file's `server:` section, and what
+    code and tests pass to `create_app`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
+    # The in-process engine's (or the tokenizer's) model directory; `serve` sets it from engine.model.
+    model: str | None = Field(None, description="Hugging Face model directory for the in-process engine and the "
+                              "tokenizer; default: the packaged model. Configured as engine.model / --model")
+    served_model_name: str | None = Field(None, description="the name clients send as 'model'; default: the "
+                                          "engine's (or upstream's) model name")
+    policy_dir: Path | None = Field(None, description="directory of policy YAML files, watched for edits (the "
+                                    "packaged policies stay available beneath it)")
+    keys_file: Annotated[Path | None, Cli(old=("--keys",))] = Field(
+        None, description="keys file (YAML, `ctxgate keys add`); without it the gateway is open")
+    index_dir: Path | None = Field(None, description="retrieval indexes built by `ctxgate index build`; default "
+                                   "$CTXGATE_INDEX_DIR or ~/.cache/ctxgate/indexes")
+    upstreams: Annotated[list[str], Cli(old=("--upstream",), metavar="URL")] = Field(
+        default_factory=list, description="OpenAI-compatible upstream URLs used instead of the in-process engine, "
+        "in fail-over order (repeat the flag for each)")
+    upstream_model: Annotated[str | None, Cli(replacement="--served-model-name")] = Field(
+        None, description="model name sent upstream; default: discovered from the upstream's /v1/models")
+    upstream_connect_timeout_s: Annotated[float, Cli(old=("--upstream-connect-timeout",))] = Field(
+        2.0, gt=0, description="seconds to connect to an upstream before trying the next")
+    upstream_read_timeout_s: Annotated[float, Cli(old=("--upstream-read-timeout",))] = Field(
+        120.0, gt=0, description="seconds an upstream may stay silent mid-response before the request fails")
+    upstream_retries: int = Field(1, ge=0, description="extra connection attempts per upstream URL before "
+                                  "failing over")
+    upstream_api_key: Annotated[str | None, EmptyIsNone] = Field(
+        default_factory=_env("CTXGATE_UPSTREAM_API_KEY"), repr=False,
+        description="Bearer key sent to the upstreams (vLLM's --api-key); default $CTXGATE_UPSTREAM_API_KEY")
+    tokenizer: str | None = Field(None, description="count budgets with this when the model is remote: a local HF "
+                                  "tokenizer directory or a tiktoken encoding name (e.g. cl100k_base); default: "
+                                  "the engine's tokenizer or the model directory's")
+    drop_params: bool = Field(False, description="drop request fields the built-in engine cannot honour (tools, "
+                              "logprobs, ...) instead of answering 400")
+    redis_url: Annotated[str | None, EmptyIsNone] = Field(
+        default_factory=_env("REDIS_URL"), repr=False,
+        description="Redis holding the quota ledger shared by replicas; default $REDIS_URL, unset: in-process")
+    default_policy: str = Field("rag-default", description="policy when neither the key nor the request names one")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="larger request bodies are refused "
+                                "with 413 before being read")
+    reload_interval_s: Annotated[float, Cli(old=("--reload-interval",))] = Field(
+        1.0, gt=0, description="seconds between checks of the policy directory and the keys file")
+    include_packaged_policies: bool = Field(True, description="serve the policies shipped with ctxgate beneath "
+                                            "policy_dir's")
+    max_in_flight: Annotated[int | None, NoLimit] = Field(
+        64, ge=0, description="generation requests running at once; 0: no limit")
+    max_queued: int = Field(64, ge=0, description="requests that may wait for a slot; beyond that: 503 + "
+                            "Retry-After")
+    queue_timeout_s: Annotated[float, Cli(old=("--queue-timeout",))] = Field(
+        10.0, gt=0, description="seconds a request may wait for a slot before a 503")
+    request_timeout_s: Annotated[float | None, NoLimit, Cli(old=("--request-timeout",))] = Field(
+        300.0, ge=0, description="seconds an admitted request may take, generation included (over it: 504); 0: "
+        "no limit")
+    engine_max_waiting_requests: Annotated[int | None, Cli(old=("--max-waiting-requests",))] = Field(
+        256, ge=1, description="in-process engine: refuse new requests with 503 beyond this many waiting")
+    compression_workers: Annotated[int, BeforeValidator(_at_least_one_worker)] = Field(
+        default_factory=default_compression_workers, ge=1,
+        description="threads that compress requests, off the event loop; default: one per two cores")
+    compression_nice: Annotated[int, BeforeValidator(_nice)] = Field(
+        DEFAULT_COMPRESSION_NICE, ge=0, le=MAX_NICE,
+        description="run the compression workers this many Linux nice steps below the engine's CPU priority "
+        "(0: the same)")
+    embed_threads: int = Field(1, ge=1, description="OpenMP threads of the compression embedder's batching thread")
+    embed_batch_window_ms: float = Field(3.0, ge=0, description="milliseconds the embedder waits to batch "
+                                         "concurrent requests' sentences into one pass")
+    # In a thread of this process the embedder's Python would hold the GIL the engine thread re-takes
+    # between every op; on the engine's own thread (between its steps) it is no extra busy thread.
+    embed_on: Literal["engine", "process"] = Field(
+        "engine", description="where the compression embedder runs: engine (with the in-process CPU engine, on its "
+        "thread between steps and layers) or process (a child process; also what engine means with an upstream "
+        "or a CUDA engine)")
+    embed_cache_url: Annotated[str | None, EmptyIsNone] = Field(
+        default_factory=_env("CTXGATE_EMBED_CACHE_URL", "REDIS_URL"), repr=False,
+        description="Redis for the embedding and summary cache shared by replicas and kept across restarts; "
+        "default $CTXGATE_EMBED_CACHE_URL, else $REDIS_URL; unset: in-process only")
+    drain_timeout_s: Annotated[float, Cli(old=("--drain-timeout",))] = Field(
+        30.0, ge=0, description="on SIGTERM, refuse new requests with 503 and wait this long for in-flight ones")
+    access_log: bool = Field(False, description="log one line per request on the ctxgate.access logger (method, "
+                             "path, status, duration, request id, tenant; never keys or prompts)")
+    allow_unauthenticated: bool = Field(False, description="serve on a non-loopback host without a keys file "
+                                        "(only behind a proxy that authenticates)")
+    metrics_key: Annotated[str | None, EmptyIsNone] = Field(
+        default_factory=_env("CTXGATE_METRICS_KEY"), repr=False,
+        description="Bearer token /metrics requires (tenant names and spend are there); default "
+        "$CTXGATE_METRICS_KEY, unset: /metrics is open")
+    body_read_timeout_s: Annotated[float, BeforeValidator(_positive_body_timeout),
+                                   Cli(old=("--body-read-timeout",))] = Field(
+        DEFAULT_BODY_READ_TIMEOUT_S, gt=0, description="seconds a client may take to send its whole request body; "
+        "a slower one gets 408")
+    cache_salt_secret: Annotated[str | None, EmptyIsNone] = Field(
+        default_factory=_env("CTXGATE_CACHE_SALT_SECRET"), repr=False,
+        description="server secret behind each tenant's upstream cache_salt (HMAC-SHA256 of the tenant name); "
+        "replicas sharing an upstream should share it; default $CTXGATE_CACHE_SALT_SECRET, unset: random per "
+        "process. Prefer the variable to the flag (flags show in ps)")
+    vllm_metric_names: bool = Field(False, description="also export the in-process engine's metrics under vLLM's "
+                                    "names (vllm:...)")
 
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
@@ -134,7 +185,7 @@ def exposure_problem(settings: GatewaySettings) -> str | None:
     return (
         f"refusing to serve on {settings.host!r} without a keys file: anyone who can reach that address "
         "could spend every tenant's budget and read /metrics. Create keys (`ctxgate keys add TENANT "
-        "--keys keys.yaml`) and pass --keys keys.yaml (config file: keys_file), bind to 127.0.0.1, or, "
-        "if a proxy in front authenticates, pass --allow-unauthenticated (config file: "
+        "--keys keys.yaml`) and pass --keys-file keys.yaml (config file: server.keys_file), bind to "
+        "127.0.0.1, or, if a proxy in front authenticates, pass --allow-unauthenticated (config file: "
         "server.allow_unauthenticated: true)."
     )

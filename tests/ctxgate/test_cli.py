@@ -39,7 +39,7 @@ def test_help_lists_every_packages_commands(capsys):
     ("argv", "flag"),
     [
         (["engine", "serve"], "--max-num-seqs"),
-        (["serve"], "--upstream"),
+        (["serve"], "--upstreams"),
         (["index", "build"], "--chunk-words"),
         (["eval", "gate"], "--max-accuracy-drop"),
         (["bench", "engine"], "--workloads"),
@@ -61,7 +61,11 @@ def test_each_command_has_help(capsys, argv, flag):
         (["index", "build", "--name", "n"], "the following arguments are required: --input"),
         (["engine", "serve", "--port", "eighty"], "argument --port: invalid int value: 'eighty'"),
         (["engine", "serve", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
-        (["serve", "--queue-timeout", "soon"], "argument --queue-timeout: invalid float value: 'soon'"),
+        (["serve", "--queue-timeout-s", "soon"], "argument --queue-timeout-s/--queue-timeout: invalid float value"),
+        # Constraints are the settings fields' own, checked while parsing.
+        (["engine", "serve", "--port", "0"], "argument --port: Input should be greater than or equal to 1"),
+        (["engine", "serve", "--block-size", "-1"], "argument --block-size: Input should be greater than or equal"),
+        (["serve", "--device", "tpu"], "argument --device: device must be auto, cpu or cuda, not 'tpu'"),
         (["engine", "serve", "--num-kv-blocks", "4", "--kv-cache-memory-mb", "8"], "not allowed with argument"),
         (["engine", "serve", "--turbo"], "unrecognized arguments: --turbo"),
         (["--log-level", "loud", "policy", "schema"], "argument --log-level: invalid choice: 'LOUD'"),
@@ -78,8 +82,8 @@ def test_usage_errors_exit_2_with_the_reason(capsys, argv, message):
     ("argv", "message"),
     [
         # --model points nowhere, so a missing check fails on the model instead of serving.
-        (["engine", "serve", "--model", "/nonexistent", "--port", "0"], "--port must be positive"),
-        (["engine", "serve", "--model", "/nonexistent", "--block-size", "-1"], "--block-size must be positive"),
+        (["engine", "serve", "--model", "/nonexistent", "--weight-quant", "int4", "--dtype", "float16"],
+         "engine: weight_quant int4 runs with bfloat16 activations"),
         (["index", "build", "--input", "/nonexistent.jsonl", "--name", "n", "--chunk-words", "3"],
          "--chunk-words must be at least 8"),
         (["eval", "gate", "--baseline", "/nonexistent/old.json", "--current", "/nonexistent/new.json"],

@@ -94,7 +94,7 @@ def test_every_config_key_and_setting_is_in_the_config_reference(pages):
 
     page = pages["reference/config.md"]
     keys = schema_paths(CtxgateConfig.model_json_schema())
-    assert "engine.kv_cache_dtype" in keys and "upstreams.api_key" in keys
+    assert "engine.kv_cache_dtype" in keys and "server.upstream_api_key" in keys
     assert _missing(keys, page) == []
     for settings in (GatewaySettings, EngineConfig):
         names = [f.name for f in dataclasses.fields(settings)] if dataclasses.is_dataclass(settings) \
@@ -113,7 +113,7 @@ def test_every_config_key_names_the_serve_flag_that_sets_it(pages):
     without = [path for path in leaves if path not in rows]
     assert without == [], "config keys without a flag in the reference"
     assert set(rows.values()) <= serve_flags
-    assert rows["server.max_in_flight"] == "--max-in-flight" and rows["keys_file"] == "--keys"
+    assert rows["server.max_in_flight"] == "--max-in-flight" and rows["server.keys_file"] == "--keys-file"
 
 
 def _is_section(model, name: str) -> bool:
@@ -133,7 +133,8 @@ def _serve_parser() -> argparse.ArgumentParser:
 def test_config_reference_shows_the_flag_defaults_not_null(pages):
     page = pages["reference/config.md"]
     assert re.search(r"^\| `server.port` \| [^|]* \| `8000` \|", page, re.M)
-    assert re.search(r"^\| `engine.prefix_caching` \| [^|]* \| `true` \|", page, re.M)
+    assert re.search(r"^\| `engine.enable_prefix_caching` \| [^|]* \| `true` \|", page, re.M)
+    assert re.search(r"^\| `engine.threads` \| `engine.num_threads` \|", page, re.M)  # an old key, still read
 
 
 def test_every_keys_file_and_request_field_is_documented(pages):

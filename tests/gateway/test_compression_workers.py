@@ -14,8 +14,8 @@ from gateway.cli import resolve_serve_args
 from gateway.settings import GatewaySettings, default_compression_workers
 
 
-def _serve_args(argv: list[str]):
-    return resolve_serve_args(parse_args(["serve", *argv]))
+def _serve_args(argv: list[str]) -> GatewaySettings:
+    return resolve_serve_args(parse_args(["serve", *argv])).settings
 
 
 @pytest.mark.parametrize(("cores", "workers"), [(1, 1), (2, 1), (3, 1), (8, 4), (None, 1)])
@@ -31,13 +31,13 @@ def test_fewer_than_one_worker_is_refused():
 
 
 def test_the_flag_and_the_config_file_set_it(tmp_path, capsys):
-    assert _serve_args([]).compression_workers is None  # unset: the settings' default applies
+    assert _serve_args([]).compression_workers == default_compression_workers()  # unset: the settings' default
     assert _serve_args(["--compression-workers", "3"]).compression_workers == 3
     path = tmp_path / "ctxgate.yaml"
     path.write_text(yaml.safe_dump({"server": {"compression_workers": 2}}))
     assert _serve_args(["--config", str(path)]).compression_workers == 2
     assert _serve_args(["--config", str(path), "--compression-workers", "4"]).compression_workers == 4
-    for bad, message in (("0", "must be at least 1, not 0"), ("two", "expected a whole number, not 'two'")):
+    for bad, message in (("0", "must be at least 1, not 0"), ("two", "invalid int value: 'two'")):
         with pytest.raises(SystemExit):
             parse_args(["serve", "--compression-workers", bad])
         assert message in capsys.readouterr().err
@@ -78,14 +78,15 @@ def test_the_workers_run_at_the_engines_cpu_priority_by_default_and_refuse_a_bad
 
 
 def test_the_nice_flag_and_config_key_set_it(tmp_path, capsys):
-    assert _serve_args([]).compression_nice is None  # unset: the settings' default applies
+    assert _serve_args([]).compression_nice == 0  # unset: the settings' default applies
     assert _serve_args(["--compression-nice", "0"]).compression_nice == 0
     path = tmp_path / "ctxgate.yaml"
     path.write_text(yaml.safe_dump({"server": {"compression_nice": 5}}))
     assert _serve_args(["--config", str(path)]).compression_nice == 5
     assert _serve_args(["--config", str(path), "--compression-nice", "19"]).compression_nice == 19
-    for command in (["serve"], ["bench", "e2e"]):
-        for bad, message in (("20", "must be from 0 to 19, not 20"), ("low", "expected a whole number, not 'low'")):
+    for command, not_a_number in ((["serve"], "invalid int value: 'low'"),
+                                  (["bench", "e2e"], "expected a whole number, not 'low'")):
+        for bad, message in (("20", "must be from 0 to 19, not 20"), ("low", not_a_number)):
             with pytest.raises(SystemExit):
                 parse_args([*command, "--compression-nice", bad])
             assert message in capsys.readouterr().err
