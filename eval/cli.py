@@ -70,7 +70,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     curve = eval_sub.add_parser(
         "retention-curve",
         help="answer retention against compression ratio over a budget sweep, beside a peer compressor's output")
-    curve.add_argument("--dataset", "--input", action="append", required=True, dest="datasets",
+    curve.add_argument("--input", action="append", required=True, dest="datasets",
                        help="JSONL dataset (repeat); a bare name is looked up in ../shared/data/eval")
     curve.add_argument("--policy", default="rag-default", help="policy name (default rag-default)")
     curve.add_argument("--split", choices=["all", "tune", "test"], default="test",

@@ -20,7 +20,7 @@ def test_curve_scores_the_policy_and_the_peer_on_the_same_questions(tmp_path, ca
     peer = tmp_path / "peer.json"
     peer.write_text(json.dumps({"peer": "LongLLMLingua", "datasets": {name: rows}}))
     out = tmp_path / "out"
-    code = main(["eval", "retention-curve", "--dataset", str(dataset), "--split", "all", "--limit", "3",
+    code = main(["eval", "retention-curve", "--input", str(dataset), "--split", "all", "--limit", "3",
                  "--budgets", "1000,40", "--peer", str(peer), "--out", str(out)])
     assert code == 0 and "report:" in capsys.readouterr().out
     report = json.loads((out / "curve.json").read_text())
@@ -35,12 +35,12 @@ def test_curve_scores_the_policy_and_the_peer_on_the_same_questions(tmp_path, ca
 
     # --reuse takes the policy's points from the earlier curve instead of running it again
     again = tmp_path / "again"
-    assert main(["eval", "retention-curve", "--dataset", str(dataset), "--reuse", str(out / "curve.json"),
+    assert main(["eval", "retention-curve", "--input", str(dataset), "--reuse", str(out / "curve.json"),
                  "--out", str(again)]) == 0
     assert json.loads((again / "curve.json").read_text())["curves"][name]["rag-default"] == ours
 
 
 def test_curve_refuses_bad_budgets(tmp_path, capsys):
-    assert main(["eval", "retention-curve", "--dataset", "x.jsonl", "--budgets", "400,-1",
+    assert main(["eval", "retention-curve", "--input", "x.jsonl", "--budgets", "400,-1",
                  "--out", str(tmp_path)]) == 2
     assert "--budgets" in capsys.readouterr().err
