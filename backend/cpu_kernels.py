@@ -68,11 +68,13 @@ def _load_uncached() -> bool:
     if disabled_by_env():
         logger.info("CPU kernels disabled by CTXGATE_CPU_KERNELS=0")
         return False
+    build_dir = _build_dir()
+    if _load_prebuilt(build_dir / "ctxgate_cpu_kernels.so"):
+        return True
     _put_ninja_on_path()
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         load_extension(
             name="ctxgate_cpu_kernels",
@@ -91,6 +93,22 @@ def _load_uncached() -> bool:
     loaded = hasattr(torch.ops, "ctxgate_cpu") and hasattr(torch.ops.ctxgate_cpu, "gemv_bf16")
     if loaded:
         logger.info("CPU kernels loaded (%s build)", kernel_isa())
+    return loaded
+
+
+def _load_prebuilt(library: Path) -> bool:
+    """The library an earlier build left in this key's folder (same source, torch, flags and CPU),
+    loaded without a compiler: what lets an image ship kernels but no g++. A damaged file is rebuilt."""
+    if not library.exists():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("prebuilt CPU kernels at %s did not load (%s); rebuilding", library.parent.name, exc)
+        return False
+    loaded = hasattr(torch.ops, "ctxgate_cpu") and hasattr(torch.ops.ctxgate_cpu, "gemv_bf16")
+    if loaded:
+        logger.info("CPU kernels loaded (%s build, prebuilt)", kernel_isa())
     return loaded
 
 

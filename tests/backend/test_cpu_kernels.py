@@ -210,3 +210,19 @@ def test_every_kernel_build_this_cpu_runs(isa, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "passed" in result.stdout and "skipped" not in result.stdout
     assert [p.name for p in (tmp_path / "kernels").iterdir()][0].startswith(f"cpu-{isa}-")
+
+
+def test_built_kernels_load_without_a_compiler():
+    """An image ships the kernels its build stage compiled, but no g++: a process that finds them in
+    the cache loads them with no compiler on the machine."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import logging; logging.basicConfig(level=logging.INFO); "
+              "from backend import cpu_kernels; import torch; assert cpu_kernels.load(); "
+              "print(torch.ops.ctxgate_cpu.gemv_bf16 is not None)")
+    env = os.environ | {"CXX": "/nonexistent/c++", "PATH": os.path.dirname(sys.executable)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr[-2000:]
+    assert "prebuilt" in result.stderr  # loaded, not rebuilt
