@@ -8,7 +8,6 @@ observed while they are held.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import threading
@@ -23,7 +22,12 @@ import yaml
 from gateway.keys import hash_key
 from tests.gateway.clock import in_one_minute
 from tests.support.redis import RedisServer
-from tests.support.servers import ServerThread, free_port, wait_http, write_policy
+from tests.support.servers import (
+    ServerThread,
+    ctxgate_env,
+    ctxgate_replicas,
+    write_policy,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "ctxgate-test"
@@ -108,33 +112,10 @@ def setup(redis_module, upstream, prompt_tokens, tmp_path_factory):
         "redis": {"url": "os.environ/CG_TEST_REDIS"},
         "keys_file": "keys.yaml", "policy_dir": "policies",
     }))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CG_TEST_REDIS": redis_module.url}
+    env = ctxgate_env(CG_TEST_REDIS=redis_module.url)
     env.pop("REDIS_URL", None)
-    processes, urls = [], []
-    for index in range(2):
-        port = free_port()
-        log = open(root / f"gateway{index}.log", "w")  # noqa: SIM115 (closed with the process)
-        processes.append((subprocess.Popen(
-            [sys.executable, "-m", "ctxgate", "serve", "--config", str(config), "--port", str(port),
-             "--log-level", "WARNING"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        urls.append(f"http://127.0.0.1:{port}")
-    try:
-        for url in urls:
-            wait_http(f"{url}/health", timeout_s=60)
+    with ctxgate_replicas(["--config", str(config)], root, env, ready_timeout_s=60, must_stop=True) as urls:
         yield urls, keys_file
-    finally:
-        for process, _ in processes:
-            process.terminate()
-        hung = []
-        for process, log in processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:  # still a failure, but no orphaned gateway left running
-                process.kill()
-                process.wait()
-                hung.append(process.args)
-            log.close()
-        assert not hung, f"gateways did not stop within 15 s of SIGTERM: {hung}"
 
 
 def _compress(url: str, key: str, model: str = MODEL) -> httpx.Response:

@@ -8,11 +8,7 @@ The gateways run `ctxgate serve` as real subprocesses. They use the metered, gen
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,10 +18,9 @@ import yaml
 from gateway.keys import hash_key
 from tests.gateway.clock import in_one_minute
 from tests.support.redis import RedisServer
-from tests.support.servers import free_port, wait_http, write_policy
+from tests.support.servers import ctxgate_env, ctxgate_replicas, free_port, write_policy
 from tests.support.waiting import eventually
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "ctxgate-test"
 KEYS = {"burst": "cg-burst-key", "burst-again": "cg-burst-again-key", "allow": "cg-allow-key", "deny": "cg-deny-key"}
 MESSAGES = [{"role": "user", "content": "What is the tallest mountain in Europe?"}]
@@ -65,27 +60,11 @@ def gateways(redis_module, prompt_tokens, tmp_path_factory):
     keys_file = root / "keys.yaml"
     keys_file.write_text(yaml.safe_dump({"tenants": tenants}))
     dead_upstream = f"http://127.0.0.1:{free_port()}"
-    processes, urls = [], []
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "REDIS_URL": redis_module.url}
-    for index in range(2):
-        port = free_port()
-        log = open(root / f"gateway{index}.log", "w")  # noqa: SIM115 (closed with the process)
-        processes.append((subprocess.Popen(
-            [sys.executable, "-m", "ctxgate", "--log-level", "WARNING", "serve", "--port", str(port),
-             "--policy-dir", str(policy_dir), "--keys", str(keys_file), "--upstream", dead_upstream,
-             "--served-model-name", MODEL, "--default-policy", "shared-allow"],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-        ), log))
-        urls.append(f"http://127.0.0.1:{port}")
-    try:
-        for url in urls:
-            wait_http(f"{url}/health", timeout_s=60)
+    env = ctxgate_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", REDIS_URL=redis_module.url)
+    args = ["--policy-dir", str(policy_dir), "--keys", str(keys_file), "--upstream", dead_upstream,
+            "--served-model-name", MODEL, "--default-policy", "shared-allow"]
+    with ctxgate_replicas(args, root, env, ready_timeout_s=60) as urls:
         yield urls
-    finally:
-        for process, log in processes:
-            process.terminate()
-            process.wait(timeout=15)
-            log.close()
 
 
 async def _compress(client: httpx.AsyncClient, url: str, tenant: str) -> httpx.Response:

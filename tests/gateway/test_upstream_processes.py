@@ -3,54 +3,30 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
-
 import httpx
 import pytest
 from openai import OpenAI
 
 from gateway.tokenizers import TiktokenTokenizer, load_counting_tokenizer
-from tests.support.servers import free_port, wait_http
+from tests.support.servers import ctxgate_env, ctxgate_process, free_port, wait_http
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "engine-secret"
-
-
-@contextmanager
-def _process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
-    with log.open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "ctxgate", "--log-level", "WARNING", *args],
-                                   cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            yield process
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("procs")
     empty_cache = tmp / "cache"  # the default model is not here: the gateway must not need it
-    env = os.environ | {"PYTHONPATH": str(REPO), "CTXGATE_UPSTREAM_API_KEY": ""}
+    env = ctxgate_env(CTXGATE_UPSTREAM_API_KEY="")
     engine_port, gateway_port = free_port(), free_port()
     engine_args = ["engine", "serve", "--port", str(engine_port), "--api-key", KEY, "--model", str(model_dir),
                    "--kv-cache-memory-mb", "64", "--max-model-len", "2048", "--served-model-name", "smol"]
     gateway_args = ["serve", "--port", str(gateway_port), "--upstream", f"http://127.0.0.1:{engine_port}/v1",
                     "--upstream-api-key", KEY, "--tokenizer", str(model_dir), "--default-policy", "passthrough",
                     "--served-model-name", "front"]
-    with _process(engine_args, env, tmp / "engine.log"):
+    with ctxgate_process(engine_args, tmp / "engine.log", env):
         wait_http(f"http://127.0.0.1:{engine_port}/health", timeout_s=180)
-        with _process(gateway_args, env | {"CTXGATE_CACHE_DIR": str(empty_cache)}, tmp / "gateway.log"):
+        with ctxgate_process(gateway_args, tmp / "gateway.log", env | {"CTXGATE_CACHE_DIR": str(empty_cache)}):
             wait_http(f"http://127.0.0.1:{gateway_port}/ready", timeout_s=180)
             yield f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}", empty_cache
 

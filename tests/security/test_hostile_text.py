@@ -4,20 +4,15 @@ answers /health within a second, and the payload itself gets an answer or a 4xx 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.servers import free_port, wait_http
+from tests.support.servers import ctxgate_process, free_port, wait_http
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 SIZE = 200_000  # characters; the old patterns took hours at this size
 HEALTH_BUDGET_S = 1.0
@@ -56,22 +51,10 @@ PAYLOADS = {
 def gateway(tmp_path_factory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("hostile-text") / "gateway.log"
-    env = os.environ | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "ctxgate", "--log-level", "WARNING", "serve", "--port", str(port),
-             "--default-policy", "rag-default", "--max-body-bytes", str(4 * 1024 * 1024)],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_http(f"http://127.0.0.1:{port}/ready", timeout_s=300)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    args = ["serve", "--port", str(port), "--default-policy", "rag-default", "--max-body-bytes", str(4 * 1024 * 1024)]
+    with ctxgate_process(args, log):
+        wait_http(f"http://127.0.0.1:{port}/ready", timeout_s=300)
+        yield f"http://127.0.0.1:{port}"
 
 
 def _health_while(url: str, busy: threading.Event) -> list[float]:

@@ -4,7 +4,6 @@ trickled in too slowly is cut off."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -16,17 +15,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.servers import free_port, wait_http
+from tests.support.servers import REPO, ctxgate_env, ctxgate_process, free_port, wait_http
 from tests.support.waiting import eventually
 
-REPO = Path(__file__).resolve().parents[2]
 METRICS_KEY = "scrape-secret"
 
 
-def _serve(args: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
-    environ = os.environ | {"PYTHONPATH": str(REPO), "CTXGATE_METRICS_KEY": ""} | (env or {})
+def _serve(args: list[str], **kwargs) -> subprocess.Popen:
+    """A serve process expected to exit by itself (refusing to start)."""
     return subprocess.Popen([sys.executable, "-m", "ctxgate", "--log-level", "WARNING", "serve", *args],
-                            cwd=REPO, env=environ, **kwargs)
+                            cwd=REPO, env=ctxgate_env(CTXGATE_METRICS_KEY=""), **kwargs)
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gateway.internal"])
@@ -62,19 +60,10 @@ def _open_gateway(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         f"upstreams: {{urls: ['http://127.0.0.1:{free_port()}/v1'], model: m, connect_timeout: 0.2, retries: 0}}\n"
         "metrics: {key: os.environ/SCRAPE_KEY}\n")
     log = tmp_path / "gateway.log"
-    with log.open("wb") as out:
-        process = _serve(["--config", str(config), "--served-model-name", "m"], env={"SCRAPE_KEY": METRICS_KEY},
-                         stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_http(f"http://127.0.0.1:{port}/health", timeout_s=120)
-            yield f"http://127.0.0.1:{port}", log
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    env = ctxgate_env(CTXGATE_METRICS_KEY="", SCRAPE_KEY=METRICS_KEY)
+    with ctxgate_process(["serve", "--config", str(config), "--served-model-name", "m"], log, env):
+        wait_http(f"http://127.0.0.1:{port}/health", timeout_s=120)
+        yield f"http://127.0.0.1:{port}", log
 
 
 @pytest.fixture(scope="module")

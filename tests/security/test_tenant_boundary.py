@@ -25,7 +25,12 @@ from gateway.settings import GatewaySettings
 from policies.loader import packaged_policy_dir, parse_policy
 from tests.gateway.clock import FakeClock, in_one_minute
 from tests.gateway.conftest import engine  # noqa: F401
-from tests.support.servers import ServerThread, free_port, wait_http, write_policy
+from tests.support.servers import (
+    ServerThread,
+    ctxgate_env,
+    ctxgate_replicas,
+    write_policy,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -283,29 +288,12 @@ def replicas(backend, files, tmp_path_factory):
         "upstreams": {"urls": [f"{backend.url}/v1"], "model": MODEL},
         "redis": {"url": redis.url}, "keys_file": "keys.yaml", "policy_dir": "policies",
     }))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = ctxgate_env()
     env.pop("REDIS_URL", None)
-    processes, urls = [], []
-    for index in range(2):
-        port = free_port()
-        log = open(files / f"replica{index}.log", "w")  # noqa: SIM115 (closed with the process)
-        processes.append((subprocess.Popen(
-            [sys.executable, "-m", "ctxgate", "serve", "--config", str(config), "--port", str(port),
-             "--log-level", "WARNING"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        urls.append(f"http://127.0.0.1:{port}")
     try:
-        for url in urls:
-            wait_http(f"{url}/health", timeout_s=90)
-        yield urls, redis
+        with ctxgate_replicas(["--config", str(config)], files, env) as urls:
+            yield urls, redis
     finally:
-        for process, log in processes:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            log.close()
         redis.stop()
 
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tests.support.waiting import eventually
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -79,3 +84,49 @@ def write_policy(directory: Path, name: str, text: str) -> Path:
     tmp.write_text(text)
     tmp.replace(path)
     return path
+
+
+def ctxgate_env(**extra: str) -> dict[str, str]:
+    """The environment for a `ctxgate` child process running this checkout's code."""
+    return {**os.environ, "PYTHONPATH": str(REPO), **extra}
+
+
+@contextmanager
+def ctxgate_process(args: Sequence[str], log: Path, env: Mapping[str, str] | None = None,
+                    stop_timeout_s: float = 20.0, must_stop: bool = False) -> Iterator[subprocess.Popen]:
+    """`python -m ctxgate ARGS` from this checkout, its output in `log`; on exit SIGTERM, then SIGKILL
+    after `stop_timeout_s` (an AssertionError then, when `must_stop`: a graceful stop is under test)."""
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "ctxgate", "--log-level", "WARNING", *args], cwd=REPO,
+                                   env=dict(env if env is not None else ctxgate_env()),
+                                   stdout=out, stderr=subprocess.STDOUT)
+        hung = False
+        try:
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                hung = True
+                process.kill()
+                process.wait()
+    if hung and must_stop:
+        raise AssertionError(f"{' '.join(args)} did not stop within {stop_timeout_s:g}s of SIGTERM")
+
+
+@contextmanager
+def ctxgate_replicas(args: Sequence[str], logs: Path, env: Mapping[str, str] | None = None, count: int = 2,
+                     ready_timeout_s: float = 90.0, must_stop: bool = False) -> Iterator[list[str]]:
+    """`count` `ctxgate serve ARGS --port P` processes, each on its own free port; yields their base URLs
+    once every one answers /health."""
+    with ExitStack() as stack:
+        urls = []
+        for index in range(count):
+            port = free_port()
+            stack.enter_context(ctxgate_process(["serve", *args, "--port", str(port)], logs / f"replica{index}.log",
+                                                env, stop_timeout_s=15, must_stop=must_stop))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            wait_http(f"{url}/health", timeout_s=ready_timeout_s)
+        yield urls
