@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from compression.cache import BytesCache
-from compression.extraction import lexical_overlap, values_from_scores
 from compression.knapsack import knapsack
+from compression.scoring import lexical_overlap, values_from_scores
 from compression.state import message_text
 
 logger = logging.getLogger(__name__)

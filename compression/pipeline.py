@@ -27,7 +27,8 @@ from compression.counting import CachedCounter, TokenCounter
 from compression.message_context import report_kept
 from compression.rendering import render_context
 from compression.services import PrefillCostEstimator, Services
-from compression.stages import STAGES, Stage, StageContext, run_timed
+from compression.stages import STAGES
+from compression.stages.base import Stage, StageContext, run_timed
 from compression.state import PipelineState, split_messages
 from compression.types import CompressionInput, CompressionResult, Document, StageReport
 from policies.schema import Policy
