@@ -1,4 +1,4 @@
-from compression.cache import ByteLRU, LRUBytesCache, byte_bounded_cache
+from compression.cache import ByteLRU, BytesCache, LRUBytesCache, byte_bounded_cache
 from compression.text import SentenceSplitter, content_words, normalize_for_dedup
 
 
@@ -9,6 +9,14 @@ def test_lru_evicts_by_size():
     assert cache.get("a") == b"12345"  # a is now most recent
     cache.set("c", b"12345")
     assert cache.get("b") is None and cache.get("a") == b"12345" and cache.get("c") == b"12345"
+
+
+def test_lru_batch_calls_are_its_single_calls():
+    cache = LRUBytesCache(max_bytes=100)
+    assert isinstance(cache, BytesCache)
+    cache.set_many({"a": b"1", "b": b"22"})
+    assert cache.get_many(["b", "missing", "a"]) == [b"22", None, b"1"]
+    assert (cache.hits, cache.misses) == (2, 1)
 
 
 def test_lru_counts_key_bytes_too():

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from compression.stages.assembly import AssemblyStage
 from policies.schema import Policy
-from tests.compression.stages.support import (
-    DOCUMENTS,
-    setup_state,
-)
+from tests.compression.stages.support import DOCUMENTS, setup_state
 
 
 async def test_assembly_orders_passages_as_the_policy_says(tokenizer):

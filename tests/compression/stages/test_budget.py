@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from policies.schema import Policy
-from tests.compression.stages.support import (
-    DOCUMENTS,
-    setup_state,
-)
+from tests.compression.stages.support import DOCUMENTS, setup_state
 
 
 def test_split_passages_are_priced_by_sentence_and_a_changed_body_is_not_tokenized_again(tokenizer):
@@ -21,6 +18,15 @@ def test_split_passages_are_priced_by_sentence_and_a_changed_body_is_not_tokeniz
         def count(self, text: str) -> int:
             self.texts.append(text)
             return tokenizer.count(text)
+
+        def count_many(self, texts: list[str]) -> list[int]:
+            return [self.count(text) for text in texts]
+
+        def count_chat(self, messages, add_generation_prompt=True) -> int:
+            return tokenizer.count_chat(messages, add_generation_prompt)
+
+        def render_chat(self, messages, add_generation_prompt=True) -> str:
+            return tokenizer.render_chat(messages, add_generation_prompt)
 
     state, ctx = setup_state(tokenizer, Policy(name="p"), documents=DOCUMENTS[:2])
     ensure_sentences(ctx, state.passages)

@@ -7,12 +7,7 @@ import pytest
 from compression.stages.cost_check import CostCheckStage
 from compression.types import BudgetExceededError
 from policies.schema import Policy
-from tests.compression.stages.support import (
-    DOCUMENTS,
-    QUESTION,
-    SYSTEM,
-    setup_state,
-)
+from tests.compression.stages.support import DOCUMENTS, QUESTION, SYSTEM, setup_state
 
 
 async def test_cost_check_measures_and_sets_the_history_budget(tokenizer):

@@ -5,10 +5,7 @@ from __future__ import annotations
 from compression.rendering import render_context
 from compression.stages.extraction import ExtractionStage
 from policies.schema import Policy
-from tests.compression.stages.support import (
-    DOCUMENTS,
-    setup_state,
-)
+from tests.compression.stages.support import DOCUMENTS, setup_state
 
 
 async def test_extraction_by_passage_fits_the_documents_budget(tokenizer):

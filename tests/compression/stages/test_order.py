@@ -5,9 +5,7 @@ from __future__ import annotations
 from compression.stages import STAGES
 from compression.types import RetrievalSpec
 from policies.schema import Policy
-from tests.compression.stages.support import (
-    setup_state,
-)
+from tests.compression.stages.support import setup_state
 
 
 def test_stage_order_is_the_algorithm():
