@@ -68,6 +68,11 @@ class ByteLRU(Generic[Key, Value]):
                 _, (_, evicted) = self._items.popitem(last=False)
                 self.size_bytes -= evicted
 
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.size_bytes = 0
+
     def __len__(self) -> int:
         return len(self._items)
 

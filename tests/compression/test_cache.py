@@ -42,6 +42,13 @@ def test_byte_lru_is_bounded_by_bytes_as_well_as_count():
     assert "a" not in small and len(small) == 2  # the count bound still holds
 
 
+def test_byte_lru_clear_empties_it_and_its_byte_count():
+    lru: ByteLRU[str, bytes] = ByteLRU(max_entries=10, max_bytes=10_000)
+    lru.put("a", b"1")
+    lru.clear()
+    assert len(lru) == 0 and lru.size_bytes == 0 and lru.get("a") is None
+
+
 def test_byte_bounded_cache_memoizes_within_its_budget():
     calls = []
 
