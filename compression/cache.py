@@ -12,7 +12,7 @@ import functools
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 Key = TypeVar("Key", bound=Hashable)
@@ -104,9 +104,19 @@ def byte_bounded_cache(max_entries: int, max_bytes: int) -> Callable[[Callable[[
 
 @runtime_checkable
 class BytesCache(Protocol):
+    """Bytes by key, shared by the embedder (vectors) and the history summarizer (summaries)."""
+
     def get(self, key: str) -> bytes | None: ...
 
     def set(self, key: str, value: bytes, ttl_s: float | None = None) -> None: ...
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """`get` of each key, in one round trip where the store has one (Redis MGET)."""
+        ...
+
+    def set_many(self, items: dict[str, bytes], ttl_s: float | None = None) -> None:
+        """`set` of each item, in one round trip where the store has one."""
+        ...
 
 
 class LRUBytesCache:
@@ -141,6 +151,13 @@ class LRUBytesCache:
             while self._size > self.max_bytes and self._items:
                 evicted_key, evicted = self._items.popitem(last=False)
                 self._size -= len(evicted_key) + len(evicted)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get(key) for key in keys]
+
+    def set_many(self, items: dict[str, bytes], ttl_s: float | None = None) -> None:
+        for key, value in items.items():
+            self.set(key, value, ttl_s)
 
     def __len__(self) -> int:
         return len(self._items)

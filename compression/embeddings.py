@@ -206,21 +206,15 @@ class Embedder:
         return np.stack([vectors[key] for key in keys]).astype(np.float32, copy=False)
 
     def _cache_get(self, keys: list[str]) -> list[bytes | None]:
-        """One round trip when the cache can batch (Redis MGET), else one call per key."""
+        """One round trip where the cache can batch (Redis MGET)."""
         assert self._cache is not None
         prefixed = [self._key_prefix + key for key in keys]
-        get_many = getattr(self._cache, "get_many", None)
-        return list(get_many(prefixed)) if get_many else [self._cache.get(key) for key in prefixed]
+        return list(self._cache.get_many(prefixed))
 
     def _cache_set(self, items: dict[str, bytes]) -> None:
         assert self._cache is not None
         prefixed = {self._key_prefix + key: value for key, value in items.items()}
-        set_many = getattr(self._cache, "set_many", None)
-        if set_many:
-            set_many(prefixed)
-        else:
-            for key, value in prefixed.items():
-                self._cache.set(key, value)
+        self._cache.set_many(prefixed)
 
     def prime(self, texts: list[str], vectors: np.ndarray) -> None:
         """Seed the in-process cache with vectors computed earlier (e.g. stored in a retrieval index)."""

@@ -14,18 +14,38 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from compression.cache import BytesCache
-from compression.extraction import lexical_overlap, values_from_scores
+from compression.counting import ChatTokenizer
 from compression.knapsack import knapsack
+from compression.scoring import lexical_overlap, values_from_scores
 from compression.state import message_text
 
+if TYPE_CHECKING:
+    from backend.api import GenerationDelta, GenerationRequest
+
 logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_LEN = 2048  # an engine that reports no context window is assumed to have this one
+
+
+class SummaryEngine(Protocol):
+    """What compression uses of an engine: background generation of history summaries, whose
+    prompts must fit its context window. `backend.api.EngineClient` has all of it."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def is_ready(self) -> bool: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
 
 SUMMARIZER_SYSTEM_PROMPT = (
     "You write short summaries of conversations. Keep names, numbers, facts, decisions and open "
@@ -87,8 +107,8 @@ class HistorySummarizer:
         count: Callable[[str], int],
         split_sentences: Callable[[str], list[str]],
         cache: BytesCache,
-        engine: Any = None,
-        tokenizer: Any = None,
+        engine: SummaryEngine | None = None,
+        tokenizer: ChatTokenizer | None = None,
     ):
         self.count = count
         self.split_sentences = split_sentences
@@ -111,10 +131,11 @@ class HistorySummarizer:
         cached = self.cache.get(turns_key(tenant, turns))
         if cached is not None:
             return SummaryOutcome(self._fit(cached.decode(), max_tokens), "cache", covered_turns=len(turns))
-        if use_engine and self._engine_available():
+        engine = self._ready_engine() if use_engine else None
+        if engine is not None:
             try:
                 text, calls = await asyncio.wait_for(
-                    self._rolling_summary(tenant, turns, max_tokens), timeout=timeout_s
+                    self._rolling_summary(engine, tenant, turns, max_tokens), timeout=timeout_s
                 )
                 return SummaryOutcome(self._fit(text, max_tokens), "engine", calls, len(turns))
             except TimeoutError:
@@ -123,16 +144,18 @@ class HistorySummarizer:
                 logger.warning("history summary failed (%s); extractive fallback", exc)
         return SummaryOutcome(self.extractive(turns, question, max_tokens), "extractive", 0, len(turns))
 
-    def _engine_available(self) -> bool:
-        if self.engine is None:
-            return False
+    def _ready_engine(self) -> SummaryEngine | None:
+        """The engine, when there is one and it is ready (a failing readiness probe is not)."""
+        engine = self.engine
+        if engine is None:
+            return None
         try:
-            return bool(self.engine.is_ready())
+            return engine if engine.is_ready() else None
         except Exception:
-            return False
+            return None
 
     async def _rolling_summary(
-        self, tenant: str, turns: list[dict[str, Any]], max_tokens: int
+        self, engine: SummaryEngine, tenant: str, turns: list[dict[str, Any]], max_tokens: int
     ) -> tuple[str, int]:
         covered, summary = 0, ""
         for prefix_length in range(len(turns) - 1, 0, -1):
@@ -141,7 +164,7 @@ class HistorySummarizer:
                 covered, summary = prefix_length, cached.decode()
                 break
         calls = 0
-        input_limit = self._input_token_limit(max_tokens)
+        input_limit = self._input_token_limit(engine, max_tokens)
         while covered < len(turns):
             chunk_end = covered + 1
             while (
@@ -149,14 +172,17 @@ class HistorySummarizer:
                 and self.count(transcript(turns[covered : chunk_end + 1])) <= input_limit
             ):
                 chunk_end += 1
-            summary = await self._call_engine(tenant, summary, turns[covered:chunk_end], max_tokens, input_limit)
+            summary = await self._call_engine(
+                engine, tenant, summary, turns[covered:chunk_end], max_tokens, input_limit
+            )
             calls += 1
             covered = chunk_end
             self.cache.set(turns_key(tenant, turns[:covered]), summary.encode())
         return summary, calls
 
-    def _input_token_limit(self, max_tokens: int) -> int:
-        model_limit = int(getattr(self.engine, "max_model_len", 2048) or 2048)
+    @staticmethod
+    def _input_token_limit(engine: SummaryEngine, max_tokens: int) -> int:
+        model_limit = int(engine.max_model_len or DEFAULT_MODEL_LEN)
         return max(64, model_limit - max_tokens - 2 * max_tokens - 96)  # room for template + old summary
 
     @staticmethod
@@ -166,7 +192,13 @@ class HistorySummarizer:
         return hashlib.sha256(f"ctxgate-summary\x1f{tenant}".encode()).hexdigest()
 
     async def _call_engine(
-        self, tenant: str, previous: str, turns: list[dict[str, Any]], max_tokens: int, input_limit: int
+        self,
+        engine: SummaryEngine,
+        tenant: str,
+        previous: str,
+        turns: list[dict[str, Any]],
+        max_tokens: int,
+        input_limit: int,
     ) -> str:
         from backend.api import GenerationRequest, Priority, SamplingParams
 
@@ -180,7 +212,8 @@ class HistorySummarizer:
             {"role": "system", "content": SUMMARIZER_SYSTEM_PROMPT},
             {"role": "user", "content": prompt},
         ]
-        prompt_ids = self.tokenizer.encode_chat(messages) if hasattr(self.tokenizer, "encode_chat") else []
+        # No ids (no tokenizer, or no local chat template): the engine tokenizes the messages.
+        prompt_ids = (self.tokenizer.encode_chat(messages) if self.tokenizer is not None else None) or []
         request = GenerationRequest(
             request_id=f"ctxgate-summary-{uuid.uuid4().hex[:12]}",
             prompt_token_ids=prompt_ids,
@@ -194,7 +227,7 @@ class HistorySummarizer:
         pieces: list[str] = []
         finished = False
         try:
-            async for delta in self.engine.generate(request):
+            async for delta in engine.generate(request):
                 pieces.append(delta.text)
                 if delta.finish_reason is not None:
                     finished = True
@@ -203,7 +236,7 @@ class HistorySummarizer:
         finally:
             if not finished:
                 try:
-                    await self.engine.abort(request.request_id)
+                    await engine.abort(request.request_id)
                 except Exception:
                     pass
         text = "".join(pieces).strip()

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from compression.counting import ChatTokenizer
 from compression.state import Passage
 
 PROMPT_TEMPLATE = "Document: {passage}\nA question this document answers: "
@@ -38,8 +39,8 @@ class LLMReranker:
         self.max_passage_tokens = max_passage_tokens
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> LLMReranker:
-        model_dir = getattr(tokenizer, "model_dir", None)
+    def from_tokenizer(cls, tokenizer: ChatTokenizer) -> LLMReranker:
+        model_dir = tokenizer.model_dir
         if model_dir is None:
             raise ValueError(
                 "rerank.method 'llm' needs the built-in backend model (its tokenizer has no model_dir)"

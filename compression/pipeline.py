@@ -16,32 +16,40 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from compression.batching import ENGINE_TIME, EngineTime
 from compression.cache import BytesCache, LRUBytesCache
-from compression.counting import CachedCounter, TokenCounter
+from compression.counting import CachedCounter, ChatTokenizer
+from compression.history import SummaryEngine
 from compression.message_context import report_kept
 from compression.rendering import render_context
 from compression.services import PrefillCostEstimator, Services
-from compression.stages import STAGES, Stage, StageContext, run_timed
+from compression.stages import STAGES
+from compression.stages.base import Stage, StageContext, run_timed
 from compression.state import PipelineState, split_messages
 from compression.types import CompressionInput, CompressionResult, Document, StageReport
 from policies.schema import Policy
+
+if TYPE_CHECKING:
+    from backend.api import GenerationDelta, GenerationRequest
+    from compression.embeddings import Runner
 
 __all__ = ["CompressionPipeline", "PrefillCostEstimator"]
 
 logger = logging.getLogger(__name__)
 
+Result = TypeVar("Result")
+
 
 class CompressionPipeline:
     def __init__(
         self,
-        tokenizer: TokenCounter,
-        engine: Any = None,
+        tokenizer: ChatTokenizer,
+        engine: SummaryEngine | None = None,
         cache: BytesCache | None = None,
         index_dir: str | Path | None = None,
         cost_estimator: PrefillCostEstimator | None = None,
@@ -50,7 +58,7 @@ class CompressionPipeline:
         embed_batch_window_ms: float | None = None,
         embed_threads: int = 1,
         embed_process: bool = False,
-        embed_runner: Any = None,
+        embed_runner: Runner | None = None,
         worker_nice: int = 0,
     ):
         """`workers` > 0: compressing runs in that many threads of its own, off the caller's event
@@ -79,15 +87,15 @@ class CompressionPipeline:
             )
             if workers > 0 else None
         )
-        self._worker = threading.local()
+        self._worker = _WorkerState()
         self._caller_loop: asyncio.AbstractEventLoop | None = None
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> SummaryEngine | None:
         return self.services.engine
 
     @engine.setter
-    def engine(self, engine: Any) -> None:
+    def engine(self, engine: SummaryEngine | None) -> None:
         self.services.engine = engine
         self.services.summarizer.engine = engine
 
@@ -119,7 +127,7 @@ class CompressionPipeline:
         wait_ms = (time.perf_counter() - submitted) * 1000
         if prepare is not None:
             request = prepare(request)
-        loop = getattr(self._worker, "loop", None)
+        loop = self._worker.loop
         if loop is None:
             loop = self._worker.loop = asyncio.new_event_loop()
         result = loop.run_until_complete(self.run_here(request, policy))
@@ -148,6 +156,12 @@ class CompressionPipeline:
         return result
 
 
+class _WorkerState(threading.local):
+    """Per compression worker thread: its own event loop, made on the thread's first request."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+
+
 def _init_worker(nice: int) -> None:
     """A compression worker runs torch ops (if any) inline, with no OpenMP team beside the engine's,
     and at `nice` below the process's CPU priority."""
@@ -174,23 +188,28 @@ def lower_thread_priority(nice: int) -> bool:
 
 
 class LoopBridge:
-    """The engine as a compression worker sees it: its calls run on the gateway's event loop (an HTTP
-    upstream's connection pool belongs to that loop), their results are handed back to the worker's."""
+    """The engine as a compression worker sees it (a `SummaryEngine`): its calls run on the
+    gateway's event loop (an HTTP upstream's connection pool belongs to that loop), their results
+    are handed back to the worker's."""
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: SummaryEngine, loop: asyncio.AbstractEventLoop):
         self._engine = engine
         self._loop = loop
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
 
-    async def _on_loop(self, coroutine: Any) -> Any:
+    def is_ready(self) -> bool:
+        return self._engine.is_ready()
+
+    async def _on_loop(self, coroutine: Coroutine[Any, Any, Result]) -> Result:
         if asyncio.get_running_loop() is self._loop:
             return await coroutine
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
 
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
-        async def collect() -> list[Any]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        async def collect() -> list[GenerationDelta]:
             return [delta async for delta in self._engine.generate(request)]
 
         # Summaries are short and read whole: collecting them first keeps the bridge simple.

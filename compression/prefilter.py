@@ -32,7 +32,7 @@ def mark_embedding_candidates(question: str, passages: list[Passage], budget_tok
     """Set `embed_sentences` on every passage; return how many sentences were left out. The
     allowance is `budget_multiple` x the budget or `min_share` of the input, whichever is larger
     (a policy's `documents.embed_budget_multiple` / `embed_min_share`)."""
-    from compression.extraction import lexical_overlap
+    from compression.scoring import lexical_overlap
 
     units = [
         (passage_index, sentence_index, sentence)

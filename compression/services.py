@@ -6,12 +6,17 @@ Heavy helpers (the embedding model, the LLM reranker) are created on first use.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from compression.cache import BytesCache
-from compression.counting import CachedCounter
-from compression.history import HistorySummarizer
+from compression.counting import CachedCounter, ChatTokenizer
+from compression.history import HistorySummarizer, SummaryEngine
 from compression.index import IndexStore
+
+if TYPE_CHECKING:
+    from compression.embeddings import Embedder, Runner
+    from compression.llm_score import LLMReranker
 
 
 class PrefillCostEstimator:
@@ -48,10 +53,10 @@ class Services:
     def __init__(
         self,
         counter: CachedCounter,
-        tokenizer: Any,
-        engine: Any,
+        tokenizer: ChatTokenizer,
+        engine: SummaryEngine | None,
         cache: BytesCache,
-        index_dir: Any,
+        index_dir: str | Path | None,
         cost_estimator: PrefillCostEstimator,
     ):
         from compression.text import default_splitter
@@ -64,18 +69,18 @@ class Services:
         self.splitter = default_splitter()
         self.index_store = IndexStore(index_dir)
         self.summarizer = HistorySummarizer(counter.count, self.splitter.split, cache, engine, tokenizer)
-        self._embedder = None
+        self._embedder: Embedder | None = None
         # (window ms, OpenMP threads) of the embedding micro-batcher; None: encode in the caller.
         self.embed_batching: tuple[float, int] | None = None
         # Run the embedding model in a child process (compression/embed_process.py).
         self.embed_process = False
         # Run the model's forward passes through this (the in-process engine's run_between_steps).
-        self.embed_runner: Any = None
-        self._llm_reranker = None
+        self.embed_runner: Runner | None = None
+        self._llm_reranker: LLMReranker | None = None
         self._lock = threading.Lock()
 
     @property
-    def embedder(self) -> Any:
+    def embedder(self) -> Embedder:
         if self._embedder is None:
             with self._lock:
                 if self._embedder is None:
@@ -96,7 +101,7 @@ class Services:
         if self._embedder is not None and self.embed_runner is not None:
             self._embedder.release_runner(self.embed_runner)
 
-    def llm_reranker(self) -> Any:
+    def llm_reranker(self) -> LLMReranker:
         if self._llm_reranker is None:
             from compression.llm_score import LLMReranker
 

@@ -64,6 +64,13 @@ class Passage:
         return not self.body().strip()
 
 
+def split_passages(passages: list[Passage], split: Callable[[str], list[str]]) -> None:
+    """Split each passage not yet split into its sentences (a text with none found is one sentence)."""
+    for passage in passages:
+        if passage.sentences is None:
+            passage.sentences = split(passage.text) or [passage.text]
+
+
 @dataclass
 class ContextSlot:
     """Where a context block found inside a message was: the kept passages are rendered back there

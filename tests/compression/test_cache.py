@@ -1,4 +1,4 @@
-from compression.cache import ByteLRU, LRUBytesCache, byte_bounded_cache
+from compression.cache import ByteLRU, BytesCache, LRUBytesCache, byte_bounded_cache
 from compression.text import SentenceSplitter, content_words, normalize_for_dedup
 
 
@@ -9,6 +9,14 @@ def test_lru_evicts_by_size():
     assert cache.get("a") == b"12345"  # a is now most recent
     cache.set("c", b"12345")
     assert cache.get("b") is None and cache.get("a") == b"12345" and cache.get("c") == b"12345"
+
+
+def test_lru_batch_calls_are_its_single_calls():
+    cache = LRUBytesCache(max_bytes=100)
+    assert isinstance(cache, BytesCache)
+    cache.set_many({"a": b"1", "b": b"22"})
+    assert cache.get_many(["b", "missing", "a"]) == [b"22", None, b"1"]
+    assert (cache.hits, cache.misses) == (2, 1)
 
 
 def test_lru_counts_key_bytes_too():
@@ -32,6 +40,13 @@ def test_byte_lru_is_bounded_by_bytes_as_well_as_count():
     for key in "abc":
         small.put(key, key)
     assert "a" not in small and len(small) == 2  # the count bound still holds
+
+
+def test_byte_lru_clear_empties_it_and_its_byte_count():
+    lru: ByteLRU[str, bytes] = ByteLRU(max_entries=10, max_bytes=10_000)
+    lru.put("a", b"1")
+    lru.clear()
+    assert len(lru) == 0 and lru.size_bytes == 0 and lru.get("a") is None
 
 
 def test_byte_bounded_cache_memoizes_within_its_budget():

@@ -54,8 +54,14 @@ def test_the_cached_counter_is_safe_to_share_between_threads():
         def count(self, text):
             return len(text)
 
+        def count_many(self, texts):
+            return [len(text) for text in texts]
+
         def count_chat(self, messages, add_generation_prompt=True):
             return 0
+
+        def render_chat(self, messages, add_generation_prompt=True):
+            return None
 
     counter = CachedCounter(Characters(), max_entries=4)
     errors: list[str] = []
@@ -82,3 +88,23 @@ def test_the_cached_counter_is_safe_to_share_between_threads():
         sys.setswitchinterval(interval)
     assert errors == []
     assert len(counter._counts) <= 4
+
+
+def test_the_backend_tokenizer_and_tiktoken_counter_are_chat_tokenizers(tokenizer):
+    """The pipeline's tokenizer seam (compression.counting.ChatTokenizer), implemented structurally."""
+    from compression.counting import ChatTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Which river?"}]
+    assert isinstance(tokenizer, ChatTokenizer) and tokenizer.model_dir is not None
+    assert tokenizer.encode_chat(messages) == tokenizer.encode(tokenizer.render_chat(messages))
+    # Counted through the rendered prompt, memoized on its text: the same number as the tokenizer's own.
+    counter = CachedCounter(tokenizer)
+    assert counter.count_chat(messages) == tokenizer.count_chat(messages) == counter.count(tokenizer.render_chat(messages))
+
+    tiktoken_counter = TiktokenCounter()
+    assert isinstance(tiktoken_counter, ChatTokenizer) and tiktoken_counter.model_dir is None
+    # Per-message accounting, no rendered text and no chat template: the upstream tokenizes the messages.
+    assert tiktoken_counter.render_chat(messages) is None and tiktoken_counter.encode_chat(messages) is None
+    assert CachedCounter(tiktoken_counter).count_chat(messages) == tiktoken_counter.count_chat(messages)
+    texts = ["alpha beta", "", "δέλτα <|endoftext|>"]
+    assert tiktoken_counter.count_many(texts) == [tiktoken_counter.count(text) for text in texts]

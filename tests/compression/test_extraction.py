@@ -77,7 +77,7 @@ async def test_extraction_keeps_the_answer_sentence(make_pipeline):
 def test_lexical_overlap_does_not_depend_on_set_iteration_order(monkeypatch):
     """A set of strings iterates in a per-process order (the string-hash seed); float sums taken in
     another order can differ in the last bit and flip a tie, so the prompt would depend on the run."""
-    import compression.extraction as extraction
+    import compression.scoring as scoring
 
     # Words whose weights sum to another last bit in ascending and descending order.
     question = "painter lake province valley city treaty battle duke king island"
@@ -85,14 +85,14 @@ def test_lexical_overlap_does_not_depend_on_set_iteration_order(monkeypatch):
         "city treaty river", "king queen forest river battle valley bridge city", "river church mountain king",
         "north queen river island bridge battle treaty", "bridge castle earl abbey battle wine", "queen mountain",
     ]
-    content_words = extraction.content_words
+    content_words = scoring.content_words
 
     def overlap_iterating(descending: bool) -> list[float]:
         class Ordered(set):
             def __iter__(self):
                 return iter(sorted(set.__iter__(self), reverse=descending))
 
-        monkeypatch.setattr(extraction, "content_words", lambda text: Ordered(content_words(text)))
-        return extraction.lexical_overlap(question, texts).tolist()
+        monkeypatch.setattr(scoring, "content_words", lambda text: Ordered(content_words(text)))
+        return scoring.lexical_overlap(question, texts).tolist()
 
     assert overlap_iterating(descending=False) == overlap_iterating(descending=True)

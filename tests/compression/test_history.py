@@ -151,3 +151,20 @@ async def test_truncate_strategy_drops_oldest_turns(make_pipeline):
     assert CONVERSATION[0] not in result.messages
     assert CONVERSATION[-1] in result.messages
     assert not any(m["content"].startswith("Summary of") for m in result.messages)
+
+
+async def test_a_compression_worker_summarizes_through_the_engine_on_the_callers_loop(make_pipeline, engine):
+    """With workers the pipeline reaches the engine through `LoopBridge` (the declared SummaryEngine
+    surface, nothing else): the engine's calls run on the caller's event loop, the summary comes back."""
+    from compression.pipeline import LoopBridge
+
+    counting = CountingEngine(engine)
+    pipeline = make_pipeline(engine=counting, workers=1)
+    try:
+        result = await pipeline.run(CompressionInput(messages=CONVERSATION + [QUESTION], tenant="erin"), summary_policy())
+        assert isinstance(pipeline.engine, LoopBridge)
+        assert pipeline.engine.max_model_len == engine.max_model_len and pipeline.engine.is_ready()
+    finally:
+        pipeline.close()
+    assert history_report(result).details["summary_source"] == "engine"
+    assert counting.generate_calls == 1

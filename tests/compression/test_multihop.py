@@ -1,4 +1,4 @@
-"""The second-hop trigger (compression/multihop.py) and what it does to scoring, the knapsack and
+"""The second-hop trigger (compression/multihop/) and what it does to scoring, the knapsack and
 the rerank cut: bridge questions take the hop and keep the chain, single-hop questions do not."""
 
 from __future__ import annotations
@@ -9,24 +9,17 @@ import hashlib
 import numpy as np
 import pytest
 
-from compression.extraction import (
-    THIRD_HOP_GAP,
-    WEAK_GAP,
-    SentenceUnit,
-    knapsack_items,
-    residual_question,
-    second_hop,
-    select_sentences,
-)
-from compression.multihop import (
+from compression.extraction import knapsack_items, select_sentences
+from compression.multihop.follow import THIRD_HOP_GAP, WEAK_GAP, residual_question, second_hop
+from compression.multihop.forms import question_form_cues
+from compression.multihop.names import mentions, title_core
+from compression.multihop.plan import (
     first_hop_passage_sentences,
     linked_passages,
-    mentions,
     named_passages,
     plan_second_hop,
-    question_form_cues,
-    title_core,
 )
+from compression.scoring import SentenceUnit
 from compression.state import Passage
 from compression.types import CompressionInput, Document
 from policies.schema import ExtractionPolicy, Policy
@@ -468,9 +461,7 @@ def test_the_link_passage_lead_travels_with_the_chain_and_is_shed_first():
 
 
 def test_the_rerank_cut_keeps_a_passage_the_question_names():
-    from types import SimpleNamespace
-
-    from compression.stages import rerank_bridges
+    from compression.multihop.rerank import rerank_bridges
 
     question = "What year did Guns N Roses perform a promo for a movie starring Arnold Schwarzenegger?"
     ranked = [
@@ -481,5 +472,5 @@ def test_the_rerank_cut_keeps_a_passage_the_question_names():
     ]
     for p in ranked:
         p.sentences = [p.text]
-    kept = rerank_bridges(SimpleNamespace(question_text=question), SimpleNamespace(), ranked, 2)
+    kept = rerank_bridges(question, ranked, 2, split=lambda text: [text])  # already split: never called
     assert [p.title for p in kept] == ["Oh My God (Guns N' Roses song)"]

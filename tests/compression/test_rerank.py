@@ -114,7 +114,7 @@ UNTITLED = [
 
 def _untitled_state(tokenizer, embedder, titled: bool):
     from compression.pipeline import CompressionPipeline
-    from compression.stages import StageContext
+    from compression.stages.base import StageContext
     from compression.state import split_messages
 
     documents = [Document(text=" ".join(sentences), title=f"Title {i}" if titled else None)
@@ -133,7 +133,7 @@ def _untitled_state(tokenizer, embedder, titled: bool):
 
 
 async def test_untitled_passage_whose_topic_sentences_were_not_embedded_survives_the_cut(tokenizer, embedder):
-    from compression.stages import RerankStage
+    from compression.stages.rerank import RerankStage
 
     state, ctx = _untitled_state(tokenizer, embedder, titled=False)
     first_stage = FusedReranker(embedder, 0.3).score(UNTITLED_QUESTION, state.passages)

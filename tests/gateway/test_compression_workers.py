@@ -61,7 +61,9 @@ def test_the_config_file_refuses_zero_workers(tmp_path):
 def test_the_pipeline_compresses_in_that_many_threads(tokenizer):
     from gateway.app import default_pipeline
 
-    pipeline = default_pipeline(tokenizer, None, settings=GatewaySettings(compression_workers=3, embed_cache_url=None))
+    # No engine: the embedder runs in its own process (embed_on "engine" needs one).
+    settings = GatewaySettings(compression_workers=3, embed_cache_url=None, embed_on="process")
+    pipeline = default_pipeline(tokenizer, None, settings=settings)
     try:
         assert pipeline._executor is not None and pipeline._executor._max_workers == 3
     finally:
@@ -114,7 +116,7 @@ def test_a_worker_thread_runs_that_much_lower_and_the_caller_keeps_its_priority(
     from gateway.app import default_pipeline
 
     caller = _own_priority()
-    settings = GatewaySettings(compression_workers=1, compression_nice=nice, embed_cache_url=None)
+    settings = GatewaySettings(compression_workers=1, compression_nice=nice, embed_cache_url=None, embed_on="process")
     pipeline = default_pipeline(tokenizer, None, settings=settings)
     try:
         assert pipeline._executor.submit(_own_priority).result(timeout=30) == min(19, caller + nice)

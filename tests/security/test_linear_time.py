@@ -24,8 +24,9 @@ from collections.abc import Callable
 
 import pytest
 
-from compression import dedup, message_context, multihop, rerank, text
+from compression import dedup, message_context, rerank, text
 from compression.index_names import check_index_name
+from compression.multihop import forms, names
 from gateway import request_id
 from gateway.sanitize import _STRUCTURE_LINE, Neutraliser
 
@@ -97,12 +98,12 @@ ENTRY_POINTS: dict[str, Callable[[str], object]] = {
     "message_context.find_context(user)": lambda value: message_context.find_context(value, system=False),
     "message_context.find_contexts": lambda value: message_context.find_contexts(value, system=True),
     "message_context.split_passages": message_context.split_passages,
-    "multihop.title_owner": multihop.title_owner,
-    "multihop.title_core": multihop.title_core,
-    "multihop.normalise": multihop.normalise.__wrapped__,
-    "multihop.question_form_cues": multihop.question_form_cues,
-    "multihop.mentions": lambda value: multihop.mentions.__wrapped__(value, "cranberry")
-    if hasattr(multihop.mentions, "__wrapped__") else multihop.mentions(value + " ", "cranberry"),
+    "multihop.title_owner": names.title_owner,
+    "multihop.title_core": names.title_core,
+    "multihop.normalise": names.normalise.__wrapped__,
+    "multihop.question_form_cues": forms.question_form_cues,
+    "multihop.mentions": lambda value: names.mentions.__wrapped__(value, "cranberry")
+    if hasattr(names.mentions, "__wrapped__") else names.mentions(value + " ", "cranberry"),
     "text.SentenceSplitter.split": _split,
     "text.normalize_for_dedup": text.normalize_for_dedup.__wrapped__,
     "text.content_words": text.content_words.__wrapped__,
@@ -125,13 +126,13 @@ PATTERNS: dict[str, tuple[re.Pattern[str], str]] = {
     "message_context._TERMINATOR": (message_context._TERMINATOR, "finditer"),
     "message_context._METADATA_LINE": (message_context._METADATA_LINE, "match"),
     "message_context._PARAGRAPH_BREAK": (message_context._PARAGRAPH_BREAK, "finditer"),
-    "multihop._RELATIVE_CLAUSE": (multihop._RELATIVE_CLAUSE, "finditer"),
-    "multihop._REDUCED_RELATIVE": (multihop._REDUCED_RELATIVE, "finditer"),
-    "multihop._DEMONSTRATIVE": (multihop._DEMONSTRATIVE, "finditer"),
-    "multihop._ROLE_OF": (multihop._ROLE_OF, "finditer"),
-    "multihop._LEADING_YEAR": (multihop._LEADING_YEAR, "sub"),
-    "multihop._KIND_AT_END": (multihop._KIND_AT_END, "finditer"),
-    "multihop.mention_pattern": (multihop._mention_pattern("cranberry"), "finditer"),
+    "multihop._RELATIVE_CLAUSE": (forms._RELATIVE_CLAUSE, "finditer"),
+    "multihop._REDUCED_RELATIVE": (forms._REDUCED_RELATIVE, "finditer"),
+    "multihop._DEMONSTRATIVE": (forms._DEMONSTRATIVE, "finditer"),
+    "multihop._ROLE_OF": (forms._ROLE_OF, "finditer"),
+    "multihop._LEADING_YEAR": (names._LEADING_YEAR, "sub"),
+    "multihop._KIND_AT_END": (names._KIND_AT_END, "finditer"),
+    "multihop.mention_pattern": (names._mention_pattern("cranberry"), "finditer"),
     "dedup._NUMBER": (dedup._NUMBER, "finditer"),
     "text._WORD_RE": (text._WORD_RE, "finditer"),
     "rerank._BM25_WORD": (rerank._BM25_WORD, "finditer"),
@@ -292,7 +293,7 @@ def test_same_structure_lines_as_before() -> None:
 def test_same_disambiguator_owner_as_before() -> None:
     for value in _random_texts(5000, 12, seed=13):
         old = _OLD_DISAMBIGUATOR.search(value)
-        assert multihop.disambiguator_owner(value) == (old.group("owner") if old else None), value
+        assert names.disambiguator_owner(value) == (old.group("owner") if old else None), value
 
 
 def test_same_ampersands_as_before() -> None:
@@ -300,7 +301,7 @@ def test_same_ampersands_as_before() -> None:
     pieces = ["&", " ", "\n", "\t", "\u00a0", "a", "b c", "&&", " & "]
     for _ in range(5000):
         value = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 15))) + "&"
-        assert multihop._and_for_ampersands(value) == re.sub(r"\s*&\s*", " and ", value), value
+        assert names._and_for_ampersands(value) == re.sub(r"\s*&\s*", " and ", value), value
 
 
 def test_gap_after_a_header_as_before() -> None:

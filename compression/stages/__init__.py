@@ -1,0 +1,40 @@
+"""The pipeline's stages, in the one ordered list `STAGES` that `CompressionPipeline` runs.
+
+    retrieval -> message-context -> cost-check -> history -> dedup -> rerank -> extraction -> assembly -> fit
+
+One module per stage, each stating its rule; `base` holds what a stage is (`Stage`,
+`StageContext`), `budget` the token accounting the stages share, `prepare` the per-request work
+done on first need (sentence split, pre-filter, the question's embedding). Stage estimates come
+from cached per-unit counts; the fit stage checks the exact count of the final prompt. When the
+cost check decides compressing does not pay (or the policy disables it), the compressing stages
+stand aside and the fit sends the original. The multi-hop logic the rerank and extraction stages
+call lives in compression.multihop.
+"""
+
+from __future__ import annotations
+
+from compression.stages.assembly import AssemblyStage
+from compression.stages.base import Stage
+from compression.stages.cost_check import CostCheckStage
+from compression.stages.dedup import DedupStage
+from compression.stages.extraction import ExtractionStage
+from compression.stages.fit import FitStage
+from compression.stages.history import HistoryStage
+from compression.stages.message_context import MessageContextStage
+from compression.stages.rerank import RerankStage
+from compression.stages.retrieval import RetrievalStage
+
+# The pipeline, in order. Retrieval and the context found inside messages come first because the
+# original prompt (and the cost check) must include those passages; history runs before the documents stages because the
+# documents get what the system prompt, question and kept history leave.
+STAGES: tuple[Stage, ...] = (
+    RetrievalStage(),
+    MessageContextStage(),
+    CostCheckStage(),
+    HistoryStage(),
+    DedupStage(),
+    RerankStage(),
+    ExtractionStage(),
+    AssemblyStage(),
+    FitStage(),
+)

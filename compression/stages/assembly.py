@@ -1,0 +1,21 @@
+"""The assembly stage: orders the kept passages against "lost in the middle".
+
+Rule: it only orders (`assembly.order`); the fit stage renders them.
+"""
+
+from __future__ import annotations
+
+from compression.rendering import order_passages
+from compression.stages.base import Stage, StageContext
+from compression.state import PipelineState
+from compression.types import StageReport
+
+
+class AssemblyStage(Stage):
+    """Orders the kept passages against "lost in the middle"; the fit stage renders them."""
+
+    name = "assembly"
+
+    async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
+        state.passages = order_passages(state.passages, ctx.policy.assembly.order)
+        return StageReport(self.name, details={"order": ctx.policy.assembly.order})
