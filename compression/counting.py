@@ -104,6 +104,9 @@ class CachedCounter:
         self.counter = counter
         self._counts: ByteLRU[str, int] = ByteLRU(max_entries, max_bytes, sizer=_str_size)
 
+    def forget(self) -> None:
+        """Drop every remembered count."""
+        self._counts.clear()
     def count(self, text: str) -> int:
         cached = self._counts.get(text)
         if cached is not None:

@@ -333,6 +333,11 @@ class Embedder:
 
         return padded
 
+    def forget(self) -> None:
+        """Drop the in-process vectors (a shared cache, if any, keeps its own)."""
+        with self._lock:
+            self._local.clear()
+
     def warm_up(self, stop: threading.Event | None = None) -> int:
         """Run the model once on each chunk count the packed encoder will meet, by the path real calls
         take (the engine's thread when attached), so that the first requests do not pay oneDNN's

@@ -117,6 +117,27 @@ class CompressionPipeline:
         future = self._executor.submit(self._run_in_worker, request, policy, time.perf_counter(), prepare)
         return await asyncio.wrap_future(future)
 
+    def warm_up(self, stopping: threading.Event) -> int:
+        """Load the embedding model and run it once per shape real calls will meet (Embedder.warm_up),
+        and build the dedup normaliser's tables, so the first requests pay for neither."""
+        from compression.text import normalize_for_dedup
+
+        if stopping.is_set():
+            return 0
+        calls = self.services.embedder.warm_up(stopping)  # the property loads the model
+        normalize_for_dedup("\u00e9")  # builds its combining-marks table before a request does
+        return calls
+
+    def observe_prefill(self, prompt_tokens: int, prefill_ms: float) -> None:
+        self.cost_estimator.observe_prefill(prompt_tokens, prefill_ms)
+
+    def forget_text_caches(self) -> None:
+        """Forget what was computed per text (embeddings, sentence splits, token counts): the next
+        request is compressed as if its passages were new (how an evaluation times first sight)."""
+        self.services.embedder.forget()
+        self.services.splitter.forget()
+        self.counter.forget()
+
     def close(self) -> None:
         self.services.release()
         if self._executor is not None:

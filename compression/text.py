@@ -69,6 +69,10 @@ class SentenceSplitter:
         # Keyed by a hash, but the values are the client's sentences: bounded by bytes too.
         self._cache: ByteLRU[str, tuple[str, ...]] = ByteLRU(max_entries, max_bytes)
 
+    def forget(self) -> None:
+        """Drop every remembered split (the next call of each text splits again)."""
+        self._cache.clear()
+
     def split(self, text: str) -> list[str]:
         key = content_hash(text)
         cached = self._cache.get(key)

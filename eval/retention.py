@@ -107,14 +107,7 @@ class RetentionHarness:
     def forget(self) -> None:
         """Empty the per-text caches (embeddings, sentence splits, token counts), so the next
         question is timed as a first sight even when an earlier run saw the same passages."""
-        services = self.pipeline.services
-        for cache in (
-            getattr(services.embedder, "_local", None),
-            getattr(services.splitter, "_cache", None),
-            getattr(self.pipeline.counter, "_counts", None),
-        ):
-            if cache is not None:
-                cache.clear()
+        self.pipeline.forget_text_caches()
 
     def request_of(self, example: EvalExample) -> Any:
         from compression.types import CompressionInput, Document

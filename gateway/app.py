@@ -147,6 +147,7 @@ def create_app(
     app = FastAPI(title="ctxgate", version=package_version("ctxgate"), lifespan=lifespan)
     app.state.gateway = gateway
     app.state.owns_engine = owns_engine
+    app.state.embedder_load = None  # set by the lifespan while the embedding model loads
     install_error_handlers(app)
     add_routes(app)
     document_request_bodies(app, REQUEST_BODIES, ERROR_ANSWERS)

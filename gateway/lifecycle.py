@@ -41,9 +41,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Before the engine stops: a warm-up call waiting on the engine's thread finishes there.
         await embedder_load.stop()
         await gateway.store.close()
-        close_pipeline = getattr(gateway.pipeline, "close", None)
-        if close_pipeline is not None:
-            close_pipeline()
+        gateway.pipeline.close()
         if app.state.owns_engine:
             await gateway.engine.stop()
 
@@ -64,13 +62,11 @@ class EmbedderLoad:
     STOP_TIMEOUT_S = 2.0
 
     def __init__(self, gateway: Gateway):
-        self.services = getattr(gateway.pipeline, "services", None)
+        self.pipeline = gateway.pipeline
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
 
     async def run(self) -> None:
-        if self.services is None:
-            return
         loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def run() -> None:
@@ -93,14 +89,12 @@ class EmbedderLoad:
 
     def _load(self) -> None:
         from backend import openmp
-        from compression.text import normalize_for_dedup
 
         if self.stopping.is_set():
             return
         openmp.limit_calling_thread(1)  # no OpenMP team beside the engine's (backend/openmp.py)
         started = time.perf_counter()
-        calls = self.services.embedder.warm_up(self.stopping)  # the property loads the model
-        normalize_for_dedup("\u00e9")  # builds its combining-marks table (~0.15 s) before a request does
+        calls = self.pipeline.warm_up(self.stopping)
         logger.info("embedding model loaded and warmed up (%d calls) in %.1f s", calls, time.perf_counter() - started)
 
     async def stop(self) -> None:
@@ -118,7 +112,7 @@ def exit_if_still_loading(app: FastAPI) -> None:
     """After a clean shutdown, end the process at once if the embedding model is still loading:
     interpreter finalization beside a thread in torch aborts (see `EmbedderLoad`). Everything the
     gateway owns is closed by then; the log is flushed first."""
-    embedder_load = getattr(app.state, "embedder_load", None)
+    embedder_load: EmbedderLoad | None = app.state.embedder_load
     if embedder_load is None or not embedder_load.running():
         return
     logger.info("the embedding model is still loading; exiting without waiting for it")

@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -72,6 +73,17 @@ class Pipeline(Protocol):
     async def run(self, inp: CompressionInput, policy: Policy,
                   prepare: Callable[[CompressionInput], CompressionInput] | None = None) -> CompressionResult: ...
 
+    def warm_up(self, stopping: threading.Event) -> int:
+        """Load the models compression needs and run them once per shape they will meet, so the first
+        requests pay for neither; ends early once `stopping` is set. Returns the calls run."""
+        ...
+
+    def observe_prefill(self, prompt_tokens: int, prefill_ms: float) -> None:
+        """What a prefill of this size cost the engine: compression weighs its own cost against it."""
+        ...
+
+    def close(self) -> None: ...
+
 
 def _index_not_found(name: str) -> APIError:
     return APIError(404, f"retrieval index '{name}' not found", param="ctxgate.retrieval.index",
@@ -119,7 +131,7 @@ class Gateway:
         self.store = store
         self.metrics = metrics
         # Upstream mode: the serving model's tokens (from --tokenizer) plus the common templates' ones.
-        upstream = bool(getattr(engine, "forwards_fields", False))
+        upstream = engine.forwards_fields
         self.neutraliser = Neutraliser(tokenizer, extra=KNOWN_CONTROL_TOKENS if upstream else ())
         # Keys each tenant's prefix-cache salt; random per process unless configured (replicas that
         # share an upstream should share it, or they never share cached prefixes).
@@ -485,10 +497,9 @@ class Gateway:
             if cost["total"] > 0:
                 self.metrics.spend.labels(tenant.name, cost["currency"]).inc(cost["total"])
         metrics = totals.metrics or RequestMetrics()
-        estimator = getattr(self.pipeline, "cost_estimator", None)
-        if estimator is not None and metrics.prefill_ms > 0:
+        if metrics.prefill_ms > 0:
             # Measured prefill cost lets the pipeline skip compression that would not pay for itself.
-            estimator.observe_prefill(prompt_tokens, metrics.prefill_ms)
+            self.pipeline.observe_prefill(prompt_tokens, metrics.prefill_ms)
         return Usage.of(
             prompt_tokens, totals.completion_tokens, metrics.cached_prompt_tokens,
             ctxgate={
@@ -521,9 +532,9 @@ class Gateway:
             self.metrics.upstream_errors.labels(str(exc.status_code)).inc()
             # An engine refusing for load is the documented overload answer: tell clients when to retry.
             retry = {"Retry-After": "1"} if exc.status_code in (429, 503) else None
-            code = "overloaded" if retry else (getattr(exc, "code", None) or "engine_error")
+            code = "overloaded" if retry else (exc.code or "engine_error")
             if exc.status_code < 500:
-                return APIError(exc.status_code, str(exc), param=getattr(exc, "param", None), code=code,
+                return APIError(exc.status_code, str(exc), param=exc.param, code=code,
                                 headers=retry)
             logger.warning("model backend answered %d (request id %s): %s", exc.status_code, request_id, exc)
             return generic_server_error(exc.status_code, request_id, code=code, headers=retry)
