@@ -16,7 +16,8 @@ import numpy as np
 from compression.state import Passage
 from compression.text import content_words
 
-# Relevance fusion weights (tuned on nq-multidoc-dev, see the README's eval section).
+# A sentence's relevance mixes its embedding similarity and its lexical overlap with the question at
+# these weights (plus its passage's rerank score, weighted where it is combined).
 EMBEDDING_WEIGHT = 0.45
 LEXICAL_WEIGHT = 0.35
 # Sharpness of value = exp((score - best) / temperature): the knapsack should prefer one strong
