@@ -357,7 +357,9 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
 def _bench_e2e(args: argparse.Namespace) -> int:
     require_eval_extra("bench e2e", "matplotlib")
     _quiet_http_logs()
-    from eval.bench_e2e import E2EOptions, render_markdown, run_bench_e2e
+    from eval.bench_e2e import run_bench_e2e
+    from eval.e2e_report import render_markdown
+    from eval.e2e_samples import E2EOptions
 
     levels = [int(value) for value in args.concurrency.split(",") if value.strip()]
     if not levels or min(levels) <= 0 or args.output_tokens <= 0 or args.rounds_per_chunk <= 0:

@@ -10,21 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from eval.bench_e2e import (
-    OPEN_LOOP,
-    TAG_PLACEHOLDER,
-    ArmRun,
-    E2EOptions,
-    Sample,
+from eval.bench_e2e import new_tag, tagged
+from eval.e2e_report import (
     acceptance,
     compression_payback,
-    new_tag,
     render_markdown,
     render_positions,
     summarize_arm,
-    tagged,
     ttft_by_position,
 )
+from eval.e2e_samples import OPEN_LOOP, TAG_PLACEHOLDER, ArmRun, E2EOptions, Sample
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
