@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from backend.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
 from backend.metrics import EngineMetrics
+from backend.request_stream import RequestStream, deliver_all
 from backend.side_work import Job, SideWorkQueue
 
 ENGINE_SWITCH_INTERVAL_S = 0.0005
@@ -63,62 +64,6 @@ class _StreamState:
 
     stream: RequestStream
     last_token_time: float | None = None
-
-
-class RequestStream:
-    """The consumer side of one request: an async iterator of deltas.
-
-    Items put on the queue are deltas, or an exception that the iterator raises (an `EngineError`
-    refusing the request arrives as the very first item, before any delta).
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self._engine = engine
-        self._loop = loop
-        self._queue: asyncio.Queue[GenerationDelta | BaseException] = asyncio.Queue()
-        self.accepted: asyncio.Future[None] = loop.create_future()
-        self.finished = False
-
-    # --- engine-thread side (always through loop.call_soon_threadsafe) ---
-    def _deliver(self, item: GenerationDelta | BaseException) -> None:
-        if isinstance(item, BaseException) and not self.accepted.done():
-            self.accepted.set_exception(item)
-            # Nobody may ever await `accepted` (e.g. generate() awaits the queue instead).
-            self.accepted.exception()
-        elif not self.accepted.done():
-            self.accepted.set_result(None)
-        self._queue.put_nowait(item)
-
-    def _mark_accepted(self) -> None:
-        if not self.accepted.done():
-            self.accepted.set_result(None)
-
-    # --- consumer side ---
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> GenerationDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:
-            # Cancelled while waiting (client went away): free the request's KV blocks.
-            self.close()
-            raise
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finish_reason is not None:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        """Abort the request unless it already finished. Idempotent; safe from any coroutine."""
-        if not self.finished:
-            self.finished = True
-            self._engine._submit(_Abort(self.request_id, notify=False))
 
 
 class AsyncEngine:
@@ -316,7 +261,8 @@ class AsyncEngine:
             # The engine thread takes new requests between steps; one submitted mid-step (a 512-token
             # prefill step takes ~0.4 s on 2 cores) waits for it, and that wait is queue time.
             request = replace(request, arrival_time=time.perf_counter())
-        stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
+        stream = RequestStream(request.request_id, asyncio.get_running_loop(),
+                               on_close=lambda: self._submit(_Abort(request.request_id, notify=False)))
         self._submit(_Add(request, stream))
         return stream
 
@@ -400,7 +346,7 @@ class AsyncEngine:
             self._send(stream, EngineError(str(exc), 400))
             return
         self._live[request.request_id] = _StreamState(stream=stream)
-        stream._loop.call_soon_threadsafe(stream._mark_accepted)
+        stream.loop.call_soon_threadsafe(stream.mark_accepted)
 
     def _apply_abort(self, command: _Abort) -> None:
         state = self._live.pop(command.request_id, None)
@@ -434,11 +380,11 @@ class AsyncEngine:
             if delta.finish_reason is not None:
                 del self._live[delta.request_id]
                 self.metrics.observe_finished(delta)
-            by_loop.setdefault(state.stream._loop, []).append((state.stream, delta))
+            by_loop.setdefault(state.stream.loop, []).append((state.stream, delta))
         self.metrics.observe_step_tokens(num_new_tokens)
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver_all, items)
+                loop.call_soon_threadsafe(deliver_all, items)
             except RuntimeError:  # that event loop is closed; its consumers are gone
                 for stream, delta in items:
                     if delta.finish_reason is None:
@@ -447,7 +393,7 @@ class AsyncEngine:
 
     def _send(self, stream: RequestStream, item: GenerationDelta | BaseException) -> None:
         try:
-            stream._loop.call_soon_threadsafe(stream._deliver, item)
+            stream.loop.call_soon_threadsafe(stream.deliver, item)
         except RuntimeError:
             pass  # the consumer's loop is closed
 
@@ -473,10 +419,3 @@ class AsyncEngine:
         stats = self.engine.stats()
         self._stats = stats
         self.metrics.update_from_stats(stats)
-
-
-def _deliver_all(items: list[tuple[RequestStream, GenerationDelta]]) -> None:
-    for stream, delta in items:
-        stream._deliver(delta)
-
-

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from backend.api import EngineError, GenerationRequest, Priority, SamplingParams
-from backend.async_engine import AsyncEngine, RequestStream
+from backend.async_engine import AsyncEngine
 from backend.deltas import DeltaTotals
 from backend.openai_api.errors import APIError, install_error_handlers
 from backend.openai_api.fields import enforce_supported
@@ -29,6 +29,7 @@ from backend.openai_api.http import BearerAuth, document_request_bodies, parse_b
 from backend.openai_api.responses import ResponseWriter, Usage
 from backend.openai_api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from backend.openai_api.sse import DONE, event_stream_response, sse_event
+from backend.request_stream import RequestStream
 from backend.tokenizer import Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
