@@ -58,15 +58,16 @@ def gateway(tmp_path_factory) -> Iterator[str]:
 
 
 def _health_while(url: str, busy: threading.Event) -> list[float]:
-    """/health round trips, measured while `busy` is set."""
+    """/health round trips, measured while `busy` is set (at least one, however fast the payload)."""
     times = []
     with httpx.Client(timeout=30) as client:
-        while busy.is_set():
+        while True:
             started = time.perf_counter()
             assert client.get(f"{url}/health").status_code == 200
             times.append(time.perf_counter() - started)
+            if not busy.is_set():
+                return times
             time.sleep(0.05)
-    return times
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/ctxgate/compress", "/v1/chat/completions"])
@@ -92,7 +93,7 @@ def test_hostile_text_never_freezes_the_gateway(gateway, name, endpoint):
     sender.join()
     assert outcome["status"] == 200 or 400 <= outcome["status"] < 500, outcome
     assert outcome["seconds"] < ANSWER_BUDGET_S, outcome
-    assert health and max(health) < HEALTH_BUDGET_S, f"/health took up to {max(health):.2f}s ({outcome})"
+    assert max(health) < HEALTH_BUDGET_S, f"/health took up to {max(health):.2f}s ({outcome})"
 
 
 def test_an_oversized_title_is_a_clear_400(gateway):
