@@ -20,7 +20,7 @@ from backend.openai_api.responses import ResponseWriter
 from gateway.generation import Generation, complete, stream
 from gateway.keys import Tenant
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
-from gateway.service import Gateway, Prepared
+from gateway.service import Gateway, Prepared, compression_figures
 from policies.loader import ReloadError
 
 
@@ -133,12 +133,7 @@ async def compress(request: Request) -> dict[str, Any]:
         "messages": result.messages,
         "policy": policy.name,
         "report": {
-            "original_prompt_tokens": result.original_prompt_tokens,
-            "prompt_tokens": result.prompt_tokens,
-            "saved_tokens": result.saved_tokens,
-            "compression_ms": result.compression_ms,
-            "compression_wait_ms": round(result.wait_ms, 3),
-            "compression_engine_ms": round(result.engine_ms, 3),
+            **compression_figures(result),
             "message_context": result.message_context,
             "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
                         "details": s.details} for s in result.stages],

@@ -110,6 +110,18 @@ def tenant_prices(home: CostPolicy, requested: CostPolicy) -> CostPolicy:
                                    "completion_per_1k": max(home.completion_per_1k, requested.completion_per_1k)})
 
 
+def compression_figures(result: CompressionResult) -> dict[str, Any]:
+    """What a compression saved and cost, as `usage.ctxgate` and the compress report show it."""
+    return {
+        "original_prompt_tokens": result.original_prompt_tokens,
+        "prompt_tokens": result.prompt_tokens,
+        "saved_tokens": result.saved_tokens,
+        "compression_ms": result.compression_ms,
+        "compression_wait_ms": round(result.wait_ms, 3),
+        "compression_engine_ms": round(result.engine_ms, 3),
+    }
+
+
 class Gateway:
     def __init__(
         self,
@@ -505,12 +517,7 @@ class Gateway:
             ctxgate={
                 "tenant": tenant.name,
                 "policy": policy.name,
-                "original_prompt_tokens": result.original_prompt_tokens,
-                "prompt_tokens": result.prompt_tokens,
-                "saved_tokens": result.saved_tokens,
-                "compression_ms": result.compression_ms,
-                "compression_wait_ms": round(result.wait_ms, 3),
-                "compression_engine_ms": round(result.engine_ms, 3),
+                **compression_figures(result),
                 "queue_ms": round(metrics.queue_ms, 3),
                 "prefill_ms": round(metrics.prefill_ms, 3),
                 "ttft_ms": round(metrics.ttft_ms, 3),
