@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # type-only: this module stays free of the tokenizer and metrics libraries
     from prometheus_client import CollectorRegistry
 
+    from backend.guided import Guide
     from backend.tokenizer import Tokenizer
+
+MAX_N = 16  # choices per request
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's limit
+MAX_LOGIT_BIAS = 300  # biased tokens per request
 
 
 class Priority(enum.IntEnum):
@@ -37,6 +42,15 @@ class SamplingParams:
     ignore_eos: bool = False
     # vLLM's min_tokens: until this many tokens are out, EOS and stop_token_ids cannot be sampled.
     min_tokens: int = 0
+    n: int = 1  # choices, all sharing the prompt's KV blocks
+    presence_penalty: float = 0.0  # OpenAI's: minus this from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # vLLM's: divides positive (multiplies negative) logits of seen tokens
+    min_p: float = 0.0  # drop tokens below min_p times the top token's probability
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # None: no log probabilities; k >= 0: the sampled token's and the k most likely alternatives'.
+    logprobs: int | None = None
+    guide: Guide | None = None  # a compiled grammar the output must follow (backend.guided)
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for values no engine accepts."""
@@ -50,6 +64,25 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), not {self.min_tokens}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
+        if any(not -100 <= bias <= 100 for bias in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass
@@ -87,14 +120,27 @@ class RequestMetrics:
     preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability and its most likely alternatives (raw model output)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass
 class GenerationDelta:
-    """One streamed increment. The final delta has `finish_reason` set and carries metrics."""
+    """One streamed increment of choice `index`. The request's final delta has `finish_reason` set
+    and carries metrics; with several choices, each choice's last delta has `choice_finish_reason`."""
 
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort": the whole request ended
+    index: int = 0  # the choice (n > 1)
+    choice_finish_reason: str | None = None  # this choice ended (None on engines without choices)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
     prompt_tokens: int = 0
     completion_tokens: int = 0
     metrics: RequestMetrics | None = None

@@ -112,6 +112,21 @@ class BlockManager:
             seq.block_table.append(self._allocate_fresh_block())
         return True
 
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """Let `child` (same prompt, empty table) share the parent's full prompt blocks, all but the
+        one holding the prompt's last token (the child computes that tail itself, so it samples its
+        own first token). Returns how many blocks it shares; copies no KV."""
+        assert not child.block_table and child.prompt_token_ids == parent.prompt_token_ids
+        shared = min((parent.num_prompt_tokens - 1) // self.block_size,
+                     parent.num_computed_tokens // self.block_size)
+        for block_id in parent.block_table[:shared]:
+            self._take_ref(block_id)
+        child.block_table = list(parent.block_table[:shared])
+        child.block_hashes = list(parent.block_hashes[:shared])
+        child.num_computed_tokens = shared * self.block_size
+        child.num_published_blocks = min(parent.num_published_blocks, shared)
+        return shared
+
     def _take_ref(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
             del self.free_queue[block_id]

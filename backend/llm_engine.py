@@ -31,9 +31,9 @@ from backend.kv_cache import KVCache, KVCacheSpec
 from backend.model_loader import load_model
 from backend.model_runner import ModelRunner
 from backend.output_processor import OutputProcessor, finished_metrics
-from backend.sampler import sample
+from backend.sampler import sample_tokens
 from backend.scheduler import Scheduler
-from backend.sequence import Sequence, SequenceStatus
+from backend.sequence import Sequence, SequenceGroup, SequenceStatus
 from backend.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class LLMEngine:
                                                 self.max_model_len, scratch_block=num_blocks, traced=traced)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, decode_graphs)
         self.vocab_size = arch.vocab_size
-        self.sequences: dict[str, Sequence] = {}
+        self.sequences: dict[str, SequenceGroup] = {}  # request id -> its live sequences
         self._arrival_counter = itertools.count()
         self.outputs = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len, config.ttft_target_ms)
         self.last_step_batch_size = 0
@@ -136,6 +136,18 @@ class LLMEngine:
         except ValueError as exc:
             raise EngineError(str(exc), 400) from exc
         sampling = request.sampling
+        if sampling.n > self.config.max_num_seqs:
+            raise EngineError(f"n must be at most {self.config.max_num_seqs} (the engine's max_num_seqs)", 400)
+        if any(not 0 <= token < self.vocab_size for token in sampling.logit_bias):
+            raise EngineError(f"logit_bias token ids must be in [0, {self.vocab_size})", 400)
+        seq = self._new_sequence(request, index=0)
+        self.sequences[request.request_id] = SequenceGroup(
+            request.request_id, [seq], pending_forks=sampling.n - 1, unfinished=sampling.n)
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request: GenerationRequest, index: int) -> Sequence:
+        sampling = request.sampling
+        prompt = list(request.prompt_token_ids)
         seq = Sequence(
             request_id=request.request_id,
             prompt_token_ids=prompt,
@@ -144,21 +156,44 @@ class LLMEngine:
             arrival_order=next(self._arrival_counter),
             priority=request.priority,
             cache_salt=request.cache_salt,
+            index=index,
         )
         if request.arrival_time is not None:
             seq.arrival_time = request.arrival_time
         if sampling.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+            # Choice i draws from seed + i: reproducible, and the choices differ.
+            seq.generator = torch.Generator(device=self.device).manual_seed(sampling.seed + index)
+        if sampling.guide is not None:
+            seq.matcher = sampling.guide.matcher()
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        self.sequences[request.request_id] = seq
-        self.scheduler.add(seq)
+        return seq
+
+    def _fork(self, group: SequenceGroup, first: Sequence) -> None:
+        """The first sequence's prompt is computed: start the other choices on its KV blocks."""
+        request = GenerationRequest(group.request_id, first.prompt_token_ids, first.sampling,
+                                    first.priority, first.cache_salt, arrival_time=first.arrival_time)
+        for index in range(1, group.pending_forks + 1):
+            child = self._new_sequence(request, index)
+            child.arrival_order = first.arrival_order  # the request's place in the queue, not a new one
+            child.first_scheduled_time = first.first_scheduled_time
+            group.sequences.append(child)
+            if self.scheduler.has_room(1) and self.block_manager.fork(first, child):
+                self.scheduler.add_running(child)
+            else:  # no room to run it now (or a prompt shorter than a block): admitted as usual
+                self.block_manager.free(child)
+                child.num_computed_tokens = 0
+                self.scheduler.add(child)
+        group.pending_forks = 0
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.sequences.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.remove(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "abort"
+        group = self.sequences.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.sequences:
+            if seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -173,26 +208,35 @@ class LLMEngine:
             return []
         started = time.perf_counter()
         result = self.runner.execute(output.scheduled)
-        tokens = sample(result.logits, result.sampled_sequences, self.tokenizer.eos_token_ids)
+        sampled = sample_tokens(result.logits, result.sampled_sequences, self.tokenizer.eos_token_ids)
         finished_at = time.perf_counter()
         self.scheduler.update_from_output(output, finished_at - started)
         deltas = []
-        for seq, token in zip(result.sampled_sequences, tokens, strict=True):
-            delta = self.outputs.append_token(seq, token, finished_at)
-            if delta.finish_reason is not None:
-                self._finish(seq, delta, finished_at)
+        for seq, token in zip(result.sampled_sequences, sampled, strict=True):
+            group = self.sequences[seq.request_id]
+            if group.pending_forks and seq.num_output_tokens == 0:
+                self._fork(group, seq)
+            delta = self.outputs.append_token(seq, token.token_id, finished_at, token.logprob)
+            if delta.choice_finish_reason is not None:
+                self._finish(group, seq, delta, finished_at)
             deltas.append(delta)
         return deltas
 
-    def _finish(self, seq: Sequence, delta: GenerationDelta, now: float) -> None:
+    def _finish(self, group: SequenceGroup, seq: Sequence, delta: GenerationDelta, now: float) -> None:
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = delta.finish_reason
+        seq.finish_reason = delta.choice_finish_reason
         seq.finish_time = now
         self.scheduler.remove(seq)
+        group.unfinished -= 1
+        group.completion_tokens += seq.num_output_tokens
+        if group.unfinished > 0:
+            return
+        # The request's last choice: the delta that ends the request carries its totals.
         self.sequences.pop(seq.request_id, None)
+        delta.finish_reason = delta.choice_finish_reason
         delta.prompt_tokens = seq.num_prompt_tokens
-        delta.completion_tokens = seq.num_output_tokens
-        delta.metrics = finished_metrics(seq, now)
+        delta.completion_tokens = group.completion_tokens
+        delta.metrics = finished_metrics(group.sequences[0], now)
 
     # ---- introspection -----------------------------------------------------------------------
     def path_info(self) -> dict[str, object]:

@@ -7,7 +7,7 @@ finished sequence never contains a stop string.
 
 from __future__ import annotations
 
-from backend.api import GenerationDelta, RequestMetrics
+from backend.api import GenerationDelta, RequestMetrics, TokenLogprob
 from backend.sequence import Sequence
 
 
@@ -18,14 +18,20 @@ class OutputProcessor:
         self.ttft_target_ms = ttft_target_ms
         self.ttft_target_misses = 0  # cumulative
 
-    def append_token(self, seq: Sequence, token: int, now: float) -> GenerationDelta:
-        """Append `token` to `seq` and return the delta to stream; a finished delta carries its metrics."""
+    def append_token(self, seq: Sequence, token: int, now: float,
+                     logprob: TokenLogprob | None = None) -> GenerationDelta:
+        """Append `token` to `seq` and return the delta to stream (its choice's finish reason set when
+        it ends the choice)."""
         seq.token_ids.append(token)
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
             if (now - seq.arrival_time) * 1000.0 > self.ttft_target_ms:
                 self.ttft_target_misses += 1
         finish_reason = self._finish_reason(seq, token)
+        if finish_reason is None and seq.matcher is not None and seq.matcher.terminated:
+            finish_reason = "stop"  # the grammar is complete (its stop token was sampled)
 
         assert seq.detokenizer is not None
         seq.detokenizer.add([token])
@@ -42,11 +48,11 @@ class OutputProcessor:
         else:
             emit_until = len(text)
         delta = GenerationDelta(
-            request_id=seq.request_id, text=text[seq.emitted_text_len : emit_until], token_ids=[token]
+            request_id=seq.request_id, text=text[seq.emitted_text_len : emit_until], token_ids=[token],
+            index=seq.index, choice_finish_reason=finish_reason,
+            logprobs=[logprob] if logprob is not None else None,
         )
         seq.emitted_text_len = emit_until
-        if finish_reason is not None:
-            delta.finish_reason = finish_reason
         return delta
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -1,11 +1,21 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+"""Next-token sampling for one engine step, batched over the step's sequences.
+
+Order, as vLLM's: penalties (repetition, frequency, presence), logit bias, min_tokens, the grammar
+mask, then greedy argmax or temperature / top-k / top-p / min-p sampling. Each stage is one tensor op
+over the rows that ask for it (no Python loop over a vocabulary); only the final draws of rows with
+their own seeded generator run one row at a time. Log probabilities are the model's raw ones (before
+any of these stages), as vLLM reports them by default.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from backend.api import TokenLogprob
+from backend.guided import apply_bitmask, new_bitmask
 from backend.sequence import Sequence
 
 GREEDY_TEMPERATURE = 1e-5
@@ -13,49 +23,148 @@ GREEDY_TEMPERATURE = 1e-5
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask (to -inf) the tokens outside top-k and outside the top-p nucleus of a 1-D logits row."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth_value = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth_value, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_indices = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # Drop a token when the tokens before it already reach top_p (the top token always stays).
-        remove_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        remove_sorted[0] = False  # even when top_p underflows to 0 in float32
-        remove = torch.zeros_like(remove_sorted).scatter(0, sorted_indices, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
+    return _mask_top_k_top_p(logits.unsqueeze(0), torch.tensor([top_k]), torch.tensor([top_p]))[0]
+
+
+def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Rows of `logits` with per-row top-k (0: off) and top-p (1: off) applied."""
+    vocab = logits.shape[-1]
+    if not bool(((top_k > 0) & (top_k < vocab)).any()) and not bool((top_p < 1.0).any()):
+        return logits
+    sorted_logits, sorted_indices = torch.sort(logits, dim=-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).to(logits.device)
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens before it already reach top_p (the top token always stays).
+    remove = (probs.cumsum(dim=-1) - probs) >= top_p.to(logits.device).unsqueeze(1)
+    remove[:, 0] = False  # even when top_p underflows to 0 in float32
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, sorted_indices, sorted_logits)
 
 
 def sample(logits: torch.Tensor, sequences: list[Sequence], eos_token_ids: Iterable[int] = ()) -> list[int]:
-    """One token id per row of float32 `logits` ([len(sequences), vocab]).
+    """One token id per row of float32 `logits` ([len(sequences), vocab])."""
+    return [token.token_id for token in sample_tokens(logits, sequences, eos_token_ids)]
 
-    Everything runs on the logits' device (a sequence's seeded generator lives there too); the
-    chosen ids cross to the host once per step, in the final `.tolist()`.
-    """
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None  # when the sequence's request asked for log probabilities
+
+
+def sample_tokens(logits: torch.Tensor, sequences: list[Sequence],
+                  eos_token_ids: Iterable[int] = ()) -> list[SampledToken]:
+    """Sample every row; everything runs on the logits' device and crosses to the host once."""
     if not sequences:
         return []
+    raw = logits
+    logits = apply_penalties(logits, sequences)
+    logits = apply_logit_bias(logits, sequences)
     logits = suppress_early_stops(logits, sequences, tuple(eos_token_ids))
+    logits = apply_guides(logits, sequences)
     token_ids = torch.argmax(logits, dim=-1)
     rows = [row for row, seq in enumerate(sequences) if not _is_greedy(seq)]
     if rows:
-        draws = torch.cat([_draw(logits[row], sequences[row]) for row in rows])
-        token_ids = token_ids.index_copy(0, torch.tensor(rows, device=logits.device), draws)
-    return token_ids.tolist()
+        token_ids = token_ids.index_copy(0, torch.tensor(rows, device=logits.device),
+                                         _draw(logits[rows], [sequences[row] for row in rows]))
+    chosen = token_ids.tolist()
+    logprobs = token_logprobs(raw, sequences, chosen)
+    return [SampledToken(token, logprobs.get(row)) for row, token in enumerate(chosen)]
+
+
+def apply_penalties(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties."""
+    rows = [row for row, seq in enumerate(sequences) if seq.sampling.penalised]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    seqs = [sequences[row] for row in rows]
+    outputs = [seq.output_token_ids for seq in seqs]
+    longest = max(1, max(map(len, outputs)))
+    # Output token ids padded with `vocab` (a column dropped afterwards): one scatter counts them all.
+    padded = torch.tensor([ids + [vocab] * (longest - len(ids)) for ids in outputs], device=device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(
+        1, padded, torch.ones(padded.shape, device=device))[:, :vocab]
+    params = [seq.sampling for seq in seqs]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+    seen = (counts > 0) | torch.stack([_prompt_mask(seq, vocab, device) for seq in seqs])
+    picked = logits[rows]
+    picked = torch.where(seen, torch.where(picked > 0, picked / repetition, picked * repetition), picked)
+    picked = picked - frequency * counts - presence * (counts > 0).float()
+    logits = logits.clone()
+    logits[rows] = picked
+    return logits
+
+
+def _prompt_mask(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+    if seq.sampling.repetition_penalty == 1.0:
+        return torch.zeros(vocab, dtype=torch.bool, device=device)
+    if seq.prompt_token_mask is None:  # once per sequence: the prompt does not change
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        mask[torch.tensor(seq.prompt_token_ids, device=device)] = True
+        seq.prompt_token_mask = mask
+    return seq.prompt_token_mask
+
+
+def apply_logit_bias(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+    entries = [(row, token, bias) for row, seq in enumerate(sequences)
+               for token, bias in seq.sampling.logit_bias.items()]
+    if not entries:
+        return logits
+    rows, tokens, biases = zip(*entries, strict=True)
+    device = logits.device
+    return logits.index_put((torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
+                            torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
 
 
 def suppress_early_stops(logits: torch.Tensor, sequences: list[Sequence], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
     """min_tokens: a sequence with fewer output tokens cannot end on EOS (unless it ignores EOS
     anyway) or on one of its stop_token_ids, so those logits are -inf for its row."""
-    rows = [(row, seq) for row, seq in enumerate(sequences) if seq.num_output_tokens < seq.sampling.min_tokens]
+    entries = [
+        (row, token)
+        for row, seq in enumerate(sequences) if seq.num_output_tokens < seq.sampling.min_tokens
+        for token in list(seq.sampling.stop_token_ids) + ([] if seq.sampling.ignore_eos else list(eos_token_ids))
+    ]
+    if not entries:
+        return logits
+    rows, tokens = zip(*entries, strict=True)
+    logits = logits.clone()
+    logits[list(rows), list(tokens)] = float("-inf")
+    return logits
+
+
+def apply_guides(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+    """The grammar mask: each guided row keeps only the tokens its grammar allows next."""
+    rows = [row for row, seq in enumerate(sequences) if seq.matcher is not None and not seq.matcher.terminated]
     if not rows:
         return logits
+    bitmask = new_bitmask(len(sequences), logits.shape[-1])
+    for row in rows:
+        sequences[row].matcher.fill(bitmask, row)  # type: ignore[union-attr]
     logits = logits.clone()
-    for row, seq in rows:
-        banned = list(seq.sampling.stop_token_ids) + ([] if seq.sampling.ignore_eos else list(eos_token_ids))
-        if banned:
-            logits[row, banned] = float("-inf")
+    apply_bitmask(logits, bitmask, rows)
     return logits
+
+
+def token_logprobs(raw: torch.Tensor, sequences: list[Sequence], chosen: list[int]) -> dict[int, TokenLogprob]:
+    """For the rows whose request asked: the chosen token's log probability and the top alternatives."""
+    rows = [row for row, seq in enumerate(sequences) if seq.sampling.logprobs is not None]
+    if not rows:
+        return {}
+    logprobs = torch.log_softmax(raw[rows].float(), dim=-1)
+    picked = logprobs.gather(1, torch.tensor([chosen[row] for row in rows], device=raw.device).unsqueeze(1))
+    widest = max(sequences[row].sampling.logprobs or 0 for row in rows)
+    top_values, top_ids = torch.topk(logprobs, widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0])
+    picked_list, values, ids = picked.squeeze(1).tolist(), top_values.tolist(), top_ids.long().tolist()
+    result = {}
+    for i, row in enumerate(rows):
+        k = sequences[row].sampling.logprobs or 0
+        result[row] = TokenLogprob(chosen[row], picked_list[i], tuple(zip(ids[i][:k], values[i][:k], strict=True)))
+    return result
 
 
 def _is_greedy(seq: Sequence) -> bool:
@@ -64,9 +173,23 @@ def _is_greedy(seq: Sequence) -> bool:
     return params.temperature < GREEDY_TEMPERATURE or params.top_k == 1
 
 
-def _draw(row_logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """A [1] tensor holding the token drawn for `seq` from its row of logits."""
-    params = seq.sampling
-    scaled = apply_top_k_top_p(row_logits.float() / params.temperature, params.top_k, params.top_p)
+def _draw(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+    """One token per row, drawn after temperature, top-k, top-p and min-p (all batched)."""
+    device = logits.device
+    params = [seq.sampling for seq in sequences]
+    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    scaled = _mask_top_k_top_p(logits.float() / temperature, torch.tensor([p.top_k for p in params]),
+                               torch.tensor([p.top_p for p in params]))
     probs = torch.softmax(scaled, dim=-1)
-    return torch.multinomial(probs, 1, generator=seq.generator)
+    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    seeded = [i for i, seq in enumerate(sequences) if seq.generator is not None]
+    if not seeded:
+        return torch.multinomial(probs, 1).squeeze(1)
+    # A seeded request draws from its own generator, so its tokens do not depend on its neighbours.
+    draws = torch.multinomial(probs, 1).squeeze(1) if len(seeded) < len(sequences) else torch.empty(
+        len(sequences), dtype=torch.long, device=device)
+    for i in seeded:
+        draws[i] = torch.multinomial(probs[i], 1, generator=sequences[i].generator)[0]
+    return draws

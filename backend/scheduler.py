@@ -68,6 +68,18 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
+    def has_room(self, num_seqs: int) -> bool:
+        return len(self.running) + num_seqs <= self.max_num_seqs
+
+    def add_running(self, seq: Sequence) -> None:
+        """Run a sequence that already holds blocks (a choice forked from its request's first,
+        `BlockManager.fork`): it computes its prompt's tail next step, with no admission."""
+        assert seq.block_table and self.has_room(1)
+        seq.status = SequenceStatus.RUNNING
+        seq.first_scheduled_time = seq.first_scheduled_time or time.perf_counter()
+        seq.cached_prompt_tokens = seq.num_computed_tokens
+        self.running.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take seq out of the queues and free its blocks (finish or abort)."""
         if seq in self.running:

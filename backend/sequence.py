@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.api import Priority, SamplingParams
+from backend.guided import GuideMatcher
 from backend.tokenizer import IncrementalDetokenizer
 
 
@@ -28,6 +29,7 @@ class Sequence:
     priority: Priority = Priority.USER
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    index: int = 0  # which of the request's n choices this sequence makes
 
     token_ids: list[int] = field(init=False)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -44,6 +46,8 @@ class Sequence:
     finish_time: float | None = None
 
     generator: torch.Generator | None = None
+    matcher: GuideMatcher | None = None  # where the output stands in its grammar (guided decoding)
+    prompt_token_mask: torch.Tensor | None = None  # [vocab] bool, built once for repetition_penalty
     detokenizer: IncrementalDetokenizer | None = None
     emitted_text_len: int = 0  # chars of detokenized text already sent in deltas
     emitted_token_count: int = 0
@@ -75,3 +79,14 @@ class Sequence:
     def sort_key(self) -> tuple[int, int]:
         """Scheduling order: priority class first, then arrival (FCFS)."""
         return (int(self.priority), self.arrival_order)
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request's sequences: its first, and the n - 1 choices forked from it once its prompt is in."""
+
+    request_id: str
+    sequences: list[Sequence]
+    pending_forks: int = 0  # choices not yet forked
+    unfinished: int = 1  # choices (forked or not) still generating
+    completion_tokens: int = 0  # of the finished choices

@@ -26,6 +26,7 @@ from backend.deltas import DeltaTotals
 from backend.openai_api.errors import APIError, install_error_handlers
 from backend.openai_api.fields import enforce_supported
 from backend.openai_api.http import BearerAuth, document_request_bodies, parse_body, unless_disconnected
+from backend.openai_api.request_params import EngineAsks, engine_asks
 from backend.openai_api.responses import ResponseWriter, Usage
 from backend.openai_api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from backend.openai_api.sse import DONE, event_stream_response, sse_event
@@ -68,7 +69,8 @@ class EngineServer:
                 param="model", code="model_not_found",
             )
 
-    def sampling_for(self, body: SamplingFields, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+    def sampling_for(self, body: SamplingFields, max_tokens: int | None, prompt_len: int,
+                     extras: dict | None = None) -> SamplingParams:
         """Sampling parameters, with `max_tokens` checked against (or defaulted to) the room left."""
         max_model_len = self.engine.max_model_len
         if prompt_len >= max_model_len:
@@ -89,14 +91,15 @@ class EngineServer:
             max_tokens=max_tokens if max_tokens is not None else max_model_len - prompt_len,
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
             stop=body.stop_list(), stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens,
+            min_tokens=body.min_tokens, **(extras or {}),
         )
 
-    async def submit(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> RequestStream:
+    async def submit(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+                     asks: EngineAsks) -> RequestStream:
         """Hand the request to the engine; raises its EngineError if it refuses (e.g. overload)."""
         return await self.engine.add_request(GenerationRequest(
             request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids,
-            sampling=self.sampling_for(body, max_tokens, len(prompt_ids)),
+            sampling=self.sampling_for(body, max_tokens, len(prompt_ids), asks.sampling),
             priority=_priority_from(body.priority), cache_salt=body.cache_salt,
         ))
 
@@ -116,10 +119,18 @@ def _completion_prompt_ids(body: CompletionRequest, tokenizer: Tokenizer) -> lis
     return ids
 
 
-def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+def chat_messages(body: ChatCompletionRequest) -> list[dict]:
+    """The messages as the chat template takes them, tool-call turns and tool results included."""
+    return [{"role": m.role, "content": m.text() if m.content is not None or m.role != "assistant" else None}
+            | {key: value for key, value in (m.model_extra or {}).items() if key in ("tool_calls", "tool_call_id")}
+            | ({"name": m.name} if m.name else {})
+            for m in body.messages]
+
+
+def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, asks: EngineAsks) -> list[int]:
+    tools = asks.output.tools.template_tools() if asks.output.tools else None
     try:
-        return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(chat_messages(body), tools=tools)
     except Exception as exc:  # template errors (e.g. roles the template rejects) are the client's
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
 
@@ -127,16 +138,18 @@ def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[
 # ---------------------------------------------------------------------------- one request's answer
 async def _answer(
     request: Request, server: EngineServer, body: ChatCompletionRequest | CompletionRequest,
-    prompt_ids: list[int], max_tokens: int | None,
+    prompt_ids: list[int], max_tokens: int | None, asks: EngineAsks,
 ) -> Response:
     chat = isinstance(body, ChatCompletionRequest)
-    stream = await server.submit(body, prompt_ids, max_tokens)
+    stream = await server.submit(body, prompt_ids, max_tokens, asks)
     writer = ResponseWriter(f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}", server.model_name,
-                            int(time.time()), chat)
+                            int(time.time()), chat, asks.output)
     if body.stream:
-        return event_stream_response(_events(stream, writer, len(prompt_ids), body.usage_wanted()))
+        return event_stream_response(_events(stream, writer, len(prompt_ids), body.usage_wanted(), body.n))
     totals = await unless_disconnected(request, _collect(stream, len(prompt_ids)))
-    return JSONResponse(writer.whole(totals.text, totals.finish_reason, _usage(totals)))
+    for index in range(body.n):
+        totals.choice(index)
+    return JSONResponse(writer.whole_choices(totals.ordered_choices(), _usage(totals)))
 
 
 def _usage(totals: DeltaTotals) -> Usage:
@@ -154,17 +167,15 @@ async def _collect(stream: RequestStream, prompt_tokens: int) -> DeltaTotals:
 
 
 async def _events(stream: RequestStream, writer: ResponseWriter, prompt_tokens: int,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, num_choices: int) -> AsyncIterator[str]:
     totals = DeltaTotals(prompt_tokens=prompt_tokens)
     try:
-        for event in writer.opening():
+        for event in writer.opening(num_choices):
             yield event
         async for delta in stream:
             totals.add(delta)
-            if delta.text:
-                yield writer.text(delta.text)
-            if totals.finished:
-                yield writer.finish(totals.finish_reason)
+            for event in writer.delta_events(delta, totals):
+                yield event
         if include_usage:
             yield writer.usage(_usage(totals))
     except EngineError as exc:  # headers are sent: report in-band, as OpenAI does
@@ -184,9 +195,10 @@ async def completions(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     server.check_model(body.model)
     enforce_supported(body, server.drop_params)
+    asks = await engine_asks(body, server.engine.tokenizer)
     prompt_ids = _completion_prompt_ids(body, server.engine.tokenizer)
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-    return await _answer(request, server, body, prompt_ids, max_tokens)
+    return await _answer(request, server, body, prompt_ids, max_tokens, asks)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -194,8 +206,9 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     server.check_model(body.model)
     enforce_supported(body, server.drop_params)
-    prompt_ids = _chat_prompt_ids(body, server.engine.tokenizer)
-    return await _answer(request, server, body, prompt_ids, body.requested_max_tokens())
+    asks = await engine_asks(body, server.engine.tokenizer)
+    prompt_ids = _chat_prompt_ids(body, server.engine.tokenizer, asks)
+    return await _answer(request, server, body, prompt_ids, body.requested_max_tokens(), asks)
 
 
 async def models(request: Request) -> dict:

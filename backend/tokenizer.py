@@ -69,14 +69,28 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model sees for these messages, chat template applied."""
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template renders `tools` and tool-call turns itself."""
+        return "tool" in str(self._hf.chat_template)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text the model sees for these messages (and tools), chat template applied.
+        A template that knows no tools gets them, and tool-call turns, folded into plain messages."""
+        if not self.template_knows_tools and (tools or any(m.get("tool_calls") or m.get("content") is None
+                                                           for m in messages)):
+            from backend.openai_api.tools import fold_tool_messages
+
+            messages, tools = fold_tool_messages(messages, tools), None
+        extra = {"tools": tools} if tools else {}
         return self._hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     def count_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> int:
         return len(self.encode_chat(messages, add_generation_prompt))

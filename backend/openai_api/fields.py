@@ -33,10 +33,6 @@ def _one(value: Any) -> bool:
     return value is None or value == 1
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _no_forced_tool(value: Any) -> bool:
     # "none" (and "auto" with no tools, checked with `tools`) is what the engine does anyway.
     return value is None or value in ("none", "auto")
@@ -56,30 +52,15 @@ class Capability:
 
 
 # Fields of the OpenAI API (and vLLM's extras) that change the answer and that the built-in engine
-# does not implement. Fields it does implement (sampling, stop, seed, max_tokens, stream, ...) and
-# pure metadata (`user`, `metadata`, `store`, `service_tier`) are not listed.
+# does not implement. What it does implement (sampling, penalties, logit_bias, min_p, n, logprobs,
+# response_format, guided decoding, tools: backend/openai_api/request_params.py) and pure metadata
+# (`user`, `metadata`, `store`, `service_tier`) are not listed.
 _SHARED: tuple[Capability, ...] = (
-    Capability("n", _one, "it makes one choice per request"),
-    Capability("best_of", _one, "it makes one choice per request"),
-    Capability("presence_penalty", _falsy, "it has no presence penalty"),
-    Capability("frequency_penalty", _falsy, "it has no frequency penalty"),
-    Capability("repetition_penalty", _one, "it has no repetition penalty"),
-    Capability("logit_bias", _falsy, "it has no logit bias"),
-    Capability("min_p", _falsy, "it has no min-p sampling"),
-    Capability("guided_json", _none, "it has no guided decoding"),
-    Capability("guided_regex", _none, "it has no guided decoding"),
-    Capability("guided_choice", _none, "it has no guided decoding"),
-    Capability("guided_grammar", _none, "it has no guided decoding"),
-    Capability("structured_outputs", _none, "it has no guided decoding"),
-    Capability("response_format", _text_format, "it has no JSON mode or structured output"),
+    Capability("best_of", _one, "it makes no extra choices to pick the best of"),
 )
 _CHAT_ONLY: tuple[Capability, ...] = (
-    Capability("tools", _falsy, "it cannot call tools"),
-    Capability("tool_choice", _no_forced_tool, "it cannot call tools"),
-    Capability("functions", _falsy, "it cannot call functions"),
-    Capability("function_call", _no_forced_tool, "it cannot call functions"),
-    Capability("logprobs", _falsy, "it does not return log probabilities"),
-    Capability("top_logprobs", _falsy, "it does not return log probabilities"),
+    Capability("functions", _falsy, "it takes the legacy functions field as tools only"),
+    Capability("function_call", _no_forced_tool, "it takes the legacy function_call field as tool_choice only"),
     Capability("audio", _none, "it has no audio output"),
     Capability("modalities", _text_modality, "it answers in text only"),
     Capability("prediction", _none, "it has no predicted outputs"),
@@ -87,14 +68,11 @@ _CHAT_ONLY: tuple[Capability, ...] = (
     Capability("web_search_options", _none, "it cannot search the web"),
 )
 _COMPLETION_ONLY: tuple[Capability, ...] = (
-    # Completions' `logprobs` is a count; even 0 asks for the sampled token's log probability.
-    Capability("logprobs", _none, "it does not return log probabilities"),
     Capability("echo", _falsy, "it does not echo the prompt"),
     Capability("suffix", _none, "it has no insertion (suffix) mode"),
 )
 _MESSAGE_FIELDS: tuple[Capability, ...] = (
-    Capability("tool_calls", _falsy, "it cannot call tools"),
-    Capability("function_call", _none, "it cannot call functions"),
+    Capability("function_call", _none, "it takes the legacy function_call field as tool_calls only"),
 )
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from backend.api import GenerationDelta, TokenLogprob
+from backend.deltas import ChoiceTotals, DeltaTotals
+from backend.openai_api.logprobs import chat_logprobs, completion_logprobs
+from backend.openai_api.request_params import OutputOptions
 from backend.openai_api.sse import sse_event
 
 
@@ -34,28 +38,31 @@ class Usage(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, only when there are some
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role", "content"} first, then {"content"}, then {} with the finish reason
-    logprobs: None = None
+    # {"role", "content"} first, then {"content"} (or {"tool_calls"}), then {} with the finish reason
+    delta: dict[str, Any]
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -96,24 +103,87 @@ class ResponseWriter:
     model: str
     created: int
     chat: bool
+    output: OutputOptions = field(default_factory=OutputOptions)
 
     def whole(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
-        """The body of a non-streamed answer."""
+        """The body of a non-streamed answer with one plain choice."""
+        return self.whole_choices([ChoiceTotals(0, finish_reason, [], [text])], usage)
+
+    def whole_choices(self, choices: list[ChoiceTotals], usage: Usage) -> dict[str, Any]:
+        """The body of a non-streamed answer (its choices' text, log probabilities and tool calls)."""
         common = {"id": self.response_id, "model": self.model, "created": self.created, "usage": usage}
         if self.chat:
-            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
-            return ChatCompletion(choices=[choice], **common).model_dump()
-        return TextCompletion(choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
-                              **common).model_dump()
+            return ChatCompletion(choices=[self._chat_choice(c) for c in choices], **common).model_dump(
+                exclude_none=False)
+        return TextCompletion(choices=[
+            CompletionChoice(index=c.index, text=c.text, logprobs=self._logprobs(c.logprobs),
+                             finish_reason=c.finish_reason or "stop") for c in choices], **common).model_dump()
 
-    def opening(self) -> list[str]:
-        """Events before the first text: chat streams announce the assistant role."""
-        return [self._chunk([ChatChunkChoice(delta={"role": "assistant", "content": ""})])] if self.chat else []
+    def _chat_choice(self, choice: ChoiceTotals) -> ChatChoice:
+        content, calls = self._read_tools(choice.text)
+        message = AssistantMessage(content=content, **({"tool_calls": calls} if calls else {}))
+        finish = "tool_calls" if calls else choice.finish_reason or "stop"
+        return ChatChoice(index=choice.index, message=message, logprobs=self._logprobs(choice.logprobs),
+                          finish_reason=finish)
+
+    def _read_tools(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        tools = self.output.tools
+        return tools.read_calls(text) if tools else (text, [])
+
+    def _logprobs(self, entries: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any] | None:
+        tokenizer = self.output.tokenizer
+        if not self.output.logprobs or tokenizer is None:
+            return None
+        if self.chat:
+            return chat_logprobs(tokenizer, entries)
+        return completion_logprobs(tokenizer, entries, text_offset)
+
+    def opening(self, num_choices: int = 1) -> list[str]:
+        """Events before the first text: chat streams announce the assistant role, per choice."""
+        if not self.chat:
+            return []
+        return [self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
+                for i in range(num_choices)]
 
     def text(self, text: str) -> str:
         if self.chat:
             return self._chunk([ChatChunkChoice(delta={"content": text})])
         return self._chunk([CompletionChoice(text=text)])
+
+    def delta_events(self, delta: GenerationDelta, totals: DeltaTotals) -> list[str]:
+        """The events for one engine delta (already added to `totals`): its text (held back while a
+        tool call may be forming), and when it ends its choice, the tool calls and the finish."""
+        choice = totals.choice(delta.index)
+        events = []
+        if (delta.text or delta.logprobs) and self.output.tools is None:
+            offset = len(choice.text) - len(delta.text)
+            logprobs = self._logprobs(delta.logprobs or [], offset)
+            if self.chat:
+                events.append(self._chunk([ChatChunkChoice(index=delta.index, delta={"content": delta.text},
+                                                           logprobs=logprobs)]))
+            else:
+                events.append(self._chunk([CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs)]))
+        if delta.choice_finish_reason is not None or delta.finish_reason is not None:
+            events.extend(self.choice_end(choice))
+        return events
+
+    def choice_end(self, choice: ChoiceTotals) -> list[str]:
+        """A choice's closing events: what tool use held back (calls, or the text), then the finish."""
+        reason = choice.finish_reason or "stop"
+        if not self.chat:
+            return [self._chunk([CompletionChoice(index=choice.index, text="", finish_reason=reason)])]
+        events = []
+        if self.output.tools is not None:
+            content, calls = self._read_tools(choice.text)
+            if calls:
+                reason = "tool_calls"
+                pieces = [{"index": i, **call} for i, call in enumerate(calls)]
+                events.append(self._chunk([ChatChunkChoice(index=choice.index, delta={"tool_calls": pieces})]))
+            if content:
+                events.append(self._chunk([ChatChunkChoice(index=choice.index, delta={"content": content},
+                                                           logprobs=self._logprobs(choice.logprobs))]))
+        events.append(self._chunk([ChatChunkChoice(index=choice.index, delta={}, finish_reason=reason)]))
+        return events
 
     def finish(self, finish_reason: str | None) -> str:
         if self.chat:

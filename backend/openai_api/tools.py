@@ -1,0 +1,150 @@
+"""Tool calling on the built-in engine: the request's `tools` / `tool_choice`, the grammar that forces
+a call, and the reading of calls out of the generated text.
+
+The model writes a call as `{"name": ..., "arguments": {...}}`: under `tool_choice` "required" or a
+named function the whole output is such an object, constrained by a JSON schema built from the
+functions' parameter schemas (so the arguments always parse against them); under "auto" the model
+may write calls between `<tool_call>` tags (Hermes / Qwen convention), which are read out afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from backend.guided import GuideSpec
+from backend.openai_api.errors import APIError
+
+MAX_TOOLS = 64
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_TAGGED_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(\{.*?\})\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The request's tools and how the answer may use them."""
+
+    functions: tuple[Function, ...]
+    mode: Literal["auto", "required", "named"]
+    forced: str | None = None  # the function a named tool_choice calls
+
+    def guide(self) -> GuideSpec | None:
+        """The grammar of a forced call; None under "auto"."""
+        if self.mode == "auto":
+            return None
+        functions = [f for f in self.functions if self.mode == "required" or f.name == self.forced]
+        calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+                  "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return GuideSpec.json_schema(schema, "tool_choice")
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools as chat templates take them (OpenAI's shape)."""
+        return [{"type": "function", "function": {"name": f.name, "parameters": f.parameters}}
+                for f in self.functions]
+
+    def read_calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content left, tool calls) read from a choice's text."""
+        if self.mode != "auto":
+            call = _call_from(text, self.functions)
+            return (None, [call]) if call else (text, [])
+        calls = [call for match in _TAGGED_CALL.finditer(text) if (call := _call_from(match.group(1), self.functions))]
+        if not calls:
+            return text, []
+        content = _TAGGED_CALL.sub("", text).strip()
+        return content or None, calls
+
+
+def _call_from(text: str, functions: tuple[Function, ...]) -> dict[str, Any] | None:
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict) or not any(f.name == parsed.get("name") for f in functions):
+        return None
+    arguments = parsed.get("arguments", parsed.get("parameters", {}))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": parsed["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def tool_use(tools: Any, tool_choice: Any) -> ToolUse | None:
+    """The request's tool use, or None when it asks for none (no tools, or tool_choice "none")."""
+    if tool_choice == "none" or not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice names a tool but no tools are given", param="tool_choice",
+                           code="invalid_value")
+        return None
+    functions = _functions(tools)
+    if tool_choice in (None, "auto"):
+        return ToolUse(functions, "auto")
+    if tool_choice == "required":
+        return ToolUse(functions, "required")
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(name, str) or not any(f.name == name for f in functions):
+        raise APIError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
+                       "{\"name\": <one of the tools>}}", param="tool_choice", code="invalid_value")
+    return ToolUse(functions, "named", name)
+
+
+def _functions(tools: Any) -> tuple[Function, ...]:
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise APIError(400, f"tools must be a list of at most {MAX_TOOLS} functions", param="tools",
+                       code="invalid_value")
+    functions = []
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise APIError(400, f"tools[{index}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                           "with a name of letters, digits, _ . - (at most 64)", param=f"tools[{index}]",
+                           code="invalid_value")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise APIError(400, f"tools[{index}].function.parameters must be a JSON schema object",
+                           param=f"tools[{index}]", code="invalid_value")
+        functions.append(Function(name, parameters))
+    return tuple(functions)
+
+
+def fold_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Messages for a chat template that knows nothing of tools: the tools and the call format go
+    into the system message, an assistant's calls become `<tool_call>` text, a tool result a turn of
+    role "tool"."""
+    folded = []
+    for message in messages:
+        content = message.get("content") or ""
+        calls = message.get("tool_calls") or []
+        if calls:
+            content = (content + "\n" if content else "") + "\n".join(_tagged(call) for call in calls)
+        folded.append({"role": message["role"], "content": content})
+    if tools:
+        preamble = ("You may call functions. The functions, as JSON schemas:\n"
+                    + "\n".join(json.dumps(tool.get("function", tool), ensure_ascii=False) for tool in tools)
+                    + f"\nTo call one, answer with {TOOL_CALL_OPEN}{{\"name\": <name>, \"arguments\": <object>}}"
+                    f"{TOOL_CALL_CLOSE}.")
+        if folded and folded[0]["role"] == "system":
+            folded[0] = {"role": "system", "content": folded[0]["content"] + "\n\n" + preamble}
+        else:
+            folded.insert(0, {"role": "system", "content": preamble})
+    return folded
+
+
+def _tagged(call: Any) -> str:
+    function = call.get("function", {}) if isinstance(call, dict) else {}
+    arguments = function.get("arguments", "{}")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        pass  # kept as the string the client sent
+    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
