@@ -60,33 +60,28 @@ class Generation:
         with contextlib.suppress(Exception):
             await self.gateway.engine.abort(self.generation.request_id)
 
-    def _take(self, delta: GenerationDelta) -> str:
+    def _take(self, delta: GenerationDelta) -> GenerationDelta:
         if delta.raw is not None:
             self.chunks.append(delta.raw)
             self.upstream_id = self.upstream_id or delta.raw.get("id")
-        if delta.text:
+        if delta.text or delta.token_ids:
             now = time.perf_counter()
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
         self.totals.add(delta)
-        return delta.text
+        return delta
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text pieces (and, when relaying, one item per upstream chunk, "" if it has no text); records
-        finish reason, counts and metrics from the final delta."""
+    async def deltas(self) -> AsyncIterator[GenerationDelta]:
+        """The engine's deltas, each added to `totals` first (finish reasons, counts, metrics)."""
         if self._iterator is None:
             await self.start()
         try:
             if self._first is not None:
                 first, self._first = self._first, None
-                text = self._take(first)
-                if text or first.raw is not None:  # relayed chunks go out as they come, text or not
-                    yield text
+                yield self._take(first)
             if not self.totals.finished:
                 async for delta in self._iterator:
-                    text = self._take(delta)
-                    if text or delta.raw is not None:
-                        yield text
+                    yield self._take(delta)
         finally:
             if not self.totals.finished:
                 await self._stop_engine()
@@ -164,28 +159,32 @@ async def complete(request: Request, run: Generation, writer: ResponseWriter) ->
     if run.relayed:  # the upstream's answer as it is; only the model name (rewritten going up) and usage
         whole = fold_chunks(run.chunks, writer.chat) | {"model": writer.model, "usage": run.usage_body(usage)}
         return JSONResponse(whole)
-    return JSONResponse(writer.whole(run.totals.text, run.totals.finish_reason or "stop", usage))
+    for index in range(prepared.choices):
+        run.totals.choice(index)
+    return JSONResponse(writer.whole_choices(run.totals.ordered_choices(), usage))
 
 
-async def stream(run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool) -> StreamingResponse:
+async def stream(run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool,
+                 num_choices: int = 1) -> StreamingResponse:
     try:
         await run.start()
     except Exception as exc:
         await run.gateway.release(run.prepared)  # refused before any work: give the quota back
         raise run.gateway.engine_error(exc) from None
-    return event_stream_response(_events(run, writer, endpoint, include_usage))
+    return event_stream_response(_events(run, writer, endpoint, include_usage, num_choices))
 
 
-async def _events(run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool) -> AsyncIterator[str]:
+async def _events(run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool,
+                  num_choices: int) -> AsyncIterator[str]:
     gateway, prepared = run.gateway, run.prepared
     settled = False
     try:
-        for event in [] if run.relayed else writer.opening():
+        for event in [] if run.relayed else writer.opening(num_choices):
             yield event
         try:
-            async for text in run.deltas():
-                if not run.relayed and text:
-                    yield writer.text(text)
+            async for delta in run.deltas():
+                for event in [] if run.relayed else writer.delta_events(delta, run.totals):
+                    yield event
                 for chunk in run.relayed_chunks():
                     yield _relay(chunk, writer)
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
@@ -197,8 +196,10 @@ async def _events(run: Generation, writer: ResponseWriter, endpoint: str, includ
         run.observe_latency(endpoint)
         for chunk in run.relayed_chunks():  # chunks after the last text (tool calls, the finish reason)
             yield _relay(chunk, writer)
-        if not run.relayed:
-            yield writer.finish(run.totals.finish_reason or "stop")
+        for choice in [] if run.relayed else run.totals.ordered_choices():
+            if choice.finish_reason is None:  # the engine ended without finishing it
+                for event in writer.choice_end(choice):
+                    yield event
         if include_usage and run.relayed:  # the upstream's envelope (id, created), the gateway's usage
             yield sse_event({"id": run.upstream_id or writer.response_id,
                              "object": "chat.completion.chunk" if writer.chat else "text_completion",

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from backend.api import GenerationRequest
 from backend.openai_api.errors import APIError
 from backend.openai_api.http import parse_body, parse_body_and_json
+from backend.openai_api.request_params import OutputOptions
 from backend.openai_api.responses import ResponseWriter
 from gateway.generation import Generation, complete, stream
 from gateway.keys import Tenant
@@ -167,10 +168,11 @@ async def _answer(
         messages=messages, prompt_text=prepared.prompt_text, forward=prepared.forward,
     )
     writer = ResponseWriter(prepared.request_id, body.model, prepared.created,
-                            chat=isinstance(body, ChatCompletionRequest))
+                            chat=isinstance(body, ChatCompletionRequest),
+                            output=prepared.asks.output if prepared.asks else OutputOptions())
     run = Generation(gateway, prepared, generation)
     if body.stream:
-        return await stream(run, writer, request.url.path, body.usage_wanted())
+        return await stream(run, writer, request.url.path, body.usage_wanted(), prepared.choices)
     return await complete(request, run, writer)
 
 

@@ -20,6 +20,7 @@ from backend.api import EngineClient, EngineError, Priority, RequestMetrics, Sam
 from backend.deltas import DeltaTotals
 from backend.openai_api.errors import APIError, generic_server_error
 from backend.openai_api.fields import enforce_supported
+from backend.openai_api.request_params import EngineAsks, engine_asks
 from backend.openai_api.responses import Usage
 from compression.index_names import InvalidIndexName, UnknownIndexError, check_index_name
 from compression.types import (
@@ -42,6 +43,7 @@ from policies.schema import CostPolicy, Policy
 logger = logging.getLogger(__name__)
 # Most sequences one upstream request may make (`n`, `best_of`), as OpenAI's own limit on `n`.
 MAX_CHOICES = 128
+_TOOL_FIELDS = ("tool_calls", "tool_call_id")
 
 
 @dataclass
@@ -63,6 +65,8 @@ class Prepared:
     forward: dict[str, Any] | None = None
     # Sequences the upstream generates per request (`n`, `best_of`): the reservation counts each.
     choices: int = 1
+    # Built-in mode: what the request asks of the engine beyond plain sampling, and how to answer.
+    asks: EngineAsks | None = None
     received_at: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -289,11 +293,9 @@ class Gateway:
         return enforce_supported(body, policy.drop_params or self.settings.drop_params), None
 
     def choices_for(self, body: GatewayRequest, forward: dict[str, Any] | None) -> int:
-        """How many sequences the request makes: the built-in engine makes one (it refused or dropped
-        `n` > 1); an upstream makes max(n, best_of), each up to max_tokens, all of them reserved."""
-        if forward is None:
-            return 1
-        best_of = forward.get("best_of")
+        """How many sequences the request makes, each up to max_tokens, all of them reserved: the
+        built-in engine makes n; an upstream makes max(n, best_of)."""
+        best_of = forward.get("best_of") if forward is not None else None
         if best_of is not None and (isinstance(best_of, bool) or not isinstance(best_of, int) or best_of < 1):
             raise APIError(400, "best_of must be a positive integer", param="best_of", code="invalid_value")
         choices = max(body.n, best_of or 1)
@@ -308,9 +310,11 @@ class Gateway:
         # Client text may not forge control tokens or context markers (gateway/sanitize.py). An
         # upstream also gets each message's other fields (tool_calls, tool_call_id, ...) back.
         # The neutraliser reads the whole request's text: it runs with the compression, off this loop.
+        # The built-in engine renders tool-call turns and tool results itself: those fields stay too.
         extra_fields = self.forwards_fields
         messages = [{"role": m.role, "content": m.text()}
-                    | ({"name": m.name} if m.name else {}) | ((m.model_extra or {}) if extra_fields else {})
+                    | ({"name": m.name} if m.name else {})
+                    | {k: v for k, v in (m.model_extra or {}).items() if extra_fields or k in _TOOL_FIELDS}
                     for m in body.messages]
         extras = body.ctxgate or CtxgateExtras()
         documents = [
@@ -342,9 +346,10 @@ class Gateway:
             self.metrics.compression_wait_seconds.observe(result.wait_ms / 1000)
         return result
 
-    def encode_checked(self, result: CompressionResult, policy: Policy) -> tuple[list[int], str]:
+    def encode_checked(self, result: CompressionResult, policy: Policy,
+                       tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str]:
         """Token ids actually sent; re-counted here so the budget holds whatever pipeline ran."""
-        prompt_text = self.tokenizer.render_chat(result.messages)
+        prompt_text = self.tokenizer.render_chat(result.messages, tools=tools)
         token_ids = self.tokenizer.encode(prompt_text)
         if len(token_ids) > policy.max_input_tokens:
             logger.error("pipeline produced %d tokens over budget %d", len(token_ids), policy.max_input_tokens)
@@ -355,7 +360,8 @@ class Gateway:
         result.prompt_tokens = len(token_ids)
         return token_ids, prompt_text
 
-    def sampling_for(self, body: GatewayRequest, policy: Policy, prompt_tokens: int) -> SamplingParams:
+    def sampling_for(self, body: GatewayRequest, policy: Policy, prompt_tokens: int,
+                     asks: EngineAsks | None = None) -> SamplingParams:
         requested = body.requested_max_tokens()
         room = self.engine.max_model_len - prompt_tokens
         max_tokens = min(requested or policy.reserve_output_tokens, policy.reserve_output_tokens, room)
@@ -365,6 +371,7 @@ class Gateway:
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
             seed=body.seed, stop=body.stop_list(), stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos, min_tokens=min(body.min_tokens, max_tokens),
+            **(asks.sampling if asks else {}),
         )
         try:
             sampling.validate()
@@ -448,14 +455,16 @@ class Gateway:
         policy = self.resolve_policy(tenant, body.ctxgate)
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
+        asks = None if forward is not None else await engine_asks(body, self.tokenizer)
         result = await self.compress(body, tenant, policy)
-        token_ids, prompt_text = self.encode_checked(result, policy)
-        sampling = self.sampling_for(body, policy, len(token_ids))
+        tools = asks.output.tools.template_tools() if asks and asks.output.tools else None
+        token_ids, prompt_text = self.encode_checked(result, policy, tools)
+        sampling = self.sampling_for(body, policy, len(token_ids), asks)
         priority = Priority.BACKGROUND if body.ctxgate and body.ctxgate.priority == "background" else Priority.USER
         prepared = Prepared(
             request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
-            dropped_params=dropped, forward=forward, choices=choices,
+            dropped_params=dropped, forward=forward, choices=choices, asks=asks,
         )
         prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
                                                   slot_id=prepared.request_id)
@@ -469,6 +478,7 @@ class Gateway:
         policy = self.resolve_policy(tenant, body.ctxgate)
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
+        asks = None if forward is not None else await engine_asks(body, self.tokenizer)
         prompt_text = body.prompt_text() or ""
         token_ids = self.tokenizer.encode(prompt_text)
         if not token_ids:
@@ -482,11 +492,11 @@ class Gateway:
         result = CompressionResult(
             messages=[], original_prompt_tokens=len(token_ids), prompt_tokens=len(token_ids), stages=[]
         )
-        sampling = self.sampling_for(body, policy, len(token_ids))
+        sampling = self.sampling_for(body, policy, len(token_ids), asks)
         prepared = Prepared(
             request_id=f"cmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=Priority.USER,
-            dropped_params=dropped, forward=forward, choices=choices,
+            dropped_params=dropped, forward=forward, choices=choices, asks=asks,
         )
         prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
                                                   slot_id=prepared.request_id)

@@ -23,18 +23,23 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"typ
 
 # Fields the built-in engine cannot honour, with a value that asks for them.
 UNSUPPORTED: list[tuple[str, Any]] = [
-    ("tools", TOOLS),
-    ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"}),
-    ("logprobs", True),
-    ("top_logprobs", 2),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -0.3),
-    ("logit_bias", {"42": 5}),
-    ("n", 2),
-    ("min_p", 0.1),
-    ("guided_json", {"type": "object"}),
+    ("best_of", 3),
+    ("functions", [{"name": "lookup", "parameters": {"type": "object"}}]),
     ("reasoning_effort", "low"),
+    ("prediction", {"type": "content", "content": "hi"}),
+]
+# Fields the built-in engine honours now (backend/openai_api/request_params.py), with a check of the answer.
+ENGINE_FIELDS: list[tuple[dict[str, Any], Any]] = [
+    ({"tools": TOOLS}, lambda body: body["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")),
+    ({"tools": TOOLS, "tool_choice": "required", "max_tokens": 30},
+     lambda body: body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup"),
+    ({"response_format": {"type": "json_object"}}, lambda body: body["choices"][0]["message"]["content"][0] == "{"),
+    ({"logprobs": True, "top_logprobs": 2},
+     lambda body: len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2),
+    ({"presence_penalty": 0.5, "frequency_penalty": -0.3, "logit_bias": {"42": 5}, "min_p": 0.1},
+     lambda body: body["usage"]["completion_tokens"] >= 1),
+    ({"n": 2, "temperature": 1.0, "seed": 3}, lambda body: [c["index"] for c in body["choices"]] == [0, 1]),
+    ({"guided_choice": ["yes", "no"]}, lambda body: body["choices"][0]["message"]["content"] in ("yes", "no")),
 ]
 # Fields it honours, or neutral values that ask nothing it does not do.
 HONOURED: list[tuple[str, Any]] = [
@@ -78,14 +83,40 @@ def test_builtin_refuses_unsupported_field_naming_it(builtin, field, value):
     assert field in error["message"] and "drop_params" in error["message"]
 
 
-@pytest.mark.parametrize(("field", "value"), UNSUPPORTED[:4], ids=[f for f, _ in UNSUPPORTED[:4]])
+@pytest.mark.parametrize(("field", "value"), UNSUPPORTED[:2], ids=[f for f, _ in UNSUPPORTED[:2]])
 def test_builtin_drops_unsupported_field_under_policy_drop_params(builtin, field, value):
     response = _chat(builtin.url, **{field: value}, ctxgate={"policy": "drop"})
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["ctxgate"]["dropped_params"] == [field]
 
 
-def test_builtin_refuses_tool_calls_inside_messages(builtin):
+@pytest.mark.parametrize(("fields", "check"), ENGINE_FIELDS, ids=[",".join(f) for f, _ in ENGINE_FIELDS])
+def test_builtin_honours_engine_fields(builtin, fields, check):
+    response = _chat(builtin.url, **fields)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["ctxgate"]["dropped_params"] == []
+    assert check(body), body
+
+
+def test_builtin_makes_and_counts_n_choices(builtin):
+    body = _chat(builtin.url, n=3, temperature=1.0, seed=1, max_tokens=2, ignore_eos=True).json()
+    assert [choice["index"] for choice in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["completion_tokens"] == 6  # every choice's tokens are billed
+
+
+def test_builtin_reserves_every_choice(builtin):
+    gateway = builtin.server.config.app.state.gateway
+    assert gateway.choices_for(gateway_body(n=4), None) == 4
+
+
+def gateway_body(**fields: Any):
+    from gateway.schemas import ChatCompletionRequest
+
+    return ChatCompletionRequest.model_validate({"model": MODEL, "messages": QUESTION} | fields)
+
+
+def test_builtin_accepts_tool_calls_and_tool_results_in_history(builtin):
     messages = [
         {"role": "user", "content": "Look it up."},
         {"role": "assistant", "content": None, "tool_calls": [
@@ -93,8 +124,8 @@ def test_builtin_refuses_tool_calls_inside_messages(builtin):
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
         {"role": "user", "content": "So?"},
     ]
-    error = _chat(builtin.url, messages=messages).json()["error"]
-    assert (error["param"], error["code"]) == ("messages[1].tool_calls", "unsupported_parameter")
+    response = _chat(builtin.url, messages=messages, tools=TOOLS)
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize(("field", "value"), HONOURED, ids=[f"{f}={v!r}" for f, v in HONOURED])
@@ -110,9 +141,9 @@ def test_builtin_honours_supported_field(builtin, field, value):
 def test_builtin_server_flag_drop_params(engine):
     settings = GatewaySettings(default_policy="passthrough", drop_params=True)
     with ServerThread(create_app(settings, engine=engine)) as running:
-        response = _chat(running.url, logprobs=True, presence_penalty=1.0)
+        response = _chat(running.url, best_of=2, reasoning_effort="low")
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["ctxgate"]["dropped_params"] == ["presence_penalty", "logprobs"]
+    assert response.json()["usage"]["ctxgate"]["dropped_params"] == ["best_of", "reasoning_effort"]
 
 
 def test_content_parts_are_joined_by_newlines(builtin):
