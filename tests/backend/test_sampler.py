@@ -107,3 +107,37 @@ def test_min_tokens_keeps_eos_and_stop_ids_out_until_reached():
     assert sample(LOGITS.unsqueeze(0), [ignoring], eos_token_ids=[eos]) == [eos]  # EOS does not end it anyway
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3).validate()
+
+
+def test_penalties_batched_per_row():
+    # Row 0: token 2 was generated twice; frequency 1 and presence 1 take 3 off its logit. Row 1 has
+    # no penalties and is untouched. Row 2: repetition 2 halves the positive logit of prompt token 1.
+    from backend.sampler import apply_penalties
+
+    penalised = make_seq(frequency_penalty=1.0, presence_penalty=1.0)
+    penalised.token_ids += [2, 2]
+    plain = make_seq()
+    repeated = make_seq(repetition_penalty=2.0)
+    logits = torch.tensor([[1.0, 1.0, 4.0, 1.0]] * 3)
+    out = apply_penalties(logits, [penalised, plain, repeated])
+    assert out[0].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert out[1].tolist() == logits[1].tolist()
+    assert out[2].tolist() == [1.0, 0.5, 4.0, 1.0]
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top():
+    # The top token has 0.5: min_p 0.7 keeps it alone (0.3 < 0.35), min_p 0.5 keeps token 0 too (0.3 >= 0.25).
+    seq = make_seq(seed=0, temperature=1.0, min_p=0.7)
+    assert set(draws(seq, LOGITS, 30)) == {TOP_TOKEN}
+    loose = make_seq(seed=0, temperature=1.0, min_p=0.5)
+    assert set(draws(loose, LOGITS, 60)) == {TOP_TOKEN, 0}
+
+
+def test_logprobs_are_the_raw_distribution_with_the_top_alternatives():
+    from backend.sampler import sample_tokens
+
+    seq = make_seq(temperature=0, logprobs=2, logit_bias={1: 50.0})
+    [token] = sample_tokens(LOGITS.unsqueeze(0), [seq])
+    assert token.token_id == 1  # the bias picked it ...
+    assert token.logprob.logprob == pytest.approx(math.log(0.05), abs=1e-5)  # ... its raw logprob is reported
+    assert [t for t, _ in token.logprob.top] == [TOP_TOKEN, 0]
