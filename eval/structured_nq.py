@@ -1,0 +1,83 @@
+"""Structured answers through the real OpenAI SDK: `client.beta.chat.completions.parse(...,
+response_format=CitedAnswer)` on NQ dev questions with their passages, against a `ctxgate serve`.
+
+    python -m eval.structured_nq --limit 50            # starts `ctxgate serve` on a free port
+    python -m eval.structured_nq --url http://host:8000 --limit 50
+
+Prints how many answers parsed into `CitedAnswer`, and how many cite the gold passage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+NQ_DEV = Path("/work/shared/data/eval/nq-multidoc-dev.jsonl")
+PASSAGES_PER_QUESTION = 4  # the gold passage and the first distractors: prompts stay a few hundred tokens
+MAX_TOKENS = 160
+
+
+class CitedAnswer(BaseModel):
+    answer: str
+    # At most three ids: a small model otherwise counts 1, 2, 3, ... until max_tokens.
+    passage_ids: list[int] = Field(max_length=3)
+
+
+def questions(path: Path = NQ_DEV, limit: int = 50) -> list[dict]:
+    with path.open(encoding="utf-8") as lines:
+        return [json.loads(line) for _, line in zip(range(limit), lines, strict=False)]
+
+
+def messages_for(example: dict) -> tuple[list[dict[str, str]], set[int]]:
+    """The chat messages (numbered passages, then the question) and the gold passages' ids."""
+    passages = sorted(example["passages"], key=lambda p: not p.get("is_gold"))[:PASSAGES_PER_QUESTION]
+    passages = sorted(passages, key=lambda p: p["title"])  # the gold passage is not always first
+    numbered = "\n".join(f"[{i}] {p['title']}: {p['text']}" for i, p in enumerate(passages, 1))
+    gold = {i for i, p in enumerate(passages, 1) if p.get("is_gold")}
+    return [
+        {"role": "system", "content": "Answer from the passages. Reply in JSON with the answer and the ids of "
+                                      "the passages you used."},
+        {"role": "user", "content": f"{numbered}\n\nQuestion: {example['question']}"},
+    ], gold
+
+
+def run(base_url: str, model: str, limit: int) -> dict[str, float]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    parsed = cited_gold = 0
+    started = time.perf_counter()
+    examples = questions(limit=limit)
+    for example in examples:
+        messages, gold = messages_for(example)
+        completion = client.beta.chat.completions.parse(model=model, messages=messages, response_format=CitedAnswer,
+                                                        max_tokens=MAX_TOKENS, temperature=0)
+        answer = completion.choices[0].message.parsed
+        if isinstance(answer, CitedAnswer):
+            parsed += 1
+            cited_gold += bool(gold & set(answer.passage_ids))
+    return {"questions": len(examples), "parsed": parsed, "cited_gold": cited_gold,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running gateway (default: start `ctxgate serve` on a free port)")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--limit", type=int, default=50)
+    args = parser.parse_args()
+    if args.url:
+        print(json.dumps(run(args.url.rstrip("/") + "/v1", args.model, args.limit)))
+        return
+    from eval.server import GatewayProcess
+
+    with GatewayProcess() as url:
+        print(json.dumps(run(url + "/v1", args.model, args.limit)))
+
+
+if __name__ == "__main__":
+    main()
