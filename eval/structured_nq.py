@@ -22,8 +22,9 @@ MAX_TOKENS = 160
 
 
 class CitedAnswer(BaseModel):
-    answer: str
-    # At most three ids: a small model otherwise counts 1, 2, 3, ... until max_tokens.
+    # Bounds the schema carries to the grammar: a 135M model otherwise can run on inside the string,
+    # or count 1, 2, 3, ... in the list, until max_tokens cuts the JSON.
+    answer: str = Field(max_length=200)
     passage_ids: list[int] = Field(max_length=3)
 
 
@@ -46,16 +47,20 @@ def messages_for(example: dict) -> tuple[list[dict[str, str]], set[int]]:
 
 
 def run(base_url: str, model: str, limit: int) -> dict[str, float]:
-    from openai import OpenAI
+    import openai
 
-    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     parsed = cited_gold = 0
     started = time.perf_counter()
     examples = questions(limit=limit)
     for example in examples:
         messages, gold = messages_for(example)
-        completion = client.beta.chat.completions.parse(model=model, messages=messages, response_format=CitedAnswer,
-                                                        max_tokens=MAX_TOKENS, temperature=0)
+        try:
+            completion = client.beta.chat.completions.parse(model=model, messages=messages,
+                                                            response_format=CitedAnswer, max_tokens=MAX_TOKENS,
+                                                            temperature=0)
+        except (openai.LengthFinishReasonError, ValueError):  # cut by max_tokens, or not parseable
+            continue
         answer = completion.choices[0].message.parsed
         if isinstance(answer, CitedAnswer):
             parsed += 1
