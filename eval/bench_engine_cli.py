@@ -105,6 +105,12 @@ def bench_engine_command(args: argparse.Namespace) -> int:
     print(f"bench engine: {cpu_path().summary()}")
     if "engine_path" in settings:
         print(f"bench engine: engine path {settings['engine_path']}")
+    guided = None
+    if args.guided_arm and not args.url:  # before the engine thread starts: the arm steps the engine itself
+        from eval.bench_guided import guided_arm
+
+        guided = guided_arm(async_engine.engine, output_tokens=args.output_tokens or 32)
+        print(f"bench engine: guided arm {guided}")
     try:
         report = run_benchmark(target, baseline, tokenizer, options, peers=peers)
     finally:
@@ -112,6 +118,8 @@ def bench_engine_command(args: argparse.Namespace) -> int:
             async_engine.shutdown()
     report["settings"] = settings
     report["options"] = vars(options)
+    if guided is not None:
+        report["guided_arm"] = guided
     if args.out:
         print(f"wrote {write_report(report, args.out)}")
     return 0

@@ -302,6 +302,9 @@ def _register_bench_engine(bench_sub: argparse._SubParsersAction) -> None:
     engine.add_argument("--concurrency", type=int, default=None, help="override concurrency")
     engine.add_argument("--repeats", type=int, default=1, help="A/B repetitions per workload (interleaved)")
     engine.add_argument("--no-baseline", action="store_true", help="skip the HF generate baseline")
+    engine.add_argument("--guided-arm", action="store_true",
+                        help="also measure decode at batch 16 with a JSON-schema grammar mask against unconstrained "
+                             "(interleaved), and the mask's cost per token (in-process engine only)")
     engine.add_argument(
         "--busy-threshold", type=float, default=0.10,
         help="repeat a run when other processes used more than this share of the machine's CPU",
