@@ -123,7 +123,8 @@ def fold_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any
     folded = []
     for message in messages:
         content = message.get("content") or ""
-        calls = message.get("tool_calls") or []
+        calls = message.get("tool_calls")
+        calls = [call for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
         if calls:
             content = (content + "\n" if content else "") + "\n".join(_tagged(call) for call in calls)
         folded.append({"role": message["role"], "content": content})
@@ -139,8 +140,9 @@ def fold_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any
     return folded
 
 
-def _tagged(call: Any) -> str:
-    function = call.get("function", {}) if isinstance(call, dict) else {}
+def _tagged(call: dict[str, Any]) -> str:
+    function = call.get("function")
+    function = function if isinstance(function, dict) else {}
     arguments = function.get("arguments", "{}")
     try:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
