@@ -13,19 +13,20 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, Field
 
 NQ_DEV = Path("/work/shared/data/eval/nq-multidoc-dev.jsonl")
 PASSAGES_PER_QUESTION = 4  # the gold passage and the first distractors: prompts stay a few hundred tokens
-MAX_TOKENS = 160
+MAX_TOKENS = 300  # > 200 answer characters (one token each at worst) plus the JSON around them
 
 
 class CitedAnswer(BaseModel):
     # Bounds the schema carries to the grammar: a 135M model otherwise can run on inside the string,
     # or count 1, 2, 3, ... in the list, until max_tokens cuts the JSON.
     answer: str = Field(max_length=200)
-    passage_ids: list[int] = Field(max_length=3)
+    passage_ids: list[Annotated[int, Field(ge=1, le=PASSAGES_PER_QUESTION)]] = Field(max_length=3)
 
 
 def questions(path: Path = NQ_DEV, limit: int = 50) -> list[dict]:
@@ -51,6 +52,7 @@ def run(base_url: str, model: str, limit: int) -> dict[str, float]:
 
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     parsed = cited_gold = 0
+    failed: list[str] = []
     started = time.perf_counter()
     examples = questions(limit=limit)
     for example in examples:
@@ -59,13 +61,16 @@ def run(base_url: str, model: str, limit: int) -> dict[str, float]:
             completion = client.beta.chat.completions.parse(model=model, messages=messages,
                                                             response_format=CitedAnswer, max_tokens=MAX_TOKENS,
                                                             temperature=0)
-        except (openai.LengthFinishReasonError, ValueError):  # cut by max_tokens, or not parseable
+        except (openai.LengthFinishReasonError, ValueError) as exc:  # cut by max_tokens, or not parseable
+            failed.append(f"{example['id']}: {type(exc).__name__}")
             continue
         answer = completion.choices[0].message.parsed
         if isinstance(answer, CitedAnswer):
             parsed += 1
             cited_gold += bool(gold & set(answer.passage_ids))
-    return {"questions": len(examples), "parsed": parsed, "cited_gold": cited_gold,
+        else:
+            failed.append(f"{example['id']}: not parsed")
+    return {"questions": len(examples), "parsed": parsed, "cited_gold": cited_gold, "failed": failed,
             "seconds": round(time.perf_counter() - started, 1)}
 
 

@@ -9,7 +9,7 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from eval.structured_nq import CitedAnswer, messages_for, questions
+from eval.structured_nq import MAX_TOKENS, CitedAnswer, messages_for, questions
 from tests.integrations.conftest import MODEL
 
 NUM_QUESTIONS = 2  # the eval script runs 50 (eval/structured_nq.py)
@@ -20,13 +20,13 @@ def test_openai_sdk_parse_returns_cited_answers_on_nq(gateway_url):
     for example in questions(limit=NUM_QUESTIONS):
         messages, _gold = messages_for(example)
         completion = client.beta.chat.completions.parse(
-            model=MODEL, messages=messages, response_format=CitedAnswer, max_tokens=160, temperature=0,
+            model=MODEL, messages=messages, response_format=CitedAnswer, max_tokens=MAX_TOKENS, temperature=0,
             extra_body={"ctxgate": {"policy": "passthrough"}})
         assert isinstance(completion.choices[0].message.parsed, CitedAnswer), completion
 
 
 def test_langchain_with_structured_output(gateway_url):
-    llm = ChatOpenAI(model=MODEL, base_url=gateway_url, api_key="unused", temperature=0, max_tokens=160,
+    llm = ChatOpenAI(model=MODEL, base_url=gateway_url, api_key="unused", temperature=0, max_tokens=MAX_TOKENS,
                      extra_body={"ctxgate": {"policy": "passthrough"}})
     messages, _gold = messages_for(questions(limit=1)[0])
     answer = llm.with_structured_output(CitedAnswer, method="json_schema").invoke(messages)
