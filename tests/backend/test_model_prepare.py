@@ -2,7 +2,8 @@ import json
 
 import numpy as np
 
-from backend.model_prepare import _undo_rope_permutation, prepare_default_model
+from backend.gguf_convert import undo_rope_permutation
+from backend.model_prepare import prepare_default_model
 
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -17,7 +18,7 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def test_undo_rope_permutation_inverts_llama_cpp_layout():
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((3 * 64, 10)).astype(np.float32)
-    assert np.array_equal(_undo_rope_permutation(_llama_cpp_permute(weight, 3), 3), weight)
+    assert np.array_equal(undo_rope_permutation(_llama_cpp_permute(weight, 3), 3), weight)
 
 
 def test_default_model_directory_has_model_facts(model_dir):
