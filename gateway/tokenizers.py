@@ -1,6 +1,6 @@
 """The tokenizer budgets are counted with when the model is remote (`ctxgate serve --tokenizer`).
 
-Either a local Hugging Face directory (its own chat template: exact for that model), or a tiktoken
+Either a local Hugging Face directory or GGUF file (its own chat template: exact for that model), or a tiktoken
 encoding name for OpenAI-family models, which have no public chat template: the prompt is then
 rendered in ChatML, whose markers are counted as ordinary text, so the count errs on the high side
 and a budget counted with it still holds upstream.
@@ -45,8 +45,12 @@ def _text(content: Any) -> str:
 
 
 def load_counting_tokenizer(spec: str) -> Any:
-    """A local HF tokenizer directory, or a tiktoken encoding name (`cl100k_base`, `o200k_base`, ...)."""
+    """A GGUF file, a local HF tokenizer directory, or a tiktoken encoding name (`cl100k_base`, `o200k_base`, ...)."""
     path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":  # its tokenizer and chat template, from the converted copy
+        from backend.model_prepare import prepare_gguf
+
+        path = prepare_gguf(path)
     if path.is_dir():
         from backend.tokenizer import load_tokenizer
 

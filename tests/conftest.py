@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,24 @@ def redis_server(tmp_path):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen_gguf() -> Path:
+    """The Qwen2.5-Coder-0.5B Q4_K_M GGUF (`make large-model`); under CI=true its absence fails."""
+    from tests.support import large_model
+
+    path = large_model.find()
+    if path is None:
+        message = f"{large_model.FILENAME} not found: run `make large-model` or set ${large_model.PATH_ENV}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(qwen_gguf) -> Path:
+    from backend.model_prepare import prepare_gguf
+
+    return prepare_gguf(qwen_gguf)

@@ -54,3 +54,4 @@ def make_engine(model_dir):
         return LLMEngine(EngineConfig(**settings))
 
     return build
+

@@ -1,23 +1,6 @@
 import json
 
-import numpy as np
-
-from backend.model_prepare import _undo_rope_permutation, prepare_default_model
-
-
-def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    # The permutation llama.cpp's converter applies to Q/K rows (written out here as the spec).
-    return (
-        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
-def test_undo_rope_permutation_inverts_llama_cpp_layout():
-    rng = np.random.default_rng(0)
-    weight = rng.standard_normal((3 * 64, 10)).astype(np.float32)
-    assert np.array_equal(_undo_rope_permutation(_llama_cpp_permute(weight, 3), 3), weight)
+from backend.model_prepare import prepare_default_model
 
 
 def test_default_model_directory_has_model_facts(model_dir):
