@@ -83,7 +83,7 @@ def test_a_conversation_stays_on_one_replica(gateway):
                      {"role": "user", "content": "Another."}]
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
     hits = [line for line in metrics.splitlines() if line.startswith("ctxgate:deployment_affinity_hits_total")]
-    assert any(line.endswith(" 3.0") or float(line.split()[-1]) >= 3 for line in hits), hits
+    assert max(float(line.split()[-1]) for line in hits) >= 3, hits  # every turn on its prefix's owner
 
 
 def test_model_list_in_the_config_file(tmp_path):
