@@ -48,12 +48,12 @@ class RouteBenchConfig:
     replicas: int = 2
     conversations: int = 8
     turns: int = 4
-    turn_gap_s: float = 4.0
-    conversation_every_s: float = 1.5
+    turn_gap_s: float = 6.0
+    conversation_every_s: float = 2.5
     rag_requests: int = 12
     rag_every_s: float = 0.8
     max_tokens: int = 8
-    kv_cache_memory_mb: int = 48
+    kv_cache_memory_mb: int = 64
     model: str | None = None
     kill: bool = True
 
@@ -102,13 +102,18 @@ class Replicas:
                     raise RuntimeError(f"engine {url} did not start in {timeout_s:g}s")
                 time.sleep(0.5)
 
-    def hit_tokens(self) -> float:
-        """Prefix-cache hit tokens summed over the replicas still running."""
-        total = 0.0
+    def hit_tokens(self) -> dict[str, float]:
+        """Prefix-cache hit tokens of each replica still running."""
+        hits = {}
         for url, process in zip(self.urls, self.processes, strict=True):
             if process.poll() is None:
-                total += sum(float(v) for v in HITS.findall(httpx.get(f"{url}/metrics", timeout=10).text))
-        return total
+                hits[url] = sum(float(v) for v in HITS.findall(httpx.get(f"{url}/metrics", timeout=10).text))
+        return hits
+
+
+def hits_gained(before: dict[str, float], after: dict[str, float]) -> float:
+    """Hit tokens gained over the replicas alive at the end (a killed one's counters went with it)."""
+    return sum(after[url] - before.get(url, 0.0) for url in after)
 
     def kill(self, index: int) -> None:
         self.processes[index].send_signal(signal.SIGKILL)
@@ -189,7 +194,7 @@ async def _arm(replicas: Replicas, strategy: Strategy, workloads: dict[str, list
         for name, items in workloads.items():
             before = await asyncio.to_thread(replicas.hit_tokens)
             outcomes = await run_schedule(group, items, max_tokens, (lambda: replicas.kill(0)) if kill_half else None)
-            results[name] = summarize(outcomes, await asyncio.to_thread(replicas.hit_tokens) - before)
+            results[name] = summarize(outcomes, hits_gained(before, await asyncio.to_thread(replicas.hit_tokens)))
             if kill_half:
                 results[name]["errors"] = sorted({o.error or "" for o in outcomes if o.error})[:5]
     finally:

@@ -417,8 +417,8 @@ def _register_bench_route(bench_sub: argparse._SubParsersAction) -> None:
     route.add_argument("--rag-requests", type=at_least_one, default=12,
                        help="requests of the shared-system-prompt RAG workload (default 12)")
     route.add_argument("--max-tokens", type=at_least_one, default=8, help="answer length (default 8)")
-    route.add_argument("--kv-cache-memory-mb", type=at_least_one, default=48,
-                       help="each replica's KV pool (default 48: too small to hold every conversation)")
+    route.add_argument("--kv-cache-memory-mb", type=at_least_one, default=64,
+                       help="each replica's KV pool (default 64: too small to hold every conversation)")
     route.add_argument("--model", help="model directory for the engines (default: the default model)")
     route.add_argument("--no-kill", action="store_true", help="skip the run with one replica killed half-way")
     route.add_argument("--out", default="bench-out/route", help="output directory (default bench-out/route)")

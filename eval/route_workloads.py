@@ -1,8 +1,8 @@
 """The workloads of `ctxgate bench route`: open-loop schedules of chat requests that share prefixes.
 
 - multi-turn: conversations arriving one after another, each resending its whole history (its
-  system prompt, its earlier turns, canned assistant replies so the schedule does not depend on
-  what the model answers) with a new question every `gap_s`;
+  short system prompt, its earlier turns, canned assistant replies so the schedule does not depend
+  on what the model answers) with a new question every `gap_s`;
 - rag: one application's long system prompt shared by every request, then passages and a question
   of the request's own.
 
@@ -47,14 +47,17 @@ def multi_turn(tag: str, conversations: int, turns: int, gap_s: float, start_eve
     items = []
     for c in range(conversations):
         town = TOWNS[c % len(TOWNS)]
+        # A short system prompt and long turns, as in chat: most of a later turn's prompt is the
+        # conversation so far, which only the replica that served the previous turn holds.
         system = (f"[{tag}] You are the visitor guide of {town}, talking with visitor #{c}. Answer in one short "
-                  f"sentence, using only the facts the visitor gives. " + " ".join(_fact(rng, town) for _ in range(3)))
+                  "sentence, using only the facts given.")
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
         for turn in range(turns):
             messages = [*messages, {"role": "user", "content": f"{_fact(rng, town)} Question {turn}: what year was "
                                     "that built?"}]
             items.append(Item(c * start_every_s + turn * gap_s, "multi-turn", f"c{c}", list(messages)))
-            messages = [*messages, {"role": "assistant", "content": f"It was built in {rng.randint(1820, 2010)}."}]
+            reply = f"It was built in {rng.randint(1820, 2010)}. " + " ".join(_fact(rng, town) for _ in range(2))
+            messages = [*messages, {"role": "assistant", "content": reply}]
     return sorted(items, key=lambda item: item.at_s)
 
 
