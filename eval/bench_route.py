@@ -110,11 +110,6 @@ class Replicas:
                 hits[url] = sum(float(v) for v in HITS.findall(httpx.get(f"{url}/metrics", timeout=10).text))
         return hits
 
-
-def hits_gained(before: dict[str, float], after: dict[str, float]) -> float:
-    """Hit tokens gained over the replicas alive at the end (a killed one's counters went with it)."""
-    return sum(after[url] - before.get(url, 0.0) for url in after)
-
     def kill(self, index: int) -> None:
         self.processes[index].send_signal(signal.SIGKILL)
 
@@ -127,6 +122,11 @@ def hits_gained(before: dict[str, float], after: dict[str, float]) -> float:
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def hits_gained(before: dict[str, float], after: dict[str, float]) -> float:
+    """Hit tokens gained over the replicas alive at the end (a killed one's counters went with it)."""
+    return sum(after[url] - before.get(url, 0.0) for url in after)
 
 
 def group_for(urls: list[str], strategy: Strategy) -> ModelGroup:
