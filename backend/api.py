@@ -105,6 +105,10 @@ class GenerationRequest:
     # submission: a request that waits for the step in progress to end is queued, and its queue time
     # and TTFT say so. None: the moment the engine takes the request.
     arrival_time: float | None = None
+    # A model list (backend.model_group): the served model name that picks the group, and the key of
+    # the prompt's stable prefix that cache-affinity routing hashes (None: nothing worth keeping).
+    model: str | None = None
+    route_key: str | None = None
 
 
 @dataclass

@@ -517,6 +517,12 @@ def metric_groups() -> list[tuple[str, str, list[MetricDoc]]]:
     upstream_client = UpstreamClient(UpstreamConfig(urls=["http://engine:8001"]))
     upstream = registry_metrics(upstream_client.metrics.registry, (upstream_client.metrics,))
 
+    from backend.deployment_metrics import DeploymentMetrics, DeploymentState
+
+    deployment_metrics = DeploymentMetrics()
+    deployment_metrics.watch(lambda: [DeploymentState("chat", "http://engine-1:8001/v1", 0, True)])
+    deployments = registry_metrics(deployment_metrics.registry, (deployment_metrics,))
+
     engine = EngineMetrics("model")
     plain = {doc.name for doc in registry_metrics(engine.registry, (engine,))}
     export_vllm_names(engine)
@@ -528,6 +534,8 @@ def metric_groups() -> list[tuple[str, str, list[MetricDoc]]]:
          "(`gateway/metrics.py`, `gateway/admission.py`).", own),
         ("Upstreams", "In upstream mode, per upstream URL (credentials removed from the label) "
          "(`backend/upstream_metrics.py`).", upstream),
+        ("Model groups", "With a `model_list`, per served model and deployment (a URL without credentials, or "
+         "`builtin`) (`backend/deployment_metrics.py`; [Routing](../routing.md)).", deployments),
         ("Engine", "The built-in engine, on the gateway's `/metrics` (in-process engine) and on "
          "`ctxgate engine serve`'s (`backend/metrics.py`).", engine_docs),
         ("vLLM names", "With `metrics.vllm_names` (or `--vllm-metric-names`), the engine's "

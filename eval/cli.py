@@ -21,6 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_bench_prefill(bench_sub)
     _register_bench_e2e(bench_sub)
     _register_bench_prefix(bench_sub)
+    _register_bench_route(bench_sub)
 
 
 def _add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -406,4 +407,35 @@ def _bench_prefix_reuse(args: argparse.Namespace) -> int:
         raise ValueError("--limit and --retention-limit must be positive")
     report = run_bench_prefix(args.dataset, args.policy, args.limit, args.retention_limit, args.out, args.model)
     print(render_markdown(report))
+    return 0
+
+
+def _register_bench_route(bench_sub: argparse._SubParsersAction) -> None:
+    route = bench_sub.add_parser(
+        "route", help="routing strategies of a model group over real engine processes: prefix-cache hits, TTFT, "
+        "requests/s; and a replica killed mid-way")
+    route.add_argument("--replicas", type=at_least_one, default=2, help="engine processes (default 2)")
+    route.add_argument("--conversations", type=at_least_one, default=8, help="multi-turn conversations (default 8)")
+    route.add_argument("--turns", type=at_least_one, default=4, help="turns per conversation (default 4)")
+    route.add_argument("--rag-requests", type=at_least_one, default=12,
+                       help="requests of the shared-system-prompt RAG workload (default 12)")
+    route.add_argument("--max-tokens", type=at_least_one, default=8, help="answer length (default 8)")
+    route.add_argument("--kv-cache-memory-mb", type=at_least_one, default=64,
+                       help="each replica's KV pool (default 64: too small to hold every conversation)")
+    route.add_argument("--model", help="model directory for the engines (default: the default model)")
+    route.add_argument("--no-kill", action="store_true", help="skip the run with one replica killed half-way")
+    route.add_argument("--out", default="bench-out/route", help="output directory (default bench-out/route)")
+    route.set_defaults(func=_bench_route)
+
+
+def _bench_route(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
+    from eval.bench_route import RouteBenchConfig, render_markdown, run_bench_route
+
+    config = RouteBenchConfig(replicas=args.replicas, conversations=args.conversations, turns=args.turns,
+                              rag_requests=args.rag_requests, max_tokens=args.max_tokens,
+                              kv_cache_memory_mb=args.kv_cache_memory_mb, model=args.model, kill=not args.no_kill)
+    if config.kill and config.replicas < 2:
+        raise ValueError("the kill run needs --replicas 2 or more (or --no-kill)")
+    print(render_markdown(run_bench_route(config, args.out)))
     return 0

@@ -52,6 +52,12 @@ ERROR_ANSWERS = {
 
 # -- construction --------------------------------------------------------------------------------
 def _default_engine(settings: GatewaySettings) -> EngineClient:
+    if settings.model_list:
+        from gateway.model_groups import build_router
+        from gateway.model_list import builtin_needed
+
+        builtin = _builtin_engine(settings) if builtin_needed(settings.model_list, settings.upstreams) else None
+        return build_router(settings, builtin, owns_builtin=True)
     if settings.upstreams:
         from backend.upstream import UpstreamClient, UpstreamConfig
 
@@ -62,6 +68,10 @@ def _default_engine(settings: GatewaySettings) -> EngineClient:
             api_key=settings.upstream_api_key,
         )
         return UpstreamClient(config, served_model_name=settings.served_model_name or settings.upstream_model)
+    return _builtin_engine(settings)
+
+
+def _builtin_engine(settings: GatewaySettings) -> EngineClient:
     from backend.async_engine import AsyncEngine  # noqa: I001 (lands with the engine branch)
     from backend.config import EngineConfig
     from backend.model_prepare import prepare_default_model
@@ -137,6 +147,10 @@ def create_app(
     """The gateway app. `clock` decides every quota window (and so Retry-After); tests pass their own."""
     metrics = GatewayMetrics()
     owns_engine = engine is None
+    if engine is not None and settings.model_list:  # the caller's engine is the list's `engine: builtin`
+        from gateway.model_groups import build_router
+
+        engine, owns_engine = build_router(settings, engine, owns_builtin=False), True
     engine = engine if engine is not None else _default_engine(settings)
     tokenizer = _tokenizer_for(settings, engine)
     pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine, settings.index_dir, settings)

@@ -129,7 +129,7 @@ def resolve_serve_args(args: argparse.Namespace) -> ServeConfig:
     problems: list[str] = []
     settings = engine_config = None
     try:
-        settings = GatewaySettings(**server, model=engine.get("model"))
+        settings = GatewaySettings(**server, model=engine.get("model"), model_list=config.model_list)
     except ValidationError as exc:
         problems += describe_errors(exc, lambda name: f"{kebab(name)} (server.{name})", "server")
     try:
@@ -159,10 +159,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"ctxgate serve: {problem}", file=sys.stderr)
         return 2
     _log_request_ids()
+    from gateway.model_list import builtin_needed
     from gateway.shutdown import DrainingServer
 
     engine = None
-    if not settings.upstreams:
+    if builtin_needed(settings.model_list, settings.upstreams):
         from backend.async_engine import AsyncEngine
 
         engine = AsyncEngine(resolved.engine, max_waiting_requests=settings.engine_max_waiting_requests)

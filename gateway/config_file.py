@@ -20,19 +20,21 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from backend.config import EngineConfig
 from backend.settings_cli import error_text, kebab
+from gateway.model_list import ModelConfig, check_model_list
 from gateway.settings import GatewaySettings
 
 ENV_PREFIX = "os.environ/"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # GatewaySettings.model is the engine's model directory: the file and the flags set it once, as engine.model.
-SERVER_SKIP = ("model",)
+# model_list is the file's top-level `model_list:` section (no flag).
+SERVER_SKIP = ("model", "model_list")
 
 # Old key (dotted) -> the key that replaced it. One name per setting: the settings field's.
 DEPRECATED_KEYS = {
@@ -100,6 +102,9 @@ class CtxgateConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig,
                                  description="the in-process engine, used when server.upstreams is empty")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="logging")
+    model_list: Annotated[list[ModelConfig], AfterValidator(check_model_list)] = Field(
+        default_factory=list, description="served models, each a group of deployments routed by load or cache "
+        "affinity (docs/routing.md); empty: one model, the engine or server.upstreams")
 
     def server_values(self) -> dict[str, Any]:
         """The GatewaySettings fields this file sets."""

@@ -84,7 +84,7 @@ async def models(request: Request) -> dict[str, Any]:
     gateway = _gateway(request)
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "ctxgate",
-         "max_model_len": gateway.engine.max_model_len, "engine_path": gateway.engine.path_info}
+         "max_model_len": gateway.engine_for(name).max_model_len, "engine_path": gateway.engine_for(name).path_info}
         for name in gateway.allowed_models(tenant)
     ]}
 
@@ -125,7 +125,7 @@ async def compress(request: Request) -> dict[str, Any]:
     gateway = _gateway(request)
     body = await parse_body(request, ChatCompletionRequest)
     gateway.check_model(body.model, tenant)
-    policy = gateway.resolve_policy(tenant, body.ctxgate)
+    policy = gateway.resolve_policy(tenant, body.ctxgate, body.model)
     result = await gateway.compress(body, tenant, policy)
     gateway.encode_checked(result, policy)
     # Compression is metered like a request that generates nothing: one request, its prompt tokens.
@@ -166,6 +166,7 @@ async def _answer(
         sampling=prepared.sampling, priority=prepared.priority,
         cache_salt=gateway.cache_salt(prepared.tenant.name),
         messages=messages, prompt_text=prepared.prompt_text, forward=prepared.forward,
+        model=body.model, route_key=prepared.route_key,
     )
     writer = ResponseWriter(prepared.request_id, body.model, prepared.created,
                             chat=isinstance(body, ChatCompletionRequest),

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from backend.api import EngineClient, EngineError, Priority, RequestMetrics, SamplingParams
 from backend.deltas import DeltaTotals
+from backend.model_group import ModelRouter
 from backend.openai_api.errors import APIError, generic_server_error
 from backend.openai_api.fields import enforce_supported
 from backend.openai_api.request_params import EngineAsks, engine_asks
@@ -30,6 +31,7 @@ from compression.types import (
     Document,
     RetrievalSpec,
 )
+from gateway.affinity import affinity_key
 from gateway.keys import KeyRejected, KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
@@ -67,6 +69,8 @@ class Prepared:
     choices: int = 1
     # Built-in mode: what the request asks of the engine beyond plain sampling, and how to answer.
     asks: EngineAsks | None = None
+    # A model list: the key of the prompt's stable prefix for cache-affinity routing.
+    route_key: str | None = None
     received_at: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -146,6 +150,9 @@ class Gateway:
         self.keys = keys
         self.store = store
         self.metrics = metrics
+        # A model list: each served name's own group (its context length, whether it forwards fields).
+        self.models: dict[str, EngineClient] = dict(engine.groups) if isinstance(engine, ModelRouter) else {}
+        self._prefix_chars = {model.model_name: model.affinity_prefix_chars for model in settings.model_list}
         # Upstream mode: the serving model's tokens (from --tokenizer) plus the common templates' ones.
         upstream = engine.forwards_fields
         self.neutraliser = Neutraliser(tokenizer, extra=KNOWN_CONTROL_TOKENS if upstream else ())
@@ -160,8 +167,21 @@ class Gateway:
         return hmac.new(self._salt_key, tenant.encode(), hashlib.sha256).hexdigest()
 
     # -- identity and policy -------------------------------------------------------------------
+    def engine_for(self, model: str | None) -> EngineClient:
+        """The engine serving this model name (the one engine without a model list)."""
+        return self.models.get(model or "", self.engine)
+
+    def route_key(self, model: str, tenant: Tenant, messages: list[dict[str, Any]] | None,
+                  prompt_text: str | None) -> str | None:
+        """The cache-affinity key of a request for a model-list model (None otherwise)."""
+        if model not in self._prefix_chars:
+            return None
+        return affinity_key(self.cache_salt(tenant.name), messages, prompt_text, self._prefix_chars[model])
+
     @property
     def model_names(self) -> list[str]:
+        if self.models:
+            return list(self.models)
         names = [self.settings.served_model_name or self.engine.model_name]
         if self.engine.model_name not in names:
             names.append(self.engine.model_name)
@@ -232,7 +252,7 @@ class Gateway:
         if tenant.indexes is not None and name not in tenant.indexes:
             raise _index_not_found(name)
 
-    def resolve_policy(self, tenant: Tenant, extras: CtxgateExtras | None) -> Policy:
+    def resolve_policy(self, tenant: Tenant, extras: CtxgateExtras | None, model: str | None = None) -> Policy:
         requested = extras.policy if extras else None
         home_name = self.home_policy_name(tenant)
         name = requested or home_name
@@ -255,7 +275,7 @@ class Gateway:
                 raise APIError(400, str(exc), param="ctxgate.overrides", code="override_not_allowed") from None
         if home is not None:
             policy = policy.model_copy(update={"cost": tenant_prices(home.cost, policy.cost)})
-        return self.fit_to_model(policy)
+        return self.fit_to_model(policy, model)
 
     def _home_policy(self, tenant: Tenant) -> Policy | None:
         """A bounded tenant's home policy (its quota and prices); None in open mode, where the
@@ -270,9 +290,9 @@ class Gateway:
                            headers={"Retry-After": "1"})
         return home
 
-    def fit_to_model(self, policy: Policy) -> Policy:
+    def fit_to_model(self, policy: Policy, model: str | None = None) -> Policy:
         """Cap the input budget at what the model can hold with at least one output token."""
-        limit = self.engine.max_model_len - 1
+        limit = self.engine_for(model).max_model_len - 1
         if policy.max_input_tokens <= limit:
             return policy
         return policy.model_copy(update={"max_input_tokens": limit})
@@ -288,7 +308,7 @@ class Gateway:
         """(dropped field names, fields to forward). The built-in engine refuses (400) what it cannot
         honour unless drop_params; an upstream gets the client's body, and decides itself (except
         for what the gateway owns: `backend.upstream._GATEWAY_OWNED`)."""
-        if self.forwards_fields:
+        if self.engine_for(body.model).forwards_fields:
             return [], dict(raw) if raw is not None else body.model_dump(exclude_unset=True)
         return enforce_supported(body, policy.drop_params or self.settings.drop_params), None
 
@@ -363,7 +383,7 @@ class Gateway:
     def sampling_for(self, body: GatewayRequest, policy: Policy, prompt_tokens: int,
                      asks: EngineAsks | None = None) -> SamplingParams:
         requested = body.requested_max_tokens()
-        room = self.engine.max_model_len - prompt_tokens
+        room = self.engine_for(body.model).max_model_len - prompt_tokens
         max_tokens = min(requested or policy.reserve_output_tokens, policy.reserve_output_tokens, room)
         if max_tokens < 1:
             raise APIError(413, "the prompt leaves no room for output in the model's context", code="prompt_too_long")
@@ -452,7 +472,7 @@ class Gateway:
     async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant,
                            raw: dict[str, Any] | None = None) -> Prepared:
         self.check_model(body.model, tenant)
-        policy = self.resolve_policy(tenant, body.ctxgate)
+        policy = self.resolve_policy(tenant, body.ctxgate, body.model)
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
         asks = None if forward is not None else await engine_asks(body, self.tokenizer)
@@ -465,6 +485,7 @@ class Gateway:
             request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
             dropped_params=dropped, forward=forward, choices=choices, asks=asks,
+            route_key=self.route_key(body.model, tenant, result.messages, None),
         )
         prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
                                                   slot_id=prepared.request_id)
@@ -475,7 +496,7 @@ class Gateway:
         self.check_model(body.model, tenant)
         if body.ctxgate and (body.ctxgate.documents or body.ctxgate.retrieval):
             raise APIError(400, "documents and retrieval need /v1/chat/completions", param="ctxgate")
-        policy = self.resolve_policy(tenant, body.ctxgate)
+        policy = self.resolve_policy(tenant, body.ctxgate, body.model)
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
         asks = None if forward is not None else await engine_asks(body, self.tokenizer)
@@ -497,6 +518,7 @@ class Gateway:
             request_id=f"cmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=Priority.USER,
             dropped_params=dropped, forward=forward, choices=choices, asks=asks,
+            route_key=self.route_key(body.model, tenant, None, prompt_text),
         )
         prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
                                                   slot_id=prepared.request_id)

@@ -8,9 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from backend.settings_cli import Cli
+from gateway.model_list import ModelConfig, check_model_list
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
@@ -84,6 +85,10 @@ class GatewaySettings(BaseModel):
     upstreams: Annotated[list[str], Cli(old=("--upstream",), metavar="URL")] = Field(
         default_factory=list, description="OpenAI-compatible upstream URLs used instead of the in-process engine, "
         "in fail-over order (repeat the flag for each)")
+    # The config file's top-level `model_list:` (no flag: a list of groups does not fit one).
+    model_list: Annotated[list[ModelConfig], AfterValidator(check_model_list)] = Field(
+        default_factory=list, description="served models, each routed over a group of deployments (config file "
+        "`model_list:`; docs/routing.md); server.upstreams, when also set, is one more group")
     upstream_model: Annotated[str | None, Cli(replacement="--served-model-name")] = Field(
         None, description="model name sent upstream; default: discovered from the upstream's /v1/models")
     upstream_connect_timeout_s: Annotated[float, Cli(old=("--upstream-connect-timeout",))] = Field(

@@ -106,8 +106,9 @@ def test_every_config_key_names_the_serve_flag_that_sets_it(pages):
     from gateway.config_file import CtxgateConfig
 
     serve_flags = {option for action in _serve_parser()._actions for option in action.option_strings}
+    # model_list is a list of groups: the file's alone, no flag sets it.
     leaves = [path for path in schema_paths(CtxgateConfig.model_json_schema())
-              if "." in path or not _is_section(CtxgateConfig, path)]
+              if ("." in path or not _is_section(CtxgateConfig, path)) and not path.startswith("model_list")]
     rows = {match.group(1): match.group(2) for match in
             re.finditer(r"^\| `([\w.]+)` \|[^|]*\|[^|]*\| `(--[\w-]+)` \|", pages["reference/config.md"], re.M)}
     without = [path for path in leaves if path not in rows]
@@ -186,6 +187,7 @@ def _metric_names(registry) -> set[str]:
 
 
 def test_every_metric_is_in_the_metrics_reference(pages):
+    from backend.deployment_metrics import DeploymentMetrics, DeploymentState
     from backend.metrics import EngineMetrics, export_vllm_names
     from backend.upstream import UpstreamClient, UpstreamConfig
     from gateway.admission import AdmissionCollector, AdmissionController
@@ -196,11 +198,14 @@ def test_every_metric_is_in_the_metrics_reference(pages):
     engine = EngineMetrics("m")
     export_vllm_names(engine)
     upstream = UpstreamClient(UpstreamConfig(urls=["http://127.0.0.1:9"]))
+    deployments = DeploymentMetrics()
+    deployments.watch(lambda: [DeploymentState("m", "builtin", 0, True)])
     names = set()
-    for registry in (gateway.registry, engine.registry, upstream.metrics.registry):
+    for registry in (gateway.registry, engine.registry, upstream.metrics.registry, deployments.registry):
         names |= _metric_names(registry)
     assert {"ctxgate:gateway_requests_total", "ctxgate:admission_in_flight", "ctxgate:upstream_up",
-            "vllm:num_requests_waiting", "process_cpu_seconds_total"} <= names
+            "vllm:num_requests_waiting", "process_cpu_seconds_total", "ctxgate:deployment_in_flight",
+            "ctxgate:deployment_affinity_hits_total"} <= names
     page = pages["reference/metrics.md"]
     assert _missing(sorted(names), page) == []
     assert "| `ctxgate:quota_rejections_total` | counter | `tenant`, `reason` |" in page

@@ -104,7 +104,7 @@ def test_every_config_key_is_a_settings_field_and_a_serve_flag():
     keys = key_flags()
     # One name per setting: the key is the field's name and the flag is that name with dashes.
     assert {key for key in keys if key.startswith("server.")} == {f"server.{name}" for name in GatewaySettings.model_fields
-                                                                 if name != "model"}
+                                                                 if name not in ("model", "model_list")}
     assert {key for key in keys if key.startswith("engine.")} == {f"engine.{name}" for name in EngineConfig.model_fields}
     assert set(keys.values()) <= options
     assert keys["server.max_in_flight"] == "--max-in-flight" and keys["engine.num_threads"] == "--num-threads"
@@ -202,7 +202,7 @@ def test_config_cli_check_and_schema(tmp_path):
     schema = subprocess.run([sys.executable, "-m", "ctxgate", "config", "schema"],
                             capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     parsed = json.loads(schema.stdout)
-    assert set(parsed["properties"]) == {"server", "engine", "logging"}
+    assert set(parsed["properties"]) == {"server", "engine", "logging", "model_list"}
 
 
 def test_serve_runs_from_the_config_file_alone(tmp_path):

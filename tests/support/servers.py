@@ -130,3 +130,62 @@ def ctxgate_replicas(args: Sequence[str], logs: Path, env: Mapping[str, str] | N
         for url in urls:
             wait_http(f"{url}/health", timeout_s=ready_timeout_s)
         yield urls
+
+
+def engine_serve_args(model_dir: Path | str, port: int, *extra: str) -> list[str]:
+    """`ctxgate engine serve` on one thread with a small KV pool: several fit on a 2-core machine."""
+    return ["engine", "serve", "--port", str(port), "--model", str(model_dir), "--num-threads", "1",
+            "--kv-cache-memory-mb", "64", "--max-model-len", "2048", *extra]
+
+
+@contextmanager
+def engine_processes(model_dir: Path | str, logs: Path, count: int = 2, env: Mapping[str, str] | None = None,
+                     ready_timeout_s: float = 180.0) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+    """`count` real `ctxgate engine serve` processes; yields (base URL, process) once each answers /health
+    (a test may kill one: leaving the block stops the others)."""
+    with ExitStack() as stack:
+        running = []
+        for index in range(count):
+            port = free_port()
+            process = stack.enter_context(ctxgate_process(engine_serve_args(model_dir, port),
+                                                          logs / f"engine{index}.log", env))
+            running.append((f"http://127.0.0.1:{port}", process))
+        for url, _ in running:
+            wait_http(f"{url}/health", timeout_s=ready_timeout_s)
+        yield running
+
+
+LLAMA_SERVER_ENV = "CTXGATE_LLAMA_SERVER"
+
+
+def llama_server_binary() -> str | None:
+    """The llama.cpp `llama-server` the tests run ($CTXGATE_LLAMA_SERVER, set by .ci/run). Unset: None
+    on a developer machine (the test skips), an error under CI, where it must run."""
+    path = os.environ.get(LLAMA_SERVER_ENV)
+    if path:
+        if not Path(path).is_file():
+            raise RuntimeError(f"${LLAMA_SERVER_ENV} names {path}, which is not a file")
+        return path
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        raise RuntimeError(f"${LLAMA_SERVER_ENV} is not set under CI: .ci/run builds llama-server and sets it")
+    return None
+
+
+@contextmanager
+def llama_server(binary: str, gguf: Path, log: Path, alias: str = "smollm2") -> Iterator[str]:
+    """llama.cpp's server on a free port, one thread, serving `gguf`; yields its base URL once /health is 200."""
+    port = free_port()
+    command = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-c", "2048",
+               "--alias", alias, "-np", "2"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout_s=120)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -1,0 +1,266 @@
+"""`ctxgate bench route`: routing strategies of a model group over real engine processes.
+
+Starts `--replicas` `ctxgate engine serve --num-threads 1` processes (a small KV pool each, so a
+replica cannot hold every conversation) and runs the same open-loop schedules (eval/route_workloads.py)
+through a model group (backend/model_group.py) under each strategy: round robin, least outstanding
+and cache affinity, with the gateway's affinity key (gateway/affinity.py). Per arm and workload:
+prefix-cache hit tokens summed over the replicas (the change of their
+`ctxgate:prefix_cache_hits_total`), TTFT P50/P95 as the client sees it, requests/s. A last run
+repeats the multi-turn workload under affinity and SIGKILLs one replica half-way: a request that
+fails before its first token counts as lost (the bar is none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from backend.api import GenerationRequest, SamplingParams
+from backend.deployment_health import DeploymentHealth, HealthPolicy
+from backend.deployment_metrics import DeploymentMetrics
+from backend.model_group import Deployment, ModelGroup
+from backend.routing import Strategy, make_router
+from backend.upstream import UpstreamClient, UpstreamConfig
+from eval.route_workloads import Item, multi_turn, rag
+from eval.server import free_port
+from eval.stats import percentiles
+from gateway.affinity import affinity_key
+
+ARMS: dict[str, Strategy] = {"round robin": "weighted_round_robin", "least outstanding": "least_outstanding",
+                             "affinity": "cache_affinity"}
+HITS = re.compile(r"^ctxgate:prefix_cache_hits_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+AFFINITY_PREFIX_CHARS = 2048
+
+
+@dataclass(frozen=True)
+class RouteBenchConfig:
+    replicas: int = 2
+    conversations: int = 8
+    turns: int = 4
+    turn_gap_s: float = 6.0
+    conversation_every_s: float = 2.5
+    rag_requests: int = 12
+    rag_every_s: float = 0.8
+    max_tokens: int = 8
+    kv_cache_memory_mb: int = 64
+    model: str | None = None
+    kill: bool = True
+
+
+@dataclass
+class Outcome:
+    workload: str
+    sent_at: float
+    ttft_s: float | None = None
+    done_at: float | None = None
+    error: str | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.ttft_s is not None
+
+
+# -- the replicas --------------------------------------------------------------------------------
+class Replicas:
+    """`count` engine processes, their logs in `out`."""
+
+    def __init__(self, count: int, out: Path, config: RouteBenchConfig) -> None:
+        self.urls: list[str] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
+        for index in range(count):
+            port = free_port()
+            command = [sys.executable, "-m", "ctxgate", "--log-level", "WARNING", "engine", "serve", "--port",
+                       str(port), "--num-threads", "1", "--kv-cache-memory-mb", str(config.kv_cache_memory_mb),
+                       "--max-model-len", "2048", *(["--model", config.model] if config.model else [])]
+            log = (out / f"engine{index}.log").open("wb")
+            self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+            self.urls.append(f"http://127.0.0.1:{port}")
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for url, process in zip(self.urls, self.processes, strict=True):
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"engine {url} exited with {process.returncode}; see its log")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"engine {url} did not start in {timeout_s:g}s")
+                time.sleep(0.5)
+
+    def hit_tokens(self) -> dict[str, float]:
+        """Prefix-cache hit tokens of each replica still running."""
+        hits = {}
+        for url, process in zip(self.urls, self.processes, strict=True):
+            if process.poll() is None:
+                hits[url] = sum(float(v) for v in HITS.findall(httpx.get(f"{url}/metrics", timeout=10).text))
+        return hits
+
+    def kill(self, index: int) -> None:
+        self.processes[index].send_signal(signal.SIGKILL)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def hits_gained(before: dict[str, float], after: dict[str, float]) -> float:
+    """Hit tokens gained over the replicas alive at the end (a killed one's counters went with it)."""
+    return sum(after[url] - before.get(url, 0.0) for url in after)
+
+
+def group_for(urls: list[str], strategy: Strategy) -> ModelGroup:
+    policy = HealthPolicy(failures_to_eject=1, eject_s=30, probe_interval_s=1.0)
+    deployments = [
+        Deployment(name=url, client=UpstreamClient(UpstreamConfig(urls=[url], retries=0, down_for_s=0.0,
+                                                                  connect_timeout_s=1.0), served_model_name="bench"),
+                   health_url=f"{url}/health", health=DeploymentHealth(policy))
+        for url in urls
+    ]
+    return ModelGroup("bench", deployments, make_router(strategy), DeploymentMetrics(), probe_interval_s=1.0)
+
+
+# -- one schedule --------------------------------------------------------------------------------
+async def _one(group: ModelGroup, item: Item, index: int, max_tokens: int, started: float) -> Outcome:
+    key = affinity_key("bench", item.messages, None, AFFINITY_PREFIX_CHARS)
+    request = GenerationRequest(request_id=f"{item.workload}-{index}", prompt_token_ids=[],
+                                sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
+                                messages=item.messages, model="bench", route_key=key)
+    outcome = Outcome(item.workload, time.perf_counter() - started)
+    sent = time.perf_counter()
+    try:
+        async for delta in group.generate(request):
+            if delta.text and outcome.ttft_s is None:
+                outcome.ttft_s = time.perf_counter() - sent
+    except Exception as exc:  # a lost request is a result here, not a crash of the bench
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    outcome.done_at = time.perf_counter() - started
+    return outcome
+
+
+async def run_schedule(group: ModelGroup, items: list[Item], max_tokens: int,
+                       at_half: Callable[[], None] | None = None) -> list[Outcome]:
+    started = time.perf_counter()
+    tasks = []
+    half = items[len(items) // 2].at_s if items else 0.0
+    for index, item in enumerate(items):
+        if at_half is not None and item.at_s >= half:
+            at_half()
+            at_half = None
+        await asyncio.sleep(max(0.0, started + item.at_s - time.perf_counter()))
+        tasks.append(asyncio.create_task(_one(group, item, index, max_tokens, started)))
+    return list(await asyncio.gather(*tasks))
+
+
+def summarize(outcomes: list[Outcome], hit_tokens: float) -> dict[str, Any]:
+    done = [o for o in outcomes if o.error is None]
+    span = (max((o.done_at or 0) for o in outcomes) - min(o.sent_at for o in outcomes)) if outcomes else 0.0
+    ttft = percentiles([o.ttft_s * 1000 for o in done if o.ttft_s is not None], (50, 95))
+    return {
+        "requests": len(outcomes), "failed": len(outcomes) - len(done),
+        "failed_before_streaming": sum(1 for o in outcomes if o.error is not None and not o.started),
+        "prefix_cache_hit_tokens": hit_tokens, "ttft_ms_p50": ttft["p50"], "ttft_ms_p95": ttft["p95"],
+        "requests_per_s": round(len(done) / span, 3) if span > 0 else None,
+    }
+
+
+async def _arm(replicas: Replicas, strategy: Strategy, workloads: dict[str, list[Item]],
+               max_tokens: int, kill_half: bool = False) -> dict[str, Any]:
+    group = group_for(replicas.urls, strategy)
+    group.start()
+    await group.check_health()
+    results = {}
+    try:
+        for name, items in workloads.items():
+            before = await asyncio.to_thread(replicas.hit_tokens)
+            outcomes = await run_schedule(group, items, max_tokens, (lambda: replicas.kill(0)) if kill_half else None)
+            results[name] = summarize(outcomes, hits_gained(before, await asyncio.to_thread(replicas.hit_tokens)))
+            if kill_half:
+                results[name]["errors"] = sorted({o.error or "" for o in outcomes if o.error})[:5]
+    finally:
+        await group.stop()
+    return results
+
+
+def _workloads(config: RouteBenchConfig, tag: str) -> dict[str, list[Item]]:
+    return {
+        "multi-turn": multi_turn(tag, config.conversations, config.turns, config.turn_gap_s,
+                                 config.conversation_every_s),
+        "rag": rag(tag, config.rag_requests, config.rag_every_s),
+    }
+
+
+async def _run(config: RouteBenchConfig, replicas: Replicas) -> dict[str, Any]:
+    arms = {}
+    for label, strategy in ARMS.items():
+        arms[label] = await _arm(replicas, strategy, _workloads(config, label), config.max_tokens)
+    report: dict[str, Any] = {"config": asdict(config), "replicas": replicas.urls, "arms": arms}
+    if config.kill:
+        kill_items = {"multi-turn": _workloads(config, "kill")["multi-turn"]}
+        report["kill"] = await _arm(replicas, "cache_affinity", kill_items, config.max_tokens, kill_half=True)
+    report["bars"] = bars(report)
+    return report
+
+
+def bars(report: dict[str, Any]) -> dict[str, Any]:
+    """The acceptance bars: affinity >= 2x round robin's hit tokens and a lower TTFT P95 on the
+    multi-turn workload; no request lost before streaming with a replica killed."""
+    rr, affinity = report["arms"]["round robin"]["multi-turn"], report["arms"]["affinity"]["multi-turn"]
+    hits_ratio = affinity["prefix_cache_hit_tokens"] / max(1.0, rr["prefix_cache_hit_tokens"])
+    out: dict[str, Any] = {
+        "hit_tokens_ratio": round(hits_ratio, 2), "hit_tokens_2x": hits_ratio >= 2,
+        "ttft_p95_lower": (affinity["ttft_ms_p95"] or 0) < (rr["ttft_ms_p95"] or 0),
+    }
+    if "kill" in report:
+        out["lost_before_streaming"] = report["kill"]["multi-turn"]["failed_before_streaming"]
+    return out
+
+
+def run_bench_route(config: RouteBenchConfig, out: str | Path) -> dict[str, Any]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    replicas = Replicas(config.replicas, out, config)
+    try:
+        replicas.wait_ready()
+        report = asyncio.run(_run(config, replicas))
+    finally:
+        replicas.stop()
+    (out / "route.json").write_text(json.dumps(report, indent=2))
+    (out / "route.md").write_text(render_markdown(report))
+    return report
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = ["| strategy | workload | requests | failed | prefix-cache hit tokens | TTFT P50 ms | TTFT P95 ms | req/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    runs = [(label, arm) for label, arm in report["arms"].items()]
+    if "kill" in report:
+        runs.append(("affinity, 1 replica killed", report["kill"]))
+    for label, arm in runs:
+        for workload, row in arm.items():
+            lines.append(f"| {label} | {workload} | {row['requests']} | {row['failed']} "
+                         f"({row['failed_before_streaming']} before streaming) | {row['prefix_cache_hit_tokens']:.0f} | "
+                         f"{row['ttft_ms_p50']} | {row['ttft_ms_p95']} | {row['requests_per_s']} |")
+    lines.append("")
+    lines.append("Bars: " + json.dumps(report["bars"]))
+    return "\n".join(lines) + "\n"

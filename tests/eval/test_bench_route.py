@@ -1,0 +1,50 @@
+"""`ctxgate bench route`'s pieces that need no engine: the workloads share prefixes the way the
+affinity key expects, arms never share one, and the figures and bars are computed as documented."""
+
+from __future__ import annotations
+
+from eval.bench_route import Outcome, bars, hits_gained, render_markdown, summarize
+from eval.route_workloads import multi_turn, rag
+from gateway.affinity import affinity_key
+
+
+def key(item) -> str | None:
+    return affinity_key("salt", item.messages, None, 2048)
+
+
+def test_a_conversations_turns_share_its_key_and_grow_its_prefix():
+    items = multi_turn("arm", conversations=3, turns=3, gap_s=5, start_every_s=1)
+    assert [item.at_s for item in items] == sorted(item.at_s for item in items)
+    by_conversation: dict[str, list] = {}
+    for item in items:
+        by_conversation.setdefault(item.conversation, []).append(item)
+    assert len({key(turns[0]) for turns in by_conversation.values()}) == 3
+    for turns in by_conversation.values():
+        assert len({key(turn) for turn in turns}) == 1
+        for earlier, later in zip(turns, turns[1:], strict=False):
+            assert later.messages[: len(earlier.messages)] == earlier.messages  # the history is resent
+
+
+def test_rag_requests_share_the_system_prompt_and_arms_share_nothing():
+    first, second = rag("a", 4, 1.0), rag("b", 4, 1.0)
+    assert len({item.messages[0]["content"] for item in first}) == 1
+    assert first[0].messages[0]["content"] != second[0].messages[0]["content"]
+    assert multi_turn("a", 1, 1, 1, 1)[0].messages[0]["content"].startswith("[a]")
+
+
+def test_figures_lost_requests_and_bars():
+    outcomes = [Outcome("multi-turn", 0.0, ttft_s=0.1, done_at=1.0), Outcome("multi-turn", 0.5, ttft_s=0.3, done_at=2.0),
+                Outcome("multi-turn", 1.0, ttft_s=0.2, done_at=1.5, error="EngineError: cut"),
+                Outcome("multi-turn", 1.0, done_at=1.2, error="EngineError: refused")]
+    row = summarize(outcomes, 100.0)
+    assert (row["requests"], row["failed"], row["failed_before_streaming"]) == (4, 2, 1)
+    assert row["requests_per_s"] == 1.0 and row["ttft_ms_p50"] == 200.0
+    assert hits_gained({"a": 10, "b": 5}, {"a": 30}) == 20  # b was killed: its counters are gone
+    rr = summarize(outcomes[:2], 100.0)
+    affinity = summarize(outcomes[:1], 250.0)
+    report = {"arms": {"round robin": {"multi-turn": rr}, "affinity": {"multi-turn": affinity}},
+              "kill": {"multi-turn": row}}
+    assert bars(report) == {"hit_tokens_ratio": 2.5, "hit_tokens_2x": True, "ttft_p95_lower": True,
+                            "lost_before_streaming": 1}
+    report["bars"] = bars(report)
+    assert "| affinity, 1 replica killed | multi-turn | 4 | 2 (1 before streaming) | 100 |" in render_markdown(report)
