@@ -29,6 +29,8 @@ from compression.types import (
     Document,
     RetrievalSpec,
 )
+from gateway.budget_control import BudgetController, Decision, Outcome
+from gateway.engine_load import reader_for
 from gateway.keys import KeyRejected, KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
@@ -63,6 +65,8 @@ class Prepared:
     forward: dict[str, Any] | None = None
     # Sequences the upstream generates per request (`n`, `best_of`): the reservation counts each.
     choices: int = 1
+    # Adaptive policies: the documents budget the controller chose for this request, and why.
+    budget: Decision | None = None
     received_at: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -149,6 +153,7 @@ class Gateway:
         # share an upstream should share it, or they never share cached prefixes).
         secret = settings.cache_salt_secret or secrets.token_hex(32)
         self._salt_key = secret.encode()
+        self.budgets = BudgetController(reader_for(engine))
 
     def cache_salt(self, tenant: str) -> str:
         """The tenant's prefix-cache namespace: HMAC-SHA256 of its name under the server secret, so
@@ -372,6 +377,33 @@ class Gateway:
             raise APIError(400, str(exc), code="invalid_value") from None
         return sampling
 
+    def adapt_budget(self, policy: Policy, request_id: str) -> tuple[Policy, Decision | None]:
+        """An adaptive policy with its documents budget chosen for the engine's load now."""
+        if not policy.adaptive.enabled or not policy.compression_enabled:
+            return policy, None
+        decision = self.budgets.decide(request_id, policy.name, policy.adaptive, policy.documents.max_tokens)
+        self.metrics.adaptive_budget_tokens.labels(policy.name).observe(decision.budget)
+        self.metrics.adaptive_decisions.labels(policy.name, decision.reason).inc()
+        documents = policy.documents.model_copy(update={"max_tokens": min(decision.budget, policy.max_input_tokens)})
+        return policy.model_copy(update={"documents": documents}), decision
+
+    def budget_outcome(self, prepared: Prepared, metrics: RequestMetrics | None) -> dict[str, Any] | None:
+        """`usage.ctxgate.budget`, and what the controller learns from the request."""
+        decision = prepared.budget
+        if decision is None:
+            return None
+        if metrics is None or metrics.ttft_ms <= 0:  # no first token: nothing measured
+            self.budgets.forget(prepared.request_id)
+            return decision.to_dict()
+        result, slo = prepared.result, prepared.policy.adaptive.ttft_slo_s
+        compression_s = (sum(result.compression_ms.values()) + result.wait_ms) / 1000
+        ttft_s = compression_s + metrics.ttft_ms / 1000
+        self.budgets.observe(prepared.request_id, decision.budget,
+                             Outcome(ttft_s, compression_s, result.prompt_tokens, metrics.prefill_ms))
+        met = ttft_s <= slo
+        self.metrics.adaptive_slo_requests.labels(prepared.policy.name, str(met).lower()).inc()
+        return decision.to_dict() | {"ttft_slo_s": slo, "measured_ttft_s": round(ttft_s, 4), "slo_met": met}
+
     # -- quota ---------------------------------------------------------------------------------
     def limits_for(self, tenant: Tenant, policy: Policy) -> QuotaLimits:
         """The tenant's limits: its keys-file quota over its home policy's, tightened by the policy
@@ -439,6 +471,7 @@ class Gateway:
 
     async def release(self, prepared: Prepared) -> None:
         """Undo a reservation's tokens and spend (the request never reached the model)."""
+        self.budgets.forget(prepared.request_id)
         await self.reconcile(prepared.reservation, 0, 0.0)
 
     # -- the whole preparation -----------------------------------------------------------------
@@ -448,17 +481,23 @@ class Gateway:
         policy = self.resolve_policy(tenant, body.ctxgate)
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
-        result = await self.compress(body, tenant, policy)
-        token_ids, prompt_text = self.encode_checked(result, policy)
-        sampling = self.sampling_for(body, policy, len(token_ids))
-        priority = Priority.BACKGROUND if body.ctxgate and body.ctxgate.priority == "background" else Priority.USER
-        prepared = Prepared(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
-            prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
-            dropped_params=dropped, forward=forward, choices=choices,
-        )
-        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
-                                                  slot_id=prepared.request_id)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        policy, budget = self.adapt_budget(policy, request_id)
+        try:
+            result = await self.compress(body, tenant, policy)
+            token_ids, prompt_text = self.encode_checked(result, policy)
+            sampling = self.sampling_for(body, policy, len(token_ids))
+            priority = Priority.BACKGROUND if body.ctxgate and body.ctxgate.priority == "background" else Priority.USER
+            prepared = Prepared(
+                request_id=request_id, tenant=tenant, policy=policy, result=result,
+                prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
+                dropped_params=dropped, forward=forward, choices=choices, budget=budget,
+            )
+            prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
+                                                      slot_id=prepared.request_id)
+        except BaseException:
+            self.budgets.forget(request_id)
+            raise
         return prepared
 
     async def prepare_completion(self, body: CompletionRequest, tenant: Tenant,
@@ -512,6 +551,7 @@ class Gateway:
         if metrics.prefill_ms > 0:
             # Measured prefill cost lets the pipeline skip compression that would not pay for itself.
             self.pipeline.observe_prefill(prompt_tokens, metrics.prefill_ms)
+        budget = self.budget_outcome(prepared, totals.metrics)
         return Usage.of(
             prompt_tokens, totals.completion_tokens, metrics.cached_prompt_tokens,
             ctxgate={
@@ -526,7 +566,7 @@ class Gateway:
                 "cost_detail": cost,
                 "dropped_params": list(prepared.dropped_params),
                 "message_context": result.message_context,
-            },
+            } | ({"budget": budget} if budget is not None else {}),
         )
 
     def engine_error(self, exc: Exception) -> APIError:
