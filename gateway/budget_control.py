@@ -23,7 +23,7 @@ import bisect
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.engine_load import EngineReading, LoadReader
 from policies.schema import AdaptivePolicy
@@ -184,13 +184,15 @@ class BudgetController:
         """The request's documents budget; it counts as waiting until `first_token(request_id)`."""
         candidates = candidate_budgets(adaptive)
         with self._lock:
-            estimates = self.estimates()
-            target = choose_budget(self.load(), estimates, candidates, adaptive.ttft_slo_s * adaptive.headroom,
+            estimates, load = self.estimates(), self.load()
+            target = choose_budget(load, estimates, candidates, adaptive.ttft_slo_s * adaptive.headroom,
                                    adaptive.max_kv_usage, fallback)
             now = self.clock()
             trend = self._trends.get(policy_name)
             decision, rose = damp(target, trend.budget if trend else None, trend.rose_at if trend else now, now,
                                   candidates, adaptive.relax_interval_s)
+            if decision is not target:  # held below the target: predict for the budget actually chosen
+                decision = replace(decision, predicted_ttft_s=predicted_ttft_s(load, estimates, decision.budget))
             self._trends[policy_name] = _Trend(decision.budget, now if rose or trend is None else trend.rose_at)
             tokens = decision.budget + estimates.overhead_tokens
             self._pending[request_id] = tokens
