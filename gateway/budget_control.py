@@ -122,11 +122,11 @@ def damp(target: Decision, last: int | None, last_rise_at: float, now: float,
 
 
 class Smoothed:
-    """An exponentially weighted mean; None until the first value."""
+    """An exponentially weighted mean; `prior` (None: nothing) until the first value."""
 
-    def __init__(self, weight: float = 0.2):
+    def __init__(self, weight: float = 0.2, prior: float | None = None):
         self.weight = weight
-        self.value: float | None = None
+        self.value: float | None = prior
 
     def add(self, value: float) -> None:
         self.value = value if self.value is None else (1 - self.weight) * self.value + self.weight * value
@@ -159,7 +159,7 @@ class BudgetController:
         self._compression = Smoothed()
         self._overhead = Smoothed()
         self._speed = Smoothed()  # prompt tokens / prefill seconds, from responses
-        self._calibration = Smoothed(0.1)
+        self._calibration = Smoothed(0.2, prior=1.0)  # one outlier (a cold start) moves it a fifth
         self._pending: dict[str, int] = {}  # request id -> prompt tokens not yet prefilled
         self._pending_tokens = 0
         self._trends: dict[str, _Trend] = {}

@@ -176,7 +176,7 @@ def test_a_decision_takes_microseconds():
     controller = BudgetController(FixedReading(EngineReading(waiting_tokens=900, prefill_tokens_per_s=SPEED)))
     count = 2000
     started = time.perf_counter()
-    for i in range(count):
+    for _ in range(count):
         controller.decide("r", "p", POLICY, 560)
         controller.forget("r")
     per_decision_us = (time.perf_counter() - started) / count * 1e6
