@@ -55,6 +55,10 @@ class EngineStats:
     ttft_target_misses: int  # cumulative
     last_step_batch_size: int
     last_step_num_tokens: int
+    # Prompt tokens still to prefill (waiting sequences whole, running ones' unfinished chunks) and
+    # the scheduler's measured prefill speed: what a new request would queue behind, and how fast.
+    num_waiting_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
 
 
 class LLMEngine:
@@ -295,6 +299,8 @@ class LLMEngine:
             ttft_target_misses=self.outputs.ttft_target_misses,
             last_step_batch_size=self.last_step_batch_size,
             last_step_num_tokens=self.last_step_num_tokens,
+            num_waiting_tokens=self.scheduler.num_prefill_tokens_left(),
+            prefill_tokens_per_s=self.scheduler.prefill_tokens_per_s,
         )
 
     # ---- sync helper ---------------------------------------------------------------------------

@@ -63,6 +63,14 @@ class Scheduler:
         # Prefill speed estimate (tokens/s), updated from measured steps.
         self.prefill_tokens_per_s = 2000.0
 
+    def num_prefill_tokens_left(self) -> int:
+        """Prompt tokens not yet computed: every waiting sequence's, and running sequences' chunks
+        still to prefill (a decoding sequence's one pending token is not prefill)."""
+        left = sum(seq.num_uncomputed_tokens for seq in self.waiting)
+        for seq in self.running:
+            left += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+        return left
+
     # ---- queue management ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

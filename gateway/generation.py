@@ -52,6 +52,9 @@ class Generation:
         except BaseException:
             await self._stop_engine()
             raise
+        finally:
+            # Its prefill is done (or never will be): no longer queued in the budget controller's eyes.
+            self.gateway.budgets.first_token(self.prepared.request_id)
 
     async def _stop_engine(self) -> None:
         # The client went away or the backend failed: stop the work upstream.

@@ -14,6 +14,7 @@ from prometheus_client import (
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_BUDGET_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192)
 
 
 class GatewayMetrics:
@@ -81,6 +82,18 @@ class GatewayMetrics:
             ["file"], registry=r,
         )
         self.policies_loaded = Gauge("ctxgate:policies_loaded", "policies in force", registry=r)
+        self.adaptive_budget_tokens = Histogram(
+            "ctxgate:adaptive_budget_tokens", "documents budgets chosen by adaptive policies", ["policy"],
+            buckets=_BUDGET_BUCKETS, registry=r,
+        )
+        self.adaptive_decisions = Counter(
+            "ctxgate:adaptive_decisions", "adaptive budget decisions by reason (gateway/budget_control.py)",
+            ["policy", "reason"], registry=r,
+        )
+        self.adaptive_slo_requests = Counter(
+            "ctxgate:adaptive_slo_requests", "adaptive-policy requests by whether TTFT (compression + engine) "
+            "met the policy's ttft_slo_s", ["policy", "met"], registry=r,
+        )
         self.budget_rejections = Counter(
             "ctxgate:budget_rejections", "requests whose fixed parts alone exceed the budget (413)",
             ["policy"], registry=r,

@@ -32,6 +32,8 @@ from compression.types import (
     RetrievalSpec,
 )
 from gateway.affinity import affinity_key
+from gateway.budget_control import BudgetController, Decision, Outcome
+from gateway.engine_load import reader_for
 from gateway.keys import KeyRejected, KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
@@ -71,6 +73,8 @@ class Prepared:
     asks: EngineAsks | None = None
     # A model list: the key of the prompt's stable prefix for cache-affinity routing.
     route_key: str | None = None
+    # Adaptive policies: the documents budget the controller chose for this request, and why.
+    budget: Decision | None = None
     received_at: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -160,6 +164,7 @@ class Gateway:
         # share an upstream should share it, or they never share cached prefixes).
         secret = settings.cache_salt_secret or secrets.token_hex(32)
         self._salt_key = secret.encode()
+        self.budgets = BudgetController(reader_for(engine))
 
     def cache_salt(self, tenant: str) -> str:
         """The tenant's prefix-cache namespace: HMAC-SHA256 of its name under the server secret, so
@@ -399,6 +404,33 @@ class Gateway:
             raise APIError(400, str(exc), code="invalid_value") from None
         return sampling
 
+    def adapt_budget(self, policy: Policy, request_id: str) -> tuple[Policy, Decision | None]:
+        """An adaptive policy with its documents budget chosen for the engine's load now."""
+        if not policy.adaptive.enabled or not policy.compression_enabled:
+            return policy, None
+        decision = self.budgets.decide(request_id, policy.name, policy.adaptive, policy.documents.max_tokens)
+        self.metrics.adaptive_budget_tokens.labels(policy.name).observe(decision.budget)
+        self.metrics.adaptive_decisions.labels(policy.name, decision.reason).inc()
+        documents = policy.documents.model_copy(update={"max_tokens": min(decision.budget, policy.max_input_tokens)})
+        return policy.model_copy(update={"documents": documents}), decision
+
+    def budget_outcome(self, prepared: Prepared, metrics: RequestMetrics | None) -> dict[str, Any] | None:
+        """`usage.ctxgate.budget`, and what the controller learns from the request."""
+        decision = prepared.budget
+        if decision is None:
+            return None
+        if metrics is None or metrics.ttft_ms <= 0:  # no first token: nothing measured
+            self.budgets.forget(prepared.request_id)
+            return decision.to_dict()
+        result, slo = prepared.result, prepared.policy.adaptive.ttft_slo_s
+        compression_s = (sum(result.compression_ms.values()) + result.wait_ms) / 1000
+        ttft_s = compression_s + metrics.ttft_ms / 1000
+        self.budgets.observe(prepared.request_id, decision.budget,
+                             Outcome(ttft_s, compression_s, result.prompt_tokens, metrics.prefill_ms))
+        met = ttft_s <= slo
+        self.metrics.adaptive_slo_requests.labels(prepared.policy.name, str(met).lower()).inc()
+        return decision.to_dict() | {"ttft_slo_s": slo, "measured_ttft_s": round(ttft_s, 4), "slo_met": met}
+
     # -- quota ---------------------------------------------------------------------------------
     def limits_for(self, tenant: Tenant, policy: Policy) -> QuotaLimits:
         """The tenant's limits: its keys-file quota over its home policy's, tightened by the policy
@@ -466,6 +498,7 @@ class Gateway:
 
     async def release(self, prepared: Prepared) -> None:
         """Undo a reservation's tokens and spend (the request never reached the model)."""
+        self.budgets.forget(prepared.request_id)
         await self.reconcile(prepared.reservation, 0, 0.0)
 
     # -- the whole preparation -----------------------------------------------------------------
@@ -476,19 +509,25 @@ class Gateway:
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
         asks = None if forward is not None else await engine_asks(body, self.tokenizer)
-        result = await self.compress(body, tenant, policy)
-        tools = asks.output.tools.template_tools() if asks and asks.output.tools else None
-        token_ids, prompt_text = self.encode_checked(result, policy, tools)
-        sampling = self.sampling_for(body, policy, len(token_ids), asks)
-        priority = Priority.BACKGROUND if body.ctxgate and body.ctxgate.priority == "background" else Priority.USER
-        prepared = Prepared(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
-            prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
-            dropped_params=dropped, forward=forward, choices=choices, asks=asks,
-            route_key=self.route_key(body.model, tenant, result.messages, None),
-        )
-        prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
-                                                  slot_id=prepared.request_id)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        policy, budget = self.adapt_budget(policy, request_id)
+        try:
+            result = await self.compress(body, tenant, policy)
+            tools = asks.output.tools.template_tools() if asks and asks.output.tools else None
+            token_ids, prompt_text = self.encode_checked(result, policy, tools)
+            sampling = self.sampling_for(body, policy, len(token_ids), asks)
+            priority = Priority.BACKGROUND if body.ctxgate and body.ctxgate.priority == "background" else Priority.USER
+            prepared = Prepared(
+                request_id=request_id, tenant=tenant, policy=policy, result=result,
+                prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
+                dropped_params=dropped, forward=forward, choices=choices, asks=asks, budget=budget,
+                route_key=self.route_key(body.model, tenant, result.messages, None),
+            )
+            prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
+                                                      slot_id=prepared.request_id)
+        except BaseException:
+            self.budgets.forget(request_id)
+            raise
         return prepared
 
     async def prepare_completion(self, body: CompletionRequest, tenant: Tenant,
@@ -544,6 +583,7 @@ class Gateway:
         if metrics.prefill_ms > 0:
             # Measured prefill cost lets the pipeline skip compression that would not pay for itself.
             self.pipeline.observe_prefill(prompt_tokens, metrics.prefill_ms)
+        budget = self.budget_outcome(prepared, totals.metrics)
         return Usage.of(
             prompt_tokens, totals.completion_tokens, metrics.cached_prompt_tokens,
             ctxgate={
@@ -558,7 +598,7 @@ class Gateway:
                 "cost_detail": cost,
                 "dropped_params": list(prepared.dropped_params),
                 "message_context": result.message_context,
-            },
+            } | ({"budget": budget} if budget is not None else {}),
         )
 
     def engine_error(self, exc: Exception) -> APIError:

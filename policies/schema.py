@@ -1,6 +1,6 @@
 """The policy schema: one YAML file per policy, validated by these pydantic models.
 
-The gateway owns the top-level fields, quota and cost; the compression pipeline reads the
+The gateway owns the top-level fields, quota, cost and adaptive; the compression pipeline reads the
 `history`, `documents`, `dedup`, `rerank`, `extraction` and `assembly` sections.
 """
 
@@ -101,6 +101,31 @@ class QuotaPolicy(_Section):
     on_store_error: Literal["allow", "deny"] = "allow"
 
 
+class AdaptivePolicy(_Section):
+    """Budgets that follow the load (gateway/budget_control.py): each request's documents budget is
+    the largest candidate (floor, floor + step, ..., ceiling) whose predicted TTFT keeps the SLO,
+    never below the floor; when even the floor misses, admission decides, not a deeper cut."""
+
+    enabled: bool = False
+    ttft_slo_s: float = Field(2.0, gt=0, le=600, description="TTFT objective (P95, seconds) the budget is chosen for")
+    floor_tokens: int = Field(160, ge=0, description="the tightest documents budget the controller may choose")
+    ceiling_tokens: int = Field(1200, ge=1, description="the loosest documents budget the controller may choose")
+    step_tokens: int = Field(80, ge=1, description="candidate budgets are the floor plus multiples of this")
+    # A prediction is a typical TTFT and the SLO a P95: aim this fraction of the SLO.
+    headroom: float = Field(0.7, gt=0, le=1, description="predicted TTFT must stay under headroom x ttft_slo_s")
+    max_kv_usage: float = Field(0.95, gt=0, le=1, description="KV cache use above which the floor is taken")
+    # Damping: budgets fall at once when the load rises, but rise one step at most this often.
+    relax_interval_s: float = Field(0.5, ge=0, le=60, description="least seconds between two one-step rises")
+
+    @model_validator(mode="after")
+    def _range(self) -> AdaptivePolicy:
+        if self.floor_tokens > self.ceiling_tokens:
+            raise ValueError("adaptive.floor_tokens cannot exceed adaptive.ceiling_tokens")
+        if (self.ceiling_tokens - self.floor_tokens) // self.step_tokens > 256:
+            raise ValueError("adaptive: more than 256 candidate budgets; raise step_tokens")
+        return self
+
+
 class Policy(_Section):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
@@ -123,9 +148,12 @@ class Policy(_Section):
     assembly: AssemblyPolicy = AssemblyPolicy()
     quota: QuotaPolicy = QuotaPolicy()
     cost: CostPolicy = CostPolicy()
+    adaptive: AdaptivePolicy = AdaptivePolicy()
 
     @model_validator(mode="after")
     def _documents_fit(self) -> Policy:
         if self.documents.max_tokens > self.max_input_tokens:
             raise ValueError("documents.max_tokens cannot exceed max_input_tokens")
+        if self.adaptive.enabled and self.adaptive.ceiling_tokens > self.max_input_tokens:
+            raise ValueError("adaptive.ceiling_tokens cannot exceed max_input_tokens")
         return self

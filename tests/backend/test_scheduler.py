@@ -226,3 +226,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
+
+
+def test_prefill_tokens_left_counts_waiting_prompts_and_unfinished_chunks_only():
+    scheduler = make_scheduler(budget=10)
+    first, second = make_seq(25, 0), make_seq(7, 1)
+    scheduler.add(first)
+    scheduler.add(second)
+    assert scheduler.num_prefill_tokens_left() == 32
+    finish_step(scheduler, schedule(scheduler))  # 10 of the first prompt
+    assert scheduler.num_prefill_tokens_left() == 22
+    while first.num_computed_tokens < 25 or second.num_computed_tokens < 7:
+        finish_step(scheduler, schedule(scheduler))
+    assert scheduler.num_prefill_tokens_left() == 0  # decoding: their pending sampled tokens are not prefill

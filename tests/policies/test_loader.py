@@ -18,7 +18,7 @@ from policies.loader import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = ["passthrough", "rag-default", "rag-strict", "chat-long-history", "rag-multihop", "rag-fast"]
+SHIPPED = ["passthrough", "rag-default", "rag-strict", "chat-long-history", "rag-multihop", "rag-fast", "rag-adaptive"]
 
 
 def _ctxgate(*args: str) -> subprocess.CompletedProcess:
@@ -60,6 +60,12 @@ def test_passthrough_disables_compression_but_keeps_a_budget():
         ("max_input_tokens: 100\n", "name", "Field required"),
         ("name: x\ndocuments: {embed_budget_multiple: 0}\n", "documents.embed_budget_multiple", "greater than 0"),
         ("name: x\ndocuments: {embed_min_share: 1.5}\n", "documents.embed_min_share", "less than or equal to 1"),
+        ("name: x\nadaptive: {floor_tokens: 900, ceiling_tokens: 300}\n", "adaptive", "floor_tokens cannot exceed"),
+        ("name: x\nadaptive: {enabled: true, ceiling_tokens: 4000}\n", "", "ceiling_tokens cannot exceed"),
+        ("name: x\nadaptive: {ttft_slo_s: 0}\n", "adaptive.ttft_slo_s", "greater than 0"),
+        ("name: x\nadaptive: {headroom: 1.5}\n", "adaptive.headroom", "less than or equal to 1"),
+        ("name: x\nadaptive: {step_tokens: 1, ceiling_tokens: 2000}\n", "adaptive", "more than 256 candidate"),
+        ("name: x\nadaptive: {slo: 2}\n", "adaptive.slo", "Extra inputs"),
         ("name: [unclosed\n", "", "invalid YAML at line"),
         ("- just\n- a list\n", "", "YAML mapping"),
     ],
@@ -132,3 +138,18 @@ def test_duplicate_names_in_one_directory_are_reported(tmp_path):
     registry = PolicyRegistry([tmp_path])
     assert registry.get("same") is not None
     assert "already defined" in registry.last_error.message
+
+
+def test_adaptive_section_is_overridable_per_request_only_where_allowed():
+    adaptive = load_policy_file(packaged_policy_dir() / "rag-adaptive.yaml")
+    assert adaptive.adaptive.enabled and adaptive.adaptive.floor_tokens < adaptive.documents.max_tokens
+    relaxed = apply_overrides(adaptive, {"adaptive.ttft_slo_s": 5.0})
+    assert relaxed.adaptive.ttft_slo_s == 5.0 and adaptive.adaptive.ttft_slo_s != 5.0
+    with pytest.raises(ValueError, match="greater than 0"):
+        apply_overrides(adaptive, {"adaptive.ttft_slo_s": -1})
+    with pytest.raises(ValueError, match="does not allow overriding 'adaptive.floor_tokens'"):
+        apply_overrides(adaptive, {"adaptive.floor_tokens": 0})
+    default = load_policy_file(packaged_policy_dir() / "rag-default.yaml")
+    assert not default.adaptive.enabled
+    with pytest.raises(ValueError, match="does not allow overriding"):
+        apply_overrides(default, {"adaptive.enabled": True})
