@@ -21,8 +21,8 @@ from compression.text import content_words
 FIRST_HOP_SENTENCES = 3
 MAX_BRIDGES = 2
 CANDIDATE_BRIDGES = 6  # links collected before the best MAX_BRIDGES are chosen
-# A name that more passages than this name is a topic of the request, not a link to one passage.
-MAX_NAMING_PASSAGES = 2
+# A name more passages than this name is a topic of the request (or an ambiguous name), not a link.
+MAX_NAMING_PASSAGES = 1
 
 
 @dataclass
@@ -205,7 +205,7 @@ def plan_second_hop(
     # single-hop question: dropped, so its budget stays with the first hop.
     if not cues:
         titled = {index for index in bridges if bridges[index] in title_forms(passages[index].title or "")}
-        bridges = {index: bridges[index] for index in bridges if index in titled or links[index][0] in named}
+        bridges = {index: bridges[index] for index in bridges if index in titled}
     def match(index: int) -> float:
         return strength.get(index, 0.0) if strength is not None else passages[index].score
 
