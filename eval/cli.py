@@ -62,8 +62,12 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     retention.add_argument("--policy-dir", help="policy directory (default: the shipped policies)")
     retention.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
                            help="dotted policy field override, e.g. documents.max_tokens=200 (repeat)")
-    retention.add_argument("--split", choices=["all", "tune", "test"], default="all",
-                           help="first half of each file (tune), second half (test), or all")
+    retention.add_argument("--split", choices=["all", "tune", "test", "halves"], default="all",
+                           help="the tune half, the test half (halves share no gold passage), all, or "
+                           "halves: tune and test reported side by side (with --ratios)")
+    retention.add_argument("--ratios", default=None, metavar="R,R,...",
+                           help="fixed compression ratios, e.g. 3,5,10: each question's documents budget cut "
+                           "to reach them; per hop count, with 95%% bootstrap intervals")
     retention.add_argument("--limit", type=int, help="first N questions of the split")
     retention.add_argument("--out", help="write the per-question JSON here")
     retention.set_defaults(func=_eval_retention)
@@ -181,8 +185,21 @@ def _eval_run(args: argparse.Namespace) -> int:
 
 def _eval_retention(args: argparse.Namespace) -> int:
     require_eval_extra("eval retention", "pysbd")
-    from eval.retention import parse_overrides, run_retention, write_json
+    from eval.retention import parse_overrides, ratio_table, run_ratio_report, run_retention, write_json
 
+    if args.ratios:
+        ratios = [float(value) for value in args.ratios.split(",") if value.strip()]
+        if not ratios or min(ratios) < 1:
+            raise ValueError("--ratios must be compression ratios of at least 1, e.g. 3,5,10")
+        splits = ("tune", "test") if args.split == "halves" else (args.split,)
+        report = run_ratio_report(args.datasets, args.policy, parse_overrides(args.override), ratios, splits,
+                                  args.limit, args.policy_dir)
+        print("\n".join(ratio_table(report)))
+        if args.out:
+            write_json(report, args.out)
+        return 0
+    if args.split == "halves":
+        raise ValueError("--split halves needs --ratios")
     report = run_retention(args.datasets, args.policy, parse_overrides(args.override), args.split, args.limit,
                            args.policy_dir)
     for name, result in report["datasets"].items():

@@ -8,8 +8,14 @@ answers are not scored. The time is the pipeline's wall time for a question whos
 not seen before (first sight: the per-text caches are emptied before each question; the embedding
 model itself is loaded before the clock starts).
 
-Tuning and reporting use disjoint halves of a dataset (`--split tune|test`): the files are seeded
-shuffles, so the first half and the second half are two independent samples.
+Tuning and reporting use disjoint halves of a dataset (`--split tune|test`, eval/splits.py): whole
+groups of questions that share a gold passage go to one half, so a test question never shares
+evidence with a tune question.
+
+`--ratios 3,5,10` measures at fixed compression ratios: each question's documents budget is set so
+that its prompt is cut to 1/ratio of the original (the question and system prompt stay whole, the
+passages block gets what is left), and each ratio is reported with a bootstrap interval, per hop
+count. The first ratio is timed at first sight, the others reuse its embeddings.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ import numpy as np
 from eval.client import question_messages
 from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
 from eval.evidence import evidence_retention
-from eval.stats import percentile
+from eval.splits import SPLITS, hop_count, split_examples
+from eval.stats import bootstrap_mean, percentile
 
-SPLITS = ("all", "tune", "test")
+__all__ = ["SPLITS", "split_examples"]
 
 
 @dataclass
@@ -46,18 +53,6 @@ class QuestionResult:
     @property
     def ratio(self) -> float:
         return self.original_tokens / max(1, self.sent_tokens)
-
-
-def split_examples(examples: Sequence[EvalExample], split: str) -> list[EvalExample]:
-    """'tune' is the first half of the file, 'test' the second, 'all' both."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(SPLITS)}")
-    half = len(examples) // 2
-    if split == "tune":
-        return list(examples[:half])
-    if split == "test":
-        return list(examples[half:])
-    return list(examples)
 
 
 def policy_with_overrides(policy: Any, overrides: dict[str, Any]) -> Any:
@@ -146,6 +141,39 @@ class RetentionHarness:
     def run(self, examples: Sequence[EvalExample], policy: Any) -> list[QuestionResult]:
         return [self.run_one(example, policy) for example in examples]
 
+    def documents_budget_for(self, example: EvalExample, ratio: float) -> int:
+        """The documents budget that cuts this question's prompt to 1/ratio of the original: the
+        original prompt over the ratio, less what is never cut (system prompt, question, the
+        passages block's framing), as the pipeline lays the prompt out (placement "user")."""
+        from compression.rendering import question_with_context
+
+        request = self.request_of(example)
+        system, question = request.messages[0], request.messages[1]["content"]
+        context = "\n\n".join(f"[{i + 1}] {d.title}\n{d.text}" if d.title else f"[{i + 1}]\n{d.text}"
+                                for i, d in enumerate(request.documents))
+        count = self.pipeline.counter.count_chat
+        original = count([system, {"role": "user", "content": question_with_context(context, question)}])
+        pinned = count([system, {"role": "user", "content": question_with_context("x", question)}]) - 1
+        return max(1, int(original / ratio) - pinned)
+
+    def run_at_ratios(
+        self, examples: Sequence[EvalExample], policy: Any, ratios: Sequence[float]
+    ) -> dict[float, list[QuestionResult]]:
+        """Each question at each ratio (its own documents budget); the first ratio at first sight,
+        the others with its embeddings cached (retention only, their times are not first sight)."""
+        results: dict[float, list[QuestionResult]] = {ratio: [] for ratio in ratios}
+        first_sight = self.first_sight
+        try:
+            for example in examples:
+                for index, ratio in enumerate(ratios):
+                    self.first_sight = first_sight and index == 0
+                    budget = self.documents_budget_for(example, ratio)
+                    tuned = policy_with_overrides(policy, {"documents.max_tokens": budget})
+                    results[ratio].append(self.run_one(example, tuned))
+        finally:
+            self.first_sight = first_sight
+        return results
+
 
 def summarize(results: Sequence[QuestionResult]) -> dict[str, Any]:
     scored = [r.answer_retained for r in results if r.answer_retained is not None]
@@ -165,6 +193,89 @@ def summarize(results: Sequence[QuestionResult]) -> dict[str, Any]:
         "compression_ms_p50": round(percentile(times.tolist(), 50), 2) if results else None,
         "compression_ms_p95": round(percentile(times.tolist(), 95), 2) if results else None,
     }
+
+
+def summarize_at_ratio(
+    results: Sequence[QuestionResult], hops: dict[str, int], timed: bool, seed: int = 0
+) -> dict[str, Any]:
+    """One ratio's summary: answer retention with a 95% bootstrap interval, overall and per hop
+    count; times only when they are first-sight times."""
+    summary = summarize(results)
+    if not timed:
+        for key in ("compression_ms_mean", "compression_ms_p50", "compression_ms_p95"):
+            summary[key] = None
+    retained = [None if r.answer_retained is None else float(r.answer_retained) for r in results]
+    summary["answer_retention_ci"] = bootstrap_mean(retained, seed=seed).to_dict()
+    by_hops: dict[int, list[QuestionResult]] = {}
+    for result in results:
+        by_hops.setdefault(hops[result.id], []).append(result)
+    summary["by_hops"] = {
+        str(count): {
+            "answer_retention_ci": bootstrap_mean(
+                [None if r.answer_retained is None else float(r.answer_retained) for r in group], seed=seed
+            ).to_dict(),
+            "gold_passage_retention": summarize(group)["gold_passage_retention"],
+            "compression_ratio": summarize(group)["compression_ratio"],
+        }
+        for count, group in sorted(by_hops.items())
+    }
+    return summary
+
+
+def run_ratio_report(
+    datasets: Sequence[str],
+    policy_name: str,
+    overrides: dict[str, Any],
+    ratios: Sequence[float],
+    splits: Sequence[str] = ("tune", "test"),
+    limit: int | None = None,
+    policy_dir: str | None = None,
+    harness: RetentionHarness | None = None,
+) -> dict[str, Any]:
+    """Every dataset, every split, every ratio: the fixed-ratio report (yes/no questions, which a
+    substring check cannot score, are left out)."""
+    from policies.loader import load_policy_file, packaged_policy_dir
+
+    directory = Path(policy_dir) if policy_dir else packaged_policy_dir()
+    policy = policy_with_overrides(load_policy_file(directory / f"{policy_name}.yaml"), overrides)
+    harness = harness or RetentionHarness()
+    report: dict[str, Any] = {"policy": policy_name, "overrides": overrides, "ratios": list(ratios), "datasets": {}}
+    for name in datasets:
+        dataset = load_dataset(resolve_dataset_path(name))
+        rows: dict[str, Any] = {}
+        for split in splits:
+            examples = [e for e in split_examples(dataset.examples, split) if not e.is_yes_no][:limit]
+            hops = {e.id: hop_count(e) for e in examples}
+            by_ratio = harness.run_at_ratios(examples, policy, ratios)
+            rows[split] = {
+                f"{ratio:g}": {
+                    "summary": summarize_at_ratio(results, hops, timed=index == 0),
+                    "questions": [asdict(r) | {"ratio": round(r.ratio, 3), "hops": hops[r.id]} for r in results],
+                }
+                for index, (ratio, results) in enumerate(by_ratio.items())
+            }
+        report["datasets"][dataset.name] = rows
+    return report
+
+
+def ratio_table(report: dict[str, Any]) -> list[str]:
+    """The fixed-ratio report as printable lines: dataset, split, target and reached ratio, answer
+    retention [95% interval] (n), and per hop count."""
+    lines = []
+    for dataset, splits in report["datasets"].items():
+        for split, by_ratio in splits.items():
+            for target, row in by_ratio.items():
+                summary = row["summary"]
+                ci = summary["answer_retention_ci"]
+                hops = " ".join(
+                    f"{count}-hop {h['answer_retention_ci']['value']:.3f} (n={h['answer_retention_ci']['n']})"
+                    for count, h in summary["by_hops"].items() if h["answer_retention_ci"]["value"] is not None
+                )
+                value = "-" if ci["value"] is None else f"{ci['value']:.3f} [{ci['ci_low']:.3f}, {ci['ci_high']:.3f}]"
+                timing = "" if summary["compression_ms_p50"] is None else f" first-sight ms p50 {summary['compression_ms_p50']}"
+                lines.append(f"{dataset} {split} {target}x (reached {summary['compression_ratio']}x): answer retained "
+                             f"{value} n={ci['n']}; {hops}{timing}")
+    return lines
 
 
 def run_retention(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from compression.multihop.entities import new_entities, passages_naming
 from compression.multihop.forms import question_form_cues
 from compression.multihop.names import MIN_TITLE_CHARS, mentions, title_core, title_owner, undated_cores
 from compression.state import Passage
@@ -20,6 +21,8 @@ from compression.text import content_words
 FIRST_HOP_SENTENCES = 3
 MAX_BRIDGES = 2
 CANDIDATE_BRIDGES = 6  # links collected before the best MAX_BRIDGES are chosen
+# A name more passages than this name is a topic of the request (or an ambiguous name), not a link.
+MAX_NAMING_PASSAGES = 1
 
 
 @dataclass
@@ -105,7 +108,36 @@ def linked_passages(
                 links[index] = (passage_index, sentence_index)
             if len(bridges) >= limit:
                 return bridges, links
+    if bridges:
+        return bridges, links
+    # No title named: the bridge entity may be no passage's title; its name still points there.
+    for passage_index, sentence_index, text in first_hop:
+        for index, entity in entity_links(question, passages, text, skip={passage_index, *bridges}).items():
+            bridges[index] = entity
+            links[index] = (passage_index, sentence_index)
+            if len(bridges) >= limit:
+                return bridges, links
     return bridges, links
+
+
+def title_forms(title: str) -> set[str]:
+    """The forms a title is named by here: its core and its core without a leading year."""
+    core = title_core(title)
+    return {core, *(short for short in undated_cores([core]) if short)}
+
+
+def entity_links(question: str, passages: list[Passage], text: str, skip: set[int]) -> dict[int, str]:
+    """Passages (not in `skip`) whose text names a name `text` adds to the question, whatever their
+    titles: the bridge entity is often no passage's title (compression.multihop.entities). A name
+    many passages share is a topic, not a link, and is passed over."""
+    texts = [passage.text for passage in passages]
+    found: dict[int, str] = {}
+    for entity in new_entities(text, question):
+        naming = passages_naming(entity, texts, skip)
+        if 0 < len(naming) <= MAX_NAMING_PASSAGES:
+            for index in naming:
+                found.setdefault(index, entity)
+    return found
 
 
 def reverse_links(
@@ -169,6 +201,11 @@ def plan_second_hop(
         if index not in bridges:
             bridges[index], links[index] = back[index], back_links[index]
     weak = set() if cues else set(bridges)
+    # A name-only link (no title named) without a bridge form is mostly incidental for a
+    # single-hop question: dropped, so its budget stays with the first hop.
+    if not cues:
+        titled = {index for index in bridges if bridges[index] in title_forms(passages[index].title or "")}
+        bridges = {index: bridges[index] for index in bridges if index in titled}
     def match(index: int) -> float:
         return strength.get(index, 0.0) if strength is not None else passages[index].score
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from eval.datasets import EvalExample, load_dataset, resolve_dataset_path  # noqa: E402
 from eval.metrics import answer_in_text  # noqa: E402
+from eval.splits import hop_count, split_examples  # noqa: E402
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "ctxgate" / "models" / "SmolLM2-135M-Instruct"
 CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
@@ -105,6 +106,7 @@ def compress_one(compressor: Any, example: EvalExample, ratio: float) -> dict[st
     sent_text = f"{context}\n\n{example.question}"
     return {
         "id": example.id,
+        "hops": hop_count(example),
         "target_ratio": ratio,
         "compression_ms": round(elapsed_ms, 2),
         # CPU time of this process: on a shared machine it moves less with the neighbours' load.
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", action="append", required=True, dest="datasets")
     parser.add_argument("--ratios", default="2,3,5,8,12", help="target compression ratios")
     parser.add_argument("--split", choices=["all", "tune", "test"], default="test",
-                        help="as `ctxgate eval retention --split`: the second half of each file by default")
+                        help="as `ctxgate eval retention --split` (eval/splits.py): the test half by default")
     parser.add_argument("--limit", type=int, default=40, help="questions per dataset (scored ones: yes/no skipped)")
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="HF directory of the scorer model")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     queues = {}
     for name in args.datasets:
         dataset = load_dataset(resolve_dataset_path(name))
-        examples = [e for e in split_half(dataset.examples, args.split) if not e.is_yes_no]
+        examples = [e for e in split_examples(dataset.examples, args.split) if not e.is_yes_no]
         queues[dataset.name] = examples[: args.limit]
         out["datasets"][dataset.name] = []
     # Question-major and the datasets alternating, so a run stopped at its time box still covers
@@ -180,11 +182,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {index + 1}/{len(examples)}", flush=True)
     write(out, args.out)
     return 0
-
-
-def split_half(examples: list[EvalExample], split: str) -> list[EvalExample]:
-    half = len(examples) // 2
-    return {"tune": examples[:half], "test": examples[half:]}.get(split, examples)
 
 
 def write(report: dict[str, Any], path: str) -> None:
