@@ -8,6 +8,7 @@ and a budget counted with it still holds upstream.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,25 @@ class TiktokenTokenizer(TiktokenCounter):
         the prompt is rendered with: what client text must not spell."""
         return set(self.encoding.special_tokens_set) | set(CHATML_MARKERS)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        turns = [f"<|im_start|>{m.get('role', 'user')}\n{_text(m.get('content'))}<|im_end|>\n" for m in messages]
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        # Tools and tool-call turns are counted as their JSON: the upstream renders them its own way,
+        # and a budget that left them out would let a large tools list pass uncounted.
+        turns = [f"<|im_start|>tools\n{json.dumps(tools, ensure_ascii=False)}<|im_end|>\n"] if tools else []
+        turns += [f"<|im_start|>{m.get('role', 'user')}\n{_message_text(m)}<|im_end|>\n" for m in messages]
         return "".join(turns) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
     def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
         # The same number the gateway re-checks (encode(render_chat(...))), so the pipeline and the
         # gateway never disagree about the budget.
         return self.count(self.render_chat(messages, add_generation_prompt))
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    text = _text(message.get("content"))
+    if message.get("tool_calls"):
+        text += json.dumps(message["tool_calls"], ensure_ascii=False)
+    return text
 
 
 def _text(content: Any) -> str:

@@ -60,10 +60,11 @@ def test_gateway_reaches_keyed_engine_with_remote_tokenizer(servers):
 def test_engine_refusal_reaches_the_client_naming_the_field(servers):
     _, gateway_url, _ = servers
     response = httpx.post(f"{gateway_url}/v1/chat/completions", timeout=60, json={
-        "model": "front", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True})
+        "model": "front", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "prediction": {"type": "content", "content": "hi"}})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert (error["param"], error["code"]) == ("logprobs", "unsupported_parameter")
+    assert (error["param"], error["code"]) == ("prediction", "unsupported_parameter")
 
 
 def test_tiktoken_counting_tokenizer():
@@ -74,3 +75,16 @@ def test_tiktoken_counting_tokenizer():
     assert tokenizer.count_chat(messages) == len(tokenizer.encode(prompt)) > tokenizer.count("How tall is Everest?")
     with pytest.raises(ValueError, match="neither a local tokenizer directory nor a tiktoken encoding"):
         load_counting_tokenizer("no-such-encoding")
+
+
+def test_tiktoken_counts_tools_and_tool_calls():
+    tokenizer = load_counting_tokenizer("cl100k_base")
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    plain = len(tokenizer.encode(tokenizer.render_chat(messages)))
+    with_tools = tokenizer.render_chat(messages, tools=tools)
+    assert "get_weather" in with_tools and len(tokenizer.encode(with_tools)) > plain
+    called = messages + [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+    assert "get_weather" in tokenizer.render_chat(called)
