@@ -102,19 +102,22 @@ class CompressionPipeline:
     async def run(
         self, request: CompressionInput, policy: Policy,
         prepare: Callable[[CompressionInput], CompressionInput] | None = None,
+        counter: CachedCounter | None = None,
     ) -> CompressionResult:
         """`prepare`: work on the request's text to do first (the gateway's neutraliser), in the
-        compression worker, or in a thread of its own when none is used: never on this event loop."""
+        compression worker, or in a thread of its own when none is used: never on this event loop.
+        `counter`: the tokens of the model this request is for, when it is not the pipeline's
+        tokenizer's (a gateway serving several models); the guarantee then holds in its counts."""
         if self._executor is None or not policy.compression_enabled:
             # Nothing to compress (counting only): no reason to wait for a compression worker.
             if prepare is not None:
                 request = await asyncio.to_thread(prepare, request)
-            return await self.run_here(request, policy)
+            return await self.run_here(request, policy, counter)
         if self._caller_loop is None:
             self._caller_loop = asyncio.get_running_loop()
             if self.services.engine is not None:
                 self.engine = LoopBridge(self.services.engine, self._caller_loop)
-        future = self._executor.submit(self._run_in_worker, request, policy, time.perf_counter(), prepare)
+        future = self._executor.submit(self._run_in_worker, request, policy, time.perf_counter(), prepare, counter)
         return await asyncio.wrap_future(future)
 
     def warm_up(self, stopping: threading.Event) -> int:
@@ -144,22 +147,25 @@ class CompressionPipeline:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _run_in_worker(self, request: CompressionInput, policy: Policy, submitted: float,
-                       prepare: Callable[[CompressionInput], CompressionInput] | None = None) -> CompressionResult:
+                       prepare: Callable[[CompressionInput], CompressionInput] | None = None,
+                       counter: CachedCounter | None = None) -> CompressionResult:
         wait_ms = (time.perf_counter() - submitted) * 1000
         if prepare is not None:
             request = prepare(request)
         loop = self._worker.loop
         if loop is None:
             loop = self._worker.loop = asyncio.new_event_loop()
-        result = loop.run_until_complete(self.run_here(request, policy))
+        result = loop.run_until_complete(self.run_here(request, policy, counter))
         result.wait_ms = wait_ms
         return result
 
-    async def run_here(self, request: CompressionInput, policy: Policy) -> CompressionResult:
+    async def run_here(self, request: CompressionInput, policy: Policy,
+                       counter: CachedCounter | None = None) -> CompressionResult:
         """The stages, in the calling thread and event loop."""
         started = time.perf_counter()
+        counter = counter or self.counter
         state = split_messages(request, budget_tokens=policy.max_input_tokens)
-        ctx = StageContext(policy=policy, counter=self.counter, services=self.services)
+        ctx = StageContext(policy=policy, counter=counter, services=self.services)
         reports: list[StageReport] = []
         engine_time = EngineTime()
         token = ENGINE_TIME.set(engine_time)
@@ -171,7 +177,7 @@ class CompressionPipeline:
             ENGINE_TIME.reset(token)
         if state.compressing:
             self.cost_estimator.observe_compression((time.perf_counter() - started) * 1000)
-        report_kept(state, reports, self.counter)
+        report_kept(state, reports, counter)
         result = result_of(state, reports, policy)
         result.engine_ms = engine_time.seconds * 1000
         return result

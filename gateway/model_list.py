@@ -11,6 +11,7 @@
             weight: 2
             max_parallel_requests: 16
           - url: http://engine-2:8001/v1
+        tokenizer: ./SmolLM2.gguf         # budgets counted with this (a GGUF, HF dir or tiktoken name)
       - model_name: local
         deployments:
           - engine: builtin               # the in-process engine (the `engine:` section)
@@ -88,9 +89,29 @@ class ModelConfig(_Strict):
     affinity_prefix_chars: int = Field(2048, ge=16, le=1_000_000, description="cache_affinity: characters of the "
                                        "prompt's stable prefix (system prompt and first user turn, after "
                                        "compression) that key the ring")
+    tokenizer: str | None = Field(None, description="what this model's budgets are counted, its prompt rendered "
+                                  "and its special tokens neutralised with: a GGUF file, a local HF tokenizer "
+                                  "directory or a tiktoken encoding name (e.g. cl100k_base); default: the "
+                                  "gateway's (`server.tokenizer`, else the built-in engine's). Not for the "
+                                  "built-in engine, which always counts with its own")
     fallbacks: list[str] = Field(default_factory=list, description="served model names tried in order when no "
                                  "deployment can take a request (5xx, timeout, overload) before any token flowed")
     health: HealthConfig = Field(default_factory=HealthConfig, description="ejection and probes")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_found(cls, spec: str | None) -> str | None:
+        from gateway.tokenizers import check_tokenizer_spec  # tiktoken's names: only when one is named
+
+        return check_tokenizer_spec(spec) if spec is not None else None
+
+    @model_validator(mode="after")
+    def _builtin_counts_itself(self) -> ModelConfig:
+        # The built-in engine is sent the token ids the gateway encoded: only its own tokenizer's are right.
+        if self.tokenizer is not None and any(entry.engine is not None for entry in self.deployments):
+            raise ValueError(f"model '{self.model_name}': the built-in engine counts with its own tokenizer; "
+                             "`tokenizer` is for url deployments")
+        return self
 
 
 def check_model_list(models: list[ModelConfig]) -> list[ModelConfig]:

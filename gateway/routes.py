@@ -127,7 +127,7 @@ async def compress(request: Request) -> dict[str, Any]:
     gateway.check_model(body.model, tenant)
     policy = gateway.resolve_policy(tenant, body.ctxgate, body.model)
     result = await gateway.compress(body, tenant, policy)
-    gateway.encode_checked(result, policy)
+    gateway.encode_checked(result, policy, model=body.model)
     # Compression is metered like a request that generates nothing: one request, its prompt tokens.
     await gateway.reserve(tenant, policy, result.prompt_tokens, 0)
     return {

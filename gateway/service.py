@@ -23,6 +23,7 @@ from backend.openai_api.errors import APIError, generic_server_error
 from backend.openai_api.fields import enforce_supported
 from backend.openai_api.request_params import EngineAsks, engine_asks
 from backend.openai_api.responses import Usage
+from compression.counting import CachedCounter
 from compression.index_names import InvalidIndexName, UnknownIndexError, check_index_name
 from compression.types import (
     BudgetExceededError,
@@ -36,9 +37,9 @@ from gateway.budget_control import BudgetController, Decision, Outcome
 from gateway.engine_load import reader_for
 from gateway.keys import KeyRejected, KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
+from gateway.model_tokenizers import load_model_tokenizers
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
 from gateway.request_id import current_request, note_tenant
-from gateway.sanitize import KNOWN_CONTROL_TOKENS, Neutraliser
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, CtxgateExtras, GatewayRequest
 from gateway.settings import GatewaySettings
 from policies.loader import PolicyRegistry, apply_overrides
@@ -83,7 +84,10 @@ class Pipeline(Protocol):
     """What the gateway needs of a compressor (compression.pipeline.CompressionPipeline is the one)."""
 
     async def run(self, inp: CompressionInput, policy: Policy,
-                  prepare: Callable[[CompressionInput], CompressionInput] | None = None) -> CompressionResult: ...
+                  prepare: Callable[[CompressionInput], CompressionInput] | None = None,
+                  counter: CachedCounter | None = None) -> CompressionResult:
+        """`counter`: what the request's model is counted with (None: the pipeline's own tokenizer)."""
+        ...
 
     def warm_up(self, stopping: threading.Event) -> int:
         """Load the models compression needs and run them once per shape they will meet, so the first
@@ -157,9 +161,10 @@ class Gateway:
         # A model list: each served name's own group (its context length, whether it forwards fields).
         self.models: dict[str, EngineClient] = dict(engine.groups) if isinstance(engine, ModelRouter) else {}
         self._prefix_chars = {model.model_name: model.affinity_prefix_chars for model in settings.model_list}
-        # Upstream mode: the serving model's tokens (from --tokenizer) plus the common templates' ones.
-        upstream = engine.forwards_fields
-        self.neutraliser = Neutraliser(tokenizer, extra=KNOWN_CONTROL_TOKENS if upstream else ())
+        # Each served model's tokenizer (model_list[].tokenizer, else this one) and neutraliser. Upstream
+        # mode: the serving model's tokens (from --tokenizer) plus the common templates' ones.
+        self.tokens = load_model_tokenizers(tokenizer, engine.forwards_fields, list(settings.model_list))
+        self.neutraliser = self.tokens.default.neutraliser
         # Keys each tenant's prefix-cache salt; random per process unless configured (replicas that
         # share an upstream should share it, or they never share cached prefixes).
         secret = settings.cache_salt_secret or secrets.token_hex(32)
@@ -350,10 +355,12 @@ class Gateway:
             self.check_index(tenant, extras.retrieval.index)
         retrieval = RetrievalSpec(extras.retrieval.index, extras.retrieval.top_n) if extras.retrieval else None
         # Passages from an index are as untrusted as the client's documents: neutralised the same way.
+        tokens = self.tokens.for_model(body.model)
         inp = CompressionInput(messages=messages, documents=documents, retrieval=retrieval, tenant=tenant.name,
-                               neutralise=self.neutraliser.document)
+                               neutralise=tokens.neutraliser.document)
         try:
-            result = await self.pipeline.run(inp, policy, prepare=self.neutraliser.compression_input)
+            result = await self.pipeline.run(inp, policy, prepare=tokens.neutraliser.compression_input,
+                                             counter=tokens.counter)
         except BudgetExceededError as exc:
             self.metrics.budget_rejections.labels(policy.name).inc()
             raise APIError(413, str(exc), param="messages", code="prompt_too_long") from None
@@ -371,11 +378,13 @@ class Gateway:
             self.metrics.compression_wait_seconds.observe(result.wait_ms / 1000)
         return result
 
-    def encode_checked(self, result: CompressionResult, policy: Policy,
-                       tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str]:
-        """Token ids actually sent; re-counted here so the budget holds whatever pipeline ran."""
-        prompt_text = self.tokenizer.render_chat(result.messages, tools=tools)
-        token_ids = self.tokenizer.encode(prompt_text)
+    def encode_checked(self, result: CompressionResult, policy: Policy, tools: list[dict[str, Any]] | None = None,
+                       model: str | None = None) -> tuple[list[int], str]:
+        """Token ids actually sent (with `model`'s tokenizer); re-counted here so the budget holds
+        whatever pipeline ran."""
+        tokenizer = self.tokens.for_model(model).tokenizer
+        prompt_text = tokenizer.render_chat(result.messages, tools=tools)
+        token_ids = tokenizer.encode(prompt_text)
         if len(token_ids) > policy.max_input_tokens:
             logger.error("pipeline produced %d tokens over budget %d", len(token_ids), policy.max_input_tokens)
             raise APIError(
@@ -514,7 +523,7 @@ class Gateway:
         try:
             result = await self.compress(body, tenant, policy)
             tools = asks.output.tools.template_tools() if asks and asks.output.tools else None
-            token_ids, prompt_text = self.encode_checked(result, policy, tools)
+            token_ids, prompt_text = self.encode_checked(result, policy, tools, body.model)
             sampling = self.sampling_for(body, policy, len(token_ids), asks)
             priority = Priority.BACKGROUND if body.ctxgate and body.ctxgate.priority == "background" else Priority.USER
             prepared = Prepared(
@@ -540,7 +549,7 @@ class Gateway:
         choices = self.choices_for(body, forward)
         asks = None if forward is not None else await engine_asks(body, self.tokenizer)
         prompt_text = body.prompt_text() or ""
-        token_ids = self.tokenizer.encode(prompt_text)
+        token_ids = self.tokens.for_model(body.model).tokenizer.encode(prompt_text)
         if not token_ids:
             raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
         if len(token_ids) > policy.max_input_tokens:

