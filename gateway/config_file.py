@@ -204,6 +204,16 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
             continue
         if not candidate.is_absolute():
             owner[name] = str(base / candidate)
+    _resolve_model_tokenizers(data, base)
+
+
+def _resolve_model_tokenizers(data: dict[str, Any], base: Path) -> None:
+    """model_list[].tokenizer, when a path relative to the file (it may also be a tiktoken name)."""
+    models = data.get("model_list")
+    for model in models if isinstance(models, list) else []:
+        spec = model.get("tokenizer") if isinstance(model, dict) else None
+        if isinstance(spec, str) and not Path(spec).expanduser().is_absolute() and (base / spec).exists():
+            model["tokenizer"] = str(base / spec)
 
 
 def validation_problems(exc: ValidationError) -> list[str]:

@@ -93,3 +93,13 @@ def test_a_bad_tokenizer_is_a_config_error(tmp_path, entry, message):
     path.write_text(yaml.safe_dump({"model_list": [model]}))
     with pytest.raises(ConfigError, match=message):
         load_config(path)
+
+
+def test_a_relative_tokenizer_path_is_relative_to_the_config_file(tmp_path, model_dir):
+    (tmp_path / "smol").symlink_to(model_dir, target_is_directory=True)
+    path = tmp_path / "ctxgate.yaml"
+    path.write_text(yaml.safe_dump({"model_list": [
+        {"model_name": "chat", "tokenizer": "smol", "deployments": [{"url": "http://a:1"}]},
+        {"model_name": "gpt", "tokenizer": "cl100k_base", "deployments": [{"url": "http://b:1"}]}]}))
+    chat, gpt = load_config(path).model_list
+    assert chat.tokenizer == str(tmp_path / "smol") and gpt.tokenizer == "cl100k_base"
