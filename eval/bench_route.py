@@ -2,8 +2,10 @@
 
 Starts `--replicas` `ctxgate engine serve --num-threads 1` processes (a small KV pool each, so a
 replica cannot hold every conversation) and runs the same open-loop schedules (eval/route_workloads.py)
-through a model group (backend/model_group.py) under each strategy: round robin, least outstanding
-and cache affinity, with the gateway's affinity key (gateway/affinity.py). Per arm and workload:
+under each strategy: round robin, least outstanding and cache affinity. `--via gateway` (the
+default): through a real `ctxgate serve` process whose model list fronts the replicas with the arm's
+strategy (eval/route_gateway.py), over HTTP; `--via in-process`: through a model group
+(backend/model_group.py) in this process, with the gateway's affinity key (gateway/affinity.py). Per arm and workload:
 prefix-cache hit tokens summed over the replicas (the change of their
 `ctxgate:prefix_cache_hits_total`), TTFT P50/P95 as the client sees it, requests/s. A last run
 repeats the multi-turn workload under affinity and SIGKILLs one replica half-way: a request that
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import httpx
 
@@ -32,6 +34,7 @@ from backend.deployment_metrics import DeploymentMetrics
 from backend.model_group import Deployment, ModelGroup
 from backend.routing import Strategy, make_router
 from backend.upstream import UpstreamClient, UpstreamConfig
+from eval.route_gateway import GatewayFront
 from eval.route_workloads import Item, multi_turn, rag
 from eval.server import free_port
 from eval.stats import percentiles
@@ -41,6 +44,8 @@ ARMS: dict[str, Strategy] = {"round robin": "weighted_round_robin", "least outst
                              "affinity": "cache_affinity"}
 HITS = re.compile(r"^ctxgate:prefix_cache_hits_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
 AFFINITY_PREFIX_CHARS = 2048
+KV_BLOCKS = re.compile(r"^ctxgate:num_kv_blocks_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+BLOCK_TOKENS = 16  # the engine's KV block (EngineConfig.block_size): the unit a prefix cache hits in
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class RouteBenchConfig:
     kv_cache_memory_mb: int = 64
     model: str | None = None
     kill: bool = True
+    via: Literal["gateway", "in-process"] = "gateway"
 
 
 @dataclass
@@ -65,6 +71,11 @@ class Outcome:
     ttft_s: float | None = None
     done_at: float | None = None
     error: str | None = None
+    turn: int = 0
+    conversation: str = ""
+    # The replica's own counts, from the stream's usage (through the gateway only).
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def started(self) -> bool:
@@ -110,6 +121,14 @@ class Replicas:
                 hits[url] = sum(float(v) for v in HITS.findall(httpx.get(f"{url}/metrics", timeout=10).text))
         return hits
 
+    def kv_pool_tokens(self) -> dict[str, float]:
+        """Each replica's KV pool in tokens: what it can keep cached across conversations."""
+        pools = {}
+        for url in self.urls:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            pools[url] = sum(float(v) for v in KV_BLOCKS.findall(text)) * BLOCK_TOKENS
+        return pools
+
     def kill(self, index: int) -> None:
         self.processes[index].send_signal(signal.SIGKILL)
 
@@ -129,6 +148,40 @@ def hits_gained(before: dict[str, float], after: dict[str, float]) -> float:
     return sum(after[url] - before.get(url, 0.0) for url in after)
 
 
+class Front(Protocol):
+    """Where the bench sends its requests: a model group in this process, or a gateway process."""
+
+    async def send(self, item: Item, max_tokens: int) -> dict[str, Any]:
+        """Stream one request; {"ttft_s": seconds or None, "error": text or None, ...} as the client sees it."""
+        ...
+
+
+class InProcessFront:
+    """A model group of this process over the replicas, keyed as the gateway keys (open mode's salt aside)."""
+
+    def __init__(self, urls: list[str], strategy: Strategy) -> None:
+        self.group = group_for(urls, strategy)
+
+    async def start(self) -> None:
+        self.group.start()
+        await self.group.check_health()
+
+    async def send(self, item: Item, max_tokens: int) -> dict[str, Any]:
+        key = affinity_key("bench", item.messages, None, AFFINITY_PREFIX_CHARS)
+        request = GenerationRequest(request_id=f"{item.workload}-{time.perf_counter_ns()}", prompt_token_ids=[],
+                                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
+                                    messages=item.messages, model="bench", route_key=key)
+        seen: dict[str, Any] = {"ttft_s": None, "error": None}
+        sent = time.perf_counter()
+        async for delta in self.group.generate(request):
+            if delta.text and seen["ttft_s"] is None:
+                seen["ttft_s"] = time.perf_counter() - sent
+        return seen
+
+    async def stop(self) -> None:
+        await self.group.stop()
+
+
 def group_for(urls: list[str], strategy: Strategy) -> ModelGroup:
     policy = HealthPolicy(failures_to_eject=1, eject_s=30, probe_interval_s=1.0)
     deployments = [
@@ -141,34 +194,31 @@ def group_for(urls: list[str], strategy: Strategy) -> ModelGroup:
 
 
 # -- one schedule --------------------------------------------------------------------------------
-async def _one(group: ModelGroup, item: Item, index: int, max_tokens: int, started: float) -> Outcome:
-    key = affinity_key("bench", item.messages, None, AFFINITY_PREFIX_CHARS)
-    request = GenerationRequest(request_id=f"{item.workload}-{index}", prompt_token_ids=[],
-                                sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
-                                messages=item.messages, model="bench", route_key=key)
-    outcome = Outcome(item.workload, time.perf_counter() - started)
-    sent = time.perf_counter()
+async def _one(front: Front, item: Item, max_tokens: int, started: float) -> Outcome:
+    turn = max(0, sum(message["role"] == "user" for message in item.messages) - 1)
+    outcome = Outcome(item.workload, time.perf_counter() - started, turn=turn, conversation=item.conversation)
+    seen: dict[str, Any] = {}
     try:
-        async for delta in group.generate(request):
-            if delta.text and outcome.ttft_s is None:
-                outcome.ttft_s = time.perf_counter() - sent
+        seen = await front.send(item, max_tokens)
     except Exception as exc:  # a lost request is a result here, not a crash of the bench
-        outcome.error = f"{type(exc).__name__}: {exc}"
+        seen = {"error": f"{type(exc).__name__}: {exc}"}
+    outcome.ttft_s, outcome.error = seen.get("ttft_s"), seen.get("error")
+    outcome.prompt_tokens, outcome.cached_tokens = seen.get("prompt_tokens"), seen.get("cached_tokens")
     outcome.done_at = time.perf_counter() - started
     return outcome
 
 
-async def run_schedule(group: ModelGroup, items: list[Item], max_tokens: int,
+async def run_schedule(front: Front, items: list[Item], max_tokens: int,
                        at_half: Callable[[], None] | None = None) -> list[Outcome]:
     started = time.perf_counter()
     tasks = []
     half = items[len(items) // 2].at_s if items else 0.0
-    for index, item in enumerate(items):
+    for item in items:
         if at_half is not None and item.at_s >= half:
             at_half()
             at_half = None
         await asyncio.sleep(max(0.0, started + item.at_s - time.perf_counter()))
-        tasks.append(asyncio.create_task(_one(group, item, index, max_tokens, started)))
+        tasks.append(asyncio.create_task(_one(front, item, max_tokens, started)))
     return list(await asyncio.gather(*tasks))
 
 
@@ -176,29 +226,95 @@ def summarize(outcomes: list[Outcome], hit_tokens: float) -> dict[str, Any]:
     done = [o for o in outcomes if o.error is None]
     span = (max((o.done_at or 0) for o in outcomes) - min(o.sent_at for o in outcomes)) if outcomes else 0.0
     ttft = percentiles([o.ttft_s * 1000 for o in done if o.ttft_s is not None], (50, 95))
-    return {
+    row: dict[str, Any] = {
         "requests": len(outcomes), "failed": len(outcomes) - len(done),
         "failed_before_streaming": sum(1 for o in outcomes if o.error is not None and not o.started),
         "prefix_cache_hit_tokens": hit_tokens, "ttft_ms_p50": ttft["p50"], "ttft_ms_p95": ttft["p95"],
         "requests_per_s": round(len(done) / span, 3) if span > 0 else None,
     }
+    return row | by_turn(done) | previous_turn_hits(done)
 
 
-async def _arm(replicas: Replicas, strategy: Strategy, workloads: dict[str, list[Item]],
-               max_tokens: int, kill_half: bool = False) -> dict[str, Any]:
-    group = group_for(replicas.urls, strategy)
-    group.start()
-    await group.check_health()
+def by_turn(done: list[Outcome]) -> dict[str, Any]:
+    """Per turn index: prompt tokens, and the cached ones the replica reported (what explains a ratio).
+    Empty when the replicas' usage was not seen (in-process)."""
+    counted = [o for o in done if o.prompt_tokens is not None]
+    if not counted:
+        return {}
+    turns: dict[str, dict[str, int]] = {}
+    for o in sorted(counted, key=lambda o: o.turn):
+        row = turns.setdefault(str(o.turn), {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+        row["requests"] += 1
+        row["prompt_tokens"] += o.prompt_tokens or 0
+        row["cached_tokens"] += o.cached_tokens or 0
+    return {"by_turn": turns}
+
+
+def previous_turn_hits(done: list[Outcome], block_tokens: int = BLOCK_TOKENS) -> dict[str, Any]:
+    """How much of what a later turn could reuse it found: a turn's prompt starts with its previous
+    turn's whole prompt, so that (in whole KV blocks) is the most a prefix cache can give it. `full`:
+    turns that found all of it (served where the previous turn was, its blocks still cached);
+    `partial`: some (an older turn's replica, or blocks evicted); `none`. Empty without the replicas'
+    counts, or without later turns."""
+    by_conversation: dict[str, list[Outcome]] = {}
+    for o in done:
+        if o.prompt_tokens is not None and o.cached_tokens is not None:
+            by_conversation.setdefault(o.conversation, []).append(o)
+    hittable = found = 0
+    kinds = {"full": 0, "partial": 0, "none": 0}
+    for turns in by_conversation.values():
+        turns.sort(key=lambda o: o.turn)
+        for earlier, later in zip(turns, turns[1:], strict=False):
+            if later.turn != earlier.turn + 1:
+                continue
+            reusable = (earlier.prompt_tokens or 0) // block_tokens * block_tokens
+            cached = later.cached_tokens or 0
+            hittable += reusable
+            found += min(cached, reusable)
+            kinds["full" if cached >= reusable else "partial" if cached > 0 else "none"] += 1
+    if hittable == 0:
+        return {}
+    return {"previous_turn": {"reusable_tokens": hittable, "found_tokens": found,
+                              "found_share": round(found / hittable, 3), "turns": kinds}}
+
+
+async def _front(replicas: Replicas, strategy: Strategy, config: RouteBenchConfig,
+                 out: Path) -> GatewayFront | InProcessFront:
+    if config.via == "in-process":
+        front = InProcessFront(replicas.urls, strategy)
+        await front.start()
+        return front
+    gateway = GatewayFront(replicas.urls, strategy, out, config.model)
+    try:
+        await asyncio.to_thread(gateway.wait_ready)
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway
+
+
+async def _stop(front: GatewayFront | InProcessFront) -> None:
+    if isinstance(front, GatewayFront):
+        await front.aclose()
+        await asyncio.to_thread(front.stop)
+    else:
+        await front.stop()
+
+
+async def _arm(replicas: Replicas, strategy: Strategy, workloads: dict[str, list[Item]], config: RouteBenchConfig,
+               out: Path, kill_half: bool = False) -> dict[str, Any]:
+    front = await _front(replicas, strategy, config, out)
+    max_tokens = config.max_tokens
     results = {}
     try:
         for name, items in workloads.items():
             before = await asyncio.to_thread(replicas.hit_tokens)
-            outcomes = await run_schedule(group, items, max_tokens, (lambda: replicas.kill(0)) if kill_half else None)
+            outcomes = await run_schedule(front, items, max_tokens, (lambda: replicas.kill(0)) if kill_half else None)
             results[name] = summarize(outcomes, hits_gained(before, await asyncio.to_thread(replicas.hit_tokens)))
             if kill_half:
                 results[name]["errors"] = sorted({o.error or "" for o in outcomes if o.error})[:5]
     finally:
-        await group.stop()
+        await _stop(front)
     return results
 
 
@@ -210,14 +326,15 @@ def _workloads(config: RouteBenchConfig, tag: str) -> dict[str, list[Item]]:
     }
 
 
-async def _run(config: RouteBenchConfig, replicas: Replicas) -> dict[str, Any]:
+async def _run(config: RouteBenchConfig, replicas: Replicas, out: Path) -> dict[str, Any]:
     arms = {}
     for label, strategy in ARMS.items():
-        arms[label] = await _arm(replicas, strategy, _workloads(config, label), config.max_tokens)
-    report: dict[str, Any] = {"config": asdict(config), "replicas": replicas.urls, "arms": arms}
+        arms[label] = await _arm(replicas, strategy, _workloads(config, label), config, out)
+    report: dict[str, Any] = {"config": asdict(config), "replicas": replicas.urls,
+                              "kv_pool_tokens": await asyncio.to_thread(replicas.kv_pool_tokens), "arms": arms}
     if config.kill:
         kill_items = {"multi-turn": _workloads(config, "kill")["multi-turn"]}
-        report["kill"] = await _arm(replicas, "cache_affinity", kill_items, config.max_tokens, kill_half=True)
+        report["kill"] = await _arm(replicas, "cache_affinity", kill_items, config, out, kill_half=True)
     report["bars"] = bars(report)
     return report
 
@@ -242,7 +359,7 @@ def run_bench_route(config: RouteBenchConfig, out: str | Path) -> dict[str, Any]
     replicas = Replicas(config.replicas, out, config)
     try:
         replicas.wait_ready()
-        report = asyncio.run(_run(config, replicas))
+        report = asyncio.run(_run(config, replicas, out))
     finally:
         replicas.stop()
     (out / "route.json").write_text(json.dumps(report, indent=2))
@@ -261,6 +378,22 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {label} | {workload} | {row['requests']} | {row['failed']} "
                          f"({row['failed_before_streaming']} before streaming) | {row['prefix_cache_hit_tokens']:.0f} | "
                          f"{row['ttft_ms_p50']} | {row['ttft_ms_p95']} | {row['requests_per_s']} |")
+    lines += _reuse_table(runs)
     lines.append("")
     lines.append("Bars: " + json.dumps(report["bars"]))
     return "\n".join(lines) + "\n"
+
+
+def _reuse_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """How much of each later turn's reusable prefix (its previous turn's prompt) it found."""
+    rows = [(label, workload, row["previous_turn"]) for label, arm in runs for workload, row in arm.items()
+            if "previous_turn" in row]
+    if not rows:
+        return []
+    lines = ["", "| strategy | workload | reusable tokens | found | share | turns full / partial / none |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for label, workload, reuse in rows:
+        turns = reuse["turns"]
+        lines.append(f"| {label} | {workload} | {reuse['reusable_tokens']} | {reuse['found_tokens']} | "
+                     f"{reuse['found_share']} | {turns['full']} / {turns['partial']} / {turns['none']} |")
+    return lines

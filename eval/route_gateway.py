@@ -1,0 +1,113 @@
+"""`ctxgate bench route --via gateway`: a real `ctxgate serve` process fronts the engine replicas.
+
+Its config file's `model_list:` puts the replicas in one group under the arm's strategy (the only
+thing that changes between arms), with the `passthrough` policy so the prompts reach the replicas as
+sent; the workload is streamed to it over HTTP like any client's. What the bench measures then
+includes the gateway's own work (auth, counting, the affinity key, relaying the stream) and its
+health checks (probes, passive ejection), as in production.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from backend.routing import Strategy
+from eval.route_workloads import Item
+from eval.server import free_port
+
+MODEL = "bench"
+
+
+def gateway_config(urls: list[str], strategy: Strategy, model: str | None) -> dict[str, Any]:
+    """One served model over the replicas; a replica that fails once is out for 30 s, probed every second."""
+    config: dict[str, Any] = {
+        "server": {"default_policy": "passthrough", "upstream_connect_timeout_s": 1.0, "upstream_retries": 0},
+        "model_list": [{
+            "model_name": MODEL, "routing": strategy,
+            "health": {"failures_to_eject": 1, "eject_s": 30, "probe_interval_s": 1.0},
+            "deployments": [{"url": f"{url}/v1"} for url in urls],
+        }],
+    }
+    if model:  # the gateway counts with the replicas' tokenizer
+        config["engine"] = {"model": model}
+    return config
+
+
+class GatewayFront:
+    """A `ctxgate serve` process in front of `urls`; `send` streams one request through it."""
+
+    def __init__(self, urls: list[str], strategy: Strategy, out: Path, model: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = out / f"gateway-{strategy}.yaml"
+        config.write_text(yaml.safe_dump(gateway_config(urls, strategy, model)))
+        command = [sys.executable, "-m", "ctxgate", "--log-level", "WARNING", "serve", "--config", str(config),
+                   "--port", str(self.port)]
+        self._log = (out / f"gateway-{strategy}.log").open("wb")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(120.0, connect=5.0),
+                                        limits=httpx.Limits(max_connections=256))
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the gateway exited with {self.process.returncode}; see its log")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not get ready in {timeout_s:g}s")
+            time.sleep(0.5)
+
+    async def send(self, item: Item, max_tokens: int) -> dict[str, Any]:
+        """Stream one request: {"ttft_s", "error", "prompt_tokens", "cached_tokens"} as seen by the client."""
+        body = {"model": MODEL, "messages": item.messages, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        seen: dict[str, Any] = {"ttft_s": None, "error": None}
+        sent = time.perf_counter()
+        async with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                seen["error"] = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return seen
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                _read_event(json.loads(line[len("data: "):]), seen, sent)
+        return seen
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+def _read_event(event: dict[str, Any], seen: dict[str, Any], sent: float) -> None:
+    if "error" in event:  # an error after the stream began (the gateway's mid-stream error event)
+        seen["error"] = f"stream error: {event['error'].get('message', event['error'])}"
+        return
+    choices = event.get("choices") or []
+    if seen["ttft_s"] is None and any((choice.get("delta") or {}).get("content") for choice in choices):
+        seen["ttft_s"] = time.perf_counter() - sent
+    usage = event.get("usage")
+    if usage:
+        seen["prompt_tokens"] = usage.get("prompt_tokens")
+        seen["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
