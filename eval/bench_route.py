@@ -306,11 +306,16 @@ async def _arm(replicas: Replicas, strategy: Strategy, workloads: dict[str, list
     front = await _front(replicas, strategy, config, out)
     max_tokens = config.max_tokens
     results = {}
+    routed_before: dict[str, float] = {}
     try:
         for name, items in workloads.items():
             before = await asyncio.to_thread(replicas.hit_tokens)
             outcomes = await run_schedule(front, items, max_tokens, (lambda: replicas.kill(0)) if kill_half else None)
             results[name] = summarize(outcomes, hits_gained(before, await asyncio.to_thread(replicas.hit_tokens)))
+            if isinstance(front, GatewayFront):
+                routed = await asyncio.to_thread(front.routing_counts)
+                results[name]["gateway"] = {k: v - routed_before.get(k, 0.0) for k, v in routed.items()}
+                routed_before = routed
             if kill_half:
                 results[name]["errors"] = sorted({o.error or "" for o in outcomes if o.error})[:5]
     finally:
@@ -386,14 +391,14 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def _reuse_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """How much of each later turn's reusable prefix (its previous turn's prompt) it found."""
-    rows = [(label, workload, row["previous_turn"]) for label, arm in runs for workload, row in arm.items()
-            if "previous_turn" in row]
+    rows = [(label, workload, row) for label, arm in runs for workload, row in arm.items() if "previous_turn" in row]
     if not rows:
         return []
-    lines = ["", "| strategy | workload | reusable tokens | found | share | turns full / partial / none |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for label, workload, reuse in rows:
-        turns = reuse["turns"]
+    lines = ["", "| strategy | workload | reusable tokens | found | share | turns full / partial / none | "
+             "to ring owner / routed |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, workload, row in rows:
+        reuse, turns, routed = row["previous_turn"], row["previous_turn"]["turns"], row.get("gateway")
+        owner = f"{routed['served_by_ring_owner']:.0f} / {routed['requests']:.0f}" if routed else "-"
         lines.append(f"| {label} | {workload} | {reuse['reusable_tokens']} | {reuse['found_tokens']} | "
-                     f"{reuse['found_share']} | {turns['full']} / {turns['partial']} / {turns['none']} |")
+                     f"{reuse['found_share']} | {turns['full']} / {turns['partial']} / {turns['none']} | {owner} |")
     return lines

@@ -10,6 +10,7 @@ health checks (probes, passive ejection), as in production.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +25,9 @@ from eval.route_workloads import Item
 from eval.server import free_port
 
 MODEL = "bench"
+# The gateway's per-deployment counters (backend/deployment_metrics.py), summed over the deployments.
+ROUTING_COUNTERS = {"requests": "deployment_requests_total", "served_by_ring_owner": "deployment_affinity_hits_total",
+                    "ejections": "deployment_ejections_total"}
 
 
 def gateway_config(urls: list[str], strategy: Strategy, model: str | None) -> dict[str, Any]:
@@ -85,6 +89,14 @@ class GatewayFront:
                     continue
                 _read_event(json.loads(line[len("data: "):]), seen, sent)
         return seen
+
+    def routing_counts(self) -> dict[str, float]:
+        """Requests the gateway routed, how many went to their key's ring owner (the rest spilled
+        under bounded load, or failed over), and ejections: summed over the deployments."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {name: sum(float(v) for v in re.findall(rf"^ctxgate:{metric}\{{[^}}]*\}}\s+([0-9.eE+-]+)$", text,
+                                                       re.MULTILINE))
+                for name, metric in ROUTING_COUNTERS.items()}
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -1,11 +1,17 @@
-"""`ctxgate bench route`'s pieces that need no engine: the workloads share prefixes the way the
-affinity key expects, arms never share one, and the figures and bars are computed as documented."""
+"""`ctxgate bench route`: the workloads share prefixes the way the
+affinity key expects, arms never share one, and the figures and bars are computed as documented; one
+request through a real gateway process in front of a real engine process."""
 
 from __future__ import annotations
 
-from eval.bench_route import Outcome, bars, hits_gained, render_markdown, summarize
+import asyncio
+
+from eval.bench_route import Outcome, bars, hits_gained, previous_turn_hits, render_markdown, summarize
+from eval.route_gateway import GatewayFront, gateway_config
 from eval.route_workloads import multi_turn, rag
 from gateway.affinity import affinity_key
+from gateway.settings import GatewaySettings
+from tests.support.servers import engine_processes
 
 
 def key(item) -> str | None:
@@ -48,3 +54,44 @@ def test_figures_lost_requests_and_bars():
                             "lost_before_streaming": 1}
     report["bars"] = bars(report)
     assert "| affinity, 1 replica killed | multi-turn | 4 | 2 (1 before streaming) | 100 |" in render_markdown(report)
+
+
+def test_previous_turn_reuse_is_counted_in_whole_blocks():
+    def turn(conversation, index, prompt, cached):
+        return Outcome("multi-turn", 0.0, ttft_s=0.1, done_at=1.0, turn=index, conversation=conversation,
+                       prompt_tokens=prompt, cached_tokens=cached)
+
+    done = [turn("a", 0, 40, 0), turn("a", 1, 100, 32), turn("a", 2, 170, 64),  # full, then partial (96 reusable)
+            turn("b", 0, 50, 0), turn("b", 1, 90, 0)]  # none of b's 48
+    reuse = previous_turn_hits(done)["previous_turn"]
+    assert reuse == {"reusable_tokens": 32 + 96 + 48, "found_tokens": 96, "found_share": round(96 / 176, 3),
+                     "turns": {"full": 1, "partial": 1, "none": 1}}
+    assert previous_turn_hits([turn("a", 0, 40, 0)]) == {}  # no later turn: nothing to say
+
+
+def test_the_gateway_config_puts_the_replicas_in_one_group_under_the_arm_strategy():
+    config = gateway_config(["http://a:1", "http://b:2"], "cache_affinity", None)
+    settings = GatewaySettings(**config["server"], model_list=config["model_list"])
+    (group,) = settings.model_list
+    assert group.routing == "cache_affinity" and [d.url for d in group.deployments] == ["http://a:1/v1", "http://b:2/v1"]
+    assert settings.default_policy == "passthrough"  # the replicas get the prompts as sent
+
+
+def test_a_request_through_a_real_gateway_reports_the_replica_cache(model_dir, tmp_path):
+    with engine_processes(model_dir, tmp_path, count=1) as engines:
+        front = GatewayFront([url for url, _ in engines], "cache_affinity", tmp_path)
+        try:
+            front.wait_ready()
+            item = multi_turn("t", 1, 1, 1, 1)[0]
+
+            async def twice():
+                try:
+                    return [await front.send(item, 2), await front.send(item, 2)]
+                finally:
+                    await front.aclose()
+
+            first, second = asyncio.run(twice())
+        finally:
+            front.stop()
+    assert first["error"] is None and first["ttft_s"] > 0 and first["prompt_tokens"] > 16
+    assert second["cached_tokens"] >= 16  # the same prompt again: its blocks were found on the replica
