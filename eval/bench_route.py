@@ -62,6 +62,7 @@ class RouteBenchConfig:
     model: str | None = None
     kill: bool = True
     via: Literal["gateway", "in-process"] = "gateway"
+    load_factor: float = 1.25  # cache affinity's bound (model_list[].load_factor)
 
 
 @dataclass
@@ -159,8 +160,8 @@ class Front(Protocol):
 class InProcessFront:
     """A model group of this process over the replicas, keyed as the gateway keys (open mode's salt aside)."""
 
-    def __init__(self, urls: list[str], strategy: Strategy) -> None:
-        self.group = group_for(urls, strategy)
+    def __init__(self, urls: list[str], strategy: Strategy, load_factor: float = 1.25) -> None:
+        self.group = group_for(urls, strategy, load_factor)
 
     async def start(self) -> None:
         self.group.start()
@@ -182,7 +183,7 @@ class InProcessFront:
         await self.group.stop()
 
 
-def group_for(urls: list[str], strategy: Strategy) -> ModelGroup:
+def group_for(urls: list[str], strategy: Strategy, load_factor: float = 1.25) -> ModelGroup:
     policy = HealthPolicy(failures_to_eject=1, eject_s=30, probe_interval_s=1.0)
     deployments = [
         Deployment(name=url, client=UpstreamClient(UpstreamConfig(urls=[url], retries=0, down_for_s=0.0,
@@ -190,7 +191,8 @@ def group_for(urls: list[str], strategy: Strategy) -> ModelGroup:
                    health_url=f"{url}/health", health=DeploymentHealth(policy))
         for url in urls
     ]
-    return ModelGroup("bench", deployments, make_router(strategy), DeploymentMetrics(), probe_interval_s=1.0)
+    return ModelGroup("bench", deployments, make_router(strategy, load_factor), DeploymentMetrics(),
+                      probe_interval_s=1.0)
 
 
 # -- one schedule --------------------------------------------------------------------------------
@@ -281,10 +283,10 @@ def previous_turn_hits(done: list[Outcome], block_tokens: int = BLOCK_TOKENS) ->
 async def _front(replicas: Replicas, strategy: Strategy, config: RouteBenchConfig,
                  out: Path) -> GatewayFront | InProcessFront:
     if config.via == "in-process":
-        front = InProcessFront(replicas.urls, strategy)
+        front = InProcessFront(replicas.urls, strategy, config.load_factor)
         await front.start()
         return front
-    gateway = GatewayFront(replicas.urls, strategy, out, config.model)
+    gateway = GatewayFront(replicas.urls, strategy, out, config.model, config.load_factor)
     try:
         await asyncio.to_thread(gateway.wait_ready)
     except BaseException:

@@ -441,6 +441,9 @@ def _register_bench_route(bench_sub: argparse._SubParsersAction) -> None:
                        help="each replica's KV pool (default 64: too small to hold every conversation)")
     route.add_argument("--model", help="model directory for the engines (default: the default model)")
     route.add_argument("--no-kill", action="store_true", help="skip the run with one replica killed half-way")
+    route.add_argument("--load-factor", type=float, default=1.25,
+                       help="cache affinity's bounded load: a replica takes a key while under this times its share of "
+                       "the requests in flight (default 1.25, as model_list[].load_factor)")
     route.add_argument("--via", choices=("gateway", "in-process"), default="gateway",
                        help="gateway (default): through a real `ctxgate serve` process whose model list fronts the "
                        "replicas, over HTTP; in-process: through a model group in the bench's own process")
@@ -455,7 +458,7 @@ def _bench_route(args: argparse.Namespace) -> int:
     config = RouteBenchConfig(replicas=args.replicas, conversations=args.conversations, turns=args.turns,
                               rag_requests=args.rag_requests, max_tokens=args.max_tokens,
                               kv_cache_memory_mb=args.kv_cache_memory_mb, model=args.model, kill=not args.no_kill,
-                              via=args.via)
+                              via=args.via, load_factor=args.load_factor)
     if config.kill and config.replicas < 2:
         raise ValueError("the kill run needs --replicas 2 or more (or --no-kill)")
     print(render_markdown(run_bench_route(config, args.out)))

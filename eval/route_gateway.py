@@ -30,12 +30,12 @@ ROUTING_COUNTERS = {"requests": "deployment_requests_total", "served_by_ring_own
                     "ejections": "deployment_ejections_total"}
 
 
-def gateway_config(urls: list[str], strategy: Strategy, model: str | None) -> dict[str, Any]:
+def gateway_config(urls: list[str], strategy: Strategy, model: str | None, load_factor: float = 1.25) -> dict[str, Any]:
     """One served model over the replicas; a replica that fails once is out for 30 s, probed every second."""
     config: dict[str, Any] = {
         "server": {"default_policy": "passthrough", "upstream_connect_timeout_s": 1.0, "upstream_retries": 0},
         "model_list": [{
-            "model_name": MODEL, "routing": strategy,
+            "model_name": MODEL, "routing": strategy, "load_factor": load_factor,
             "health": {"failures_to_eject": 1, "eject_s": 30, "probe_interval_s": 1.0},
             "deployments": [{"url": f"{url}/v1"} for url in urls],
         }],
@@ -48,11 +48,12 @@ def gateway_config(urls: list[str], strategy: Strategy, model: str | None) -> di
 class GatewayFront:
     """A `ctxgate serve` process in front of `urls`; `send` streams one request through it."""
 
-    def __init__(self, urls: list[str], strategy: Strategy, out: Path, model: str | None = None) -> None:
+    def __init__(self, urls: list[str], strategy: Strategy, out: Path, model: str | None = None,
+                 load_factor: float = 1.25) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = out / f"gateway-{strategy}.yaml"
-        config.write_text(yaml.safe_dump(gateway_config(urls, strategy, model)))
+        config.write_text(yaml.safe_dump(gateway_config(urls, strategy, model, load_factor)))
         command = [sys.executable, "-m", "ctxgate", "--log-level", "WARNING", "serve", "--config", str(config),
                    "--port", str(self.port)]
         self._log = (out / f"gateway-{strategy}.log").open("wb")
