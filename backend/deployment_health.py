@@ -43,6 +43,10 @@ class DeploymentHealth:
 
     def failure(self) -> bool:
         """Record a failed request; True when this ejects the deployment."""
+        if not self.available():
+            # Sent before the ejection (a crash cuts every stream it had at once): it says nothing new,
+            # so neither another ejection nor a longer one, and it is no half-open trial.
+            return False
         self.consecutive_failures += 1
         half_open = self.ejections > 0  # it was ejected and this was its trial after the timer
         if half_open or self.consecutive_failures >= self.policy.failures_to_eject:

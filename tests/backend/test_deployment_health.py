@@ -49,3 +49,13 @@ def test_probes_eject_a_silent_deployment_and_restore_it_when_it_answers():
     assert not health.probe(False)  # already out: not counted twice
     health.probe(True)
     assert health.available() and health.total_ejections == 1
+
+
+def test_requests_cut_by_the_same_crash_eject_once():
+    clock = Clock()
+    health = DeploymentHealth(HealthPolicy(failures_to_eject=1, eject_s=30, max_eject_s=60), clock)
+    assert health.failure()  # the first stream the crash cut ejects
+    assert not health.failure() and not health.failure()  # the others were in flight: no more, no longer
+    assert health.total_ejections == 1 and health.ejected_until == clock.now + 30
+    clock.now += 30
+    assert health.failure() and health.ejected_until == clock.now + 60  # the half-open trial still doubles
