@@ -73,7 +73,8 @@ class DeploymentMetrics:
         self.ejections = Counter("ctxgate:deployment_ejections", "times the deployment was ejected (failures in a "
                                  "row or a failed health probe)", labels, registry=r)
         self.affinity_hits = Counter("ctxgate:deployment_affinity_hits", "cache-affinity requests served by the "
-                                     "deployment that owns their prefix on the ring", labels, registry=r)
+                                     "deployment expected to hold their prefix (last served the key, else its ring owner)", labels,
+                                     registry=r)
         self.fallbacks = Counter("ctxgate:model_fallbacks", "requests a model group could not take, sent to a "
                                  "fallback model", ["model", "fallback"], registry=r)
 

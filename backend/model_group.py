@@ -205,7 +205,7 @@ class ModelGroup:
     # -- routing -------------------------------------------------------------------------------
     def candidates(self, key: str | None) -> tuple[list[Deployment], Deployment | None]:
         """Deployments to try in order (routable ones first, the ejected as a last resort), and the
-        ring owner of the key under cache affinity."""
+        deployment expected to hold the key's prefix under cache affinity."""
         choice = self.router.choose(self.deployments, key)
         ordered = [self.deployments[i] for i in choice.order]
         up = [deployment for deployment in ordered if deployment.health.available()]
@@ -243,6 +243,7 @@ class ModelGroup:
                     problems.append(f"{deployment.name}: {kind}")
                     continue
                 deployment.health.success()
+                self.router.served(request.route_key, deployment.name)
                 self._observe_start(deployment, affine, started)
                 for delta in held:
                     yield delta

@@ -4,7 +4,8 @@ smooth weighted round robin, or cache affinity by consistent hashing with bounde
 A strategy only orders the group's deployments (most preferred first); the group then skips the
 ones ejected or at their parallel limit and fails over down the list. The affinity ring is built
 from the deployments' names alone, so every gateway replica computes the same ring with no shared
-state; the load each replica bounds by is its own count of requests in flight.
+state; the load each replica bounds by is its own count of requests in flight, and the deployment
+it remembers as having served a key last is what its own traffic taught it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import bisect
 import hashlib
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -21,6 +23,8 @@ Strategy = Literal["least_outstanding", "weighted_round_robin", "cache_affinity"
 STRATEGIES: tuple[Strategy, ...] = ("least_outstanding", "weighted_round_robin", "cache_affinity")
 # Points per unit of weight on the ring: enough that two deployments split keys within a few percent.
 RING_POINTS = 160
+# Keys whose last deployment a gateway remembers (LRU): ~100 bytes each, so a few MB at most.
+REMEMBERED_KEYS = 50_000
 
 
 class Slot(Protocol):
@@ -38,8 +42,9 @@ class Slot(Protocol):
 
 @dataclass(frozen=True)
 class Choice:
-    """Deployments in the order to try them; `affine` names the ring owner of the request's key
-    (None when the strategy does not use one), so the group can count affinity hits."""
+    """Deployments in the order to try them; `affine` names the deployment expected to hold the
+    request's prefix (the one that served its key last, else the ring owner; None when the strategy
+    does not use one), so the group can count affinity hits."""
 
     order: list[int]
     affine: int | None = None
@@ -47,6 +52,10 @@ class Choice:
 
 class Router(Protocol):
     def choose(self, slots: Sequence[Slot], key: str | None) -> Choice: ...
+
+    def served(self, key: str | None, name: str) -> None:
+        """The deployment called `name` started streaming the request with `key`."""
+        ...
 
 
 class LeastOutstanding:
@@ -61,6 +70,9 @@ class LeastOutstanding:
         count = len(slots)
         order = sorted(range(count), key=lambda i: (slots[i].in_flight / slots[i].weight, (i - turn) % count))
         return Choice(order)
+
+    def served(self, key: str | None, name: str) -> None:
+        pass
 
 
 class WeightedRoundRobin:
@@ -78,6 +90,9 @@ class WeightedRoundRobin:
         self._current[slots[first].name] -= total
         return Choice([first, *(i for i in range(len(slots)) if i != first)])
 
+    def served(self, key: str | None, name: str) -> None:
+        pass
+
 
 def _point(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
@@ -87,7 +102,11 @@ class CacheAffinity:
     """Consistent hashing with bounded load (Mirrokni, Thorup, Zadimoghaddam 2018): a key goes to
     the first deployment clockwise from its point on the ring whose requests in flight are under
     `load_factor` times its weighted share of the group's (this one included); a busier owner
-    spills to the next on the ring. Keys with no prefix to share fall back to least outstanding."""
+    spills to the next on the ring. Keys with no prefix to share fall back to least outstanding.
+
+    After a spill the prefix lives on the deployment that took the request, not on the ring owner;
+    so the deployment that last served a key comes first for it (under the same bound), and the
+    ring decides only for keys this gateway has not served (or has forgotten, LRU)."""
 
     def __init__(self, load_factor: float = 1.25) -> None:
         if load_factor < 1:
@@ -97,6 +116,7 @@ class CacheAffinity:
         self._ring_of: tuple[tuple[str, float], ...] = ()
         self._points: list[int] = []
         self._owners: list[int] = []
+        self._last_served: OrderedDict[str, str] = OrderedDict()
 
     def _ring(self, slots: Sequence[Slot]) -> None:
         shape = tuple((slot.name, slot.weight) for slot in slots)
@@ -131,9 +151,22 @@ class CacheAffinity:
         if key is None:
             return self._fallback.choose(slots, key)
         walk = self.walk(slots, key)
+        last = self._last_served.get(key)
+        holder = next((i for i in walk if slots[i].name == last), None)
+        if holder is not None:
+            walk.remove(holder)
+            walk.insert(0, holder)
         under = [i for i in walk if slots[i].in_flight < self.capacity(slots, i)]
         over = [i for i in walk if i not in under]
         return Choice(under + over, affine=walk[0])
+
+    def served(self, key: str | None, name: str) -> None:
+        if key is None:
+            return
+        self._last_served[key] = name
+        self._last_served.move_to_end(key)
+        if len(self._last_served) > REMEMBERED_KEYS:
+            self._last_served.popitem(last=False)
 
 
 def make_router(strategy: Strategy, load_factor: float = 1.25) -> Router:

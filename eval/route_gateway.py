@@ -92,7 +92,7 @@ class GatewayFront:
         return seen
 
     def routing_counts(self) -> dict[str, float]:
-        """Requests the gateway routed, how many went to their key's ring owner (the rest spilled
+        """Requests the gateway routed, how many went to where their prefix was expected (the rest spilled
         under bounded load, or failed over), and ejections: summed over the deployments."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         return {name: sum(float(v) for v in re.findall(rf"^ctxgate:{metric}\{{[^}}]*\}}\s+([0-9.eE+-]+)$", text,

@@ -83,3 +83,35 @@ def test_affinity_without_a_key_routes_by_load_and_strategies_are_named():
     assert isinstance(make_router("least_outstanding"), LeastOutstanding)
     with pytest.raises(ValueError, match="at least 1"):
         CacheAffinity(load_factor=0.5)
+
+
+def test_affinity_follows_a_key_to_the_deployment_that_served_it_after_a_spill():
+    group = slots("a", "b")
+    router = CacheAffinity(load_factor=1.25)
+    key = "conversation-2"
+    owner, second = router.walk(group, key)
+    group[owner].in_flight = 4  # over its share: this turn spills to the second
+    choice = router.choose(group, key)
+    assert choice.order[0] == second
+    router.served(key, group[second].name)
+    group[owner].in_flight = 0
+    # The next turn goes where the conversation's prefix now is, not back to the ring owner.
+    choice = router.choose(group, key)
+    assert choice.order == [second, owner] and choice.affine == second
+    # The bound still holds for the remembered deployment.
+    group[second].in_flight = 4
+    assert router.choose(group, key).order[0] == owner
+    # Another gateway replica, which did not serve it, still agrees on the ring owner.
+    assert CacheAffinity().choose(slots("a", "b"), key).order[0] == owner
+
+
+def test_affinity_memory_is_bounded(monkeypatch):
+    monkeypatch.setattr("backend.routing.REMEMBERED_KEYS", 3)
+    router, group = CacheAffinity(), slots("a", "b")
+    keys = [key for key in (f"k{n}" for n in range(200)) if router.walk(group, key)[0] == 0][:5]
+    for key in keys:
+        router.served(key, "b")  # each served away from its ring owner "a"
+    router.served(None, "a")
+    firsts = [router.choose(group, key).order[0] for key in keys]
+    assert firsts == [0, 0, 1, 1, 1]  # the two oldest were forgotten: back to the ring owner
+    assert LeastOutstanding().served("k", "a") is None and WeightedRoundRobin().served("k", "a") is None
