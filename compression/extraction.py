@@ -15,6 +15,7 @@ import numpy as np
 
 from compression.counting import CachedCounter
 from compression.knapsack import knapsack
+from compression.learned import learned_scores
 from compression.multihop.expand import MULTI_HOP_PASSAGE_WEIGHT, boost_bridge_passages, expand_query
 from compression.rendering import passage_header_cost, render_context
 from compression.rerank import minmax
@@ -26,12 +27,50 @@ from compression.scoring import (
     store_sentence_scores,
     values_from_scores,
 )
+from compression.sentence_features import sentence_features
 from compression.state import Passage
 from policies.schema import ExtractionPolicy
 
 # Single-hop questions: the sentence lives in a top-ranked passage, so its rank weighs as much as
 # the sentence's own match (multi-hop: compression.multihop.expand.MULTI_HOP_PASSAGE_WEIGHT).
 PASSAGE_WEIGHT = 1.0
+
+
+def sentence_units(passages: list[Passage]) -> list[SentenceUnit]:
+    """Every live sentence of the passages, unscored."""
+    units: list[SentenceUnit] = []
+    for passage_index, passage in enumerate(passages):
+        for sentence_index, sentence in enumerate(passage.sentences or []):
+            if sentence_index not in passage.removed_sentences:
+                units.append(SentenceUnit(passage_index, sentence_index, sentence, 0.0))
+    return units
+
+
+def embed_units(
+    units: list[SentenceUnit], passages: list[Passage], dimension: int, embed: Callable[[list[str]], np.ndarray]
+) -> tuple[np.ndarray, list[int]]:
+    """The units' vectors and the positions embedded: only the pre-filter's candidates are; the
+    others keep a zero vector (semantic 0)."""
+    wanted = [
+        position
+        for position, unit in enumerate(units)
+        if passages[unit.passage_index].embed_sentences is None
+        or unit.sentence_index in passages[unit.passage_index].embed_sentences
+    ]
+    vectors = np.zeros((len(units), dimension), dtype=np.float32)
+    if wanted:
+        vectors[wanted] = embed([units[i].text for i in wanted])
+    return vectors, wanted
+
+
+def unit_features(
+    question: str, question_vector: np.ndarray, passages: list[Passage], units: list[SentenceUnit],
+    vectors: np.ndarray, wanted: list[int],
+) -> np.ndarray:
+    """compression.sentence_features' rows for the units."""
+    lexical = lexical_overlap(question, [unit.text for unit in units])
+    positions = [(unit.passage_index, unit.sentence_index, unit.text) for unit in units]
+    return sentence_features(question, question_vector, passages, positions, vectors, wanted, lexical)
 
 
 def score_sentences(
@@ -42,23 +81,31 @@ def score_sentences(
     policy: ExtractionPolicy,
 ) -> list[SentenceUnit]:
     expand = policy.expand_query
-    units: list[SentenceUnit] = []
-    for passage_index, passage in enumerate(passages):
-        for sentence_index, sentence in enumerate(passage.sentences or []):
-            if sentence_index not in passage.removed_sentences:
-                units.append(SentenceUnit(passage_index, sentence_index, sentence, 0.0))
+    units = sentence_units(passages)
     if not units:
         return units
-    # Only the pre-filter's candidates are embedded; the others keep a zero vector (semantic 0).
-    wanted = [
-        position
-        for position, unit in enumerate(units)
-        if passages[unit.passage_index].embed_sentences is None
-        or unit.sentence_index in passages[unit.passage_index].embed_sentences
-    ]
-    vectors = np.zeros((len(units), len(question_vector)), dtype=np.float32)
-    if wanted:
-        vectors[wanted] = embed([units[i].text for i in wanted])
+    vectors, wanted = embed_units(units, passages, len(question_vector), embed)
+    if policy.scorer == "learned":
+        positions = [(unit.passage_index, unit.sentence_index, unit.text) for unit in units]
+        features = unit_features(question, question_vector, passages, units, vectors, wanted)
+        scores = learned_scores(question, passages, positions, features)
+        for unit, score in zip(units, scores, strict=True):
+            unit.score = float(score)
+    else:
+        fuse_scores(question, question_vector, passages, units, vectors, wanted, expand)
+    if expand and len(units) > 1:
+        expand_query(question, units, passages, vectors, wanted, embed)
+    if expand and len(passages) > 1:
+        boost_bridge_passages(units, passages)
+    store_sentence_scores(units, passages)
+    return units
+
+
+def fuse_scores(
+    question: str, question_vector: np.ndarray, passages: list[Passage], units: list[SentenceUnit],
+    vectors: np.ndarray, wanted: list[int], expand: bool,
+) -> None:
+    """The hand-weighted fusion (extraction.scorer "fused"): embedding, lexical and passage terms."""
     semantic = np.zeros(len(units))
     if wanted:
         semantic[wanted] = minmax((vectors[wanted] @ question_vector).astype(np.float64))
@@ -71,12 +118,6 @@ def score_sentences(
             + LEXICAL_WEIGHT * lexical[position]
             + passage_weight * passage_scores[unit.passage_index]
         )
-    if expand and len(units) > 1:
-        expand_query(question, units, passages, vectors, wanted, embed)
-    if expand and len(passages) > 1:
-        boost_bridge_passages(units, passages)
-    store_sentence_scores(units, passages)
-    return units
 
 
 def knapsack_items(units: list[SentenceUnit]) -> list[list[int]]:

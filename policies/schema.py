@@ -77,6 +77,9 @@ class ExtractionPolicy(_Section):
     # passage survives the rerank cut and its best sentence is kept chained to the one naming it.
     # "off": single hop only. (`expand_query` is the older always-on second hop.)
     second_hop: Literal["off", "auto"] = "off"
+    # How a sentence's relevance is computed: "fused", embedding + lexical + passage score at hand
+    # weights; "learned", compression.learned's fitted combination of compression.sentence_features.
+    scorer: Literal["fused", "learned"] = "fused"
 
 
 class AssemblyPolicy(_Section):

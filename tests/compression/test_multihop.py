@@ -202,11 +202,14 @@ def test_knapsack_keeps_a_chain_whole():
     assert kept_after_selection(chained=True, budget=18) == {(0, 0), (1, 0)}
 
 
-def test_policy_second_hop_defaults_off_and_rag_default_is_auto():
+def test_policy_second_hop_defaults_off_and_rag_adaptive_is_auto():
     from policies.loader import load_policy_file, packaged_policy_dir
 
     assert ExtractionPolicy().second_hop == "off"
-    assert load_policy_file(packaged_policy_dir() / "rag-default.yaml").extraction.second_hop == "auto"
+    # rag-default follows hops through its learned scorer's pointer round (compression.learned).
+    default = load_policy_file(packaged_policy_dir() / "rag-default.yaml").extraction
+    assert (default.second_hop, default.scorer) == ("off", "learned")
+    assert load_policy_file(packaged_policy_dir() / "rag-adaptive.yaml").extraction.second_hop == "auto"
 
 
 def hop_request(question: str) -> CompressionInput:

@@ -31,7 +31,9 @@ def test_message_context_cuts_langchain_prompts_within_budget(tmp_path, model_di
     result = json.loads(capsys.readouterr().out)
     assert code == (0 if result["passed"] else 1)
     assert result["requests"] == 2 and result["refused"] == 0 and result["over_budget"] == 0
-    assert result["sent_tokens"] < result["original_tokens"] <= result["sent_tokens"] * result["reduction"] + 2
+    # reduction is rounded to 2 decimals: original / sent is within 0.005 of it
+    sent, original = result["sent_tokens"], result["original_tokens"]
+    assert sent < original and abs(original - sent * result["reduction"]) <= sent * 0.005 + 1
     assert result["answerable"] == 2 and result["passages_found_mean"] >= 8
     # --offset skips questions: one left
     code = main(["eval", "message-context", "--input", str(dataset), "--offset", "1", "--limit", "5"])

@@ -1,0 +1,50 @@
+"""A sentence's relevance as a fitted combination of compression.sentence_features (extraction.scorer
+"learned").
+
+Rule: the score is a linear function of the features fitted as a softmax over each question's
+sentences (the log of the chance that this sentence is the one holding the answer, up to a constant
+of the question), in two rounds: the first on the sentence's own features, the second adding what
+the first round's best sentences point to (compression.sentence_features.hop_features: a multi-hop
+question's next passage). It is used times the knapsack's value temperature, so a unit's knapsack
+value (compression.scoring.values_from_scores) is its chance relative to the best sentence's. The
+weights were fitted on the tune halves of the dev sets only (the test halves, grouped by shared gold
+passages, are never read by the fit): `python -m eval.fit_scorer` reproduces them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from compression.scoring import VALUE_TEMPERATURE
+from compression.sentence_features import FEATURES, HOP_FEATURES, hop_features
+from compression.state import Passage
+
+# Fitted by `python -m eval.fit_scorer` (tune halves of NQ, HotpotQA and MuSiQue); order: FEATURES
+# and HOP_FEATURES.
+WEIGHTS: tuple[float, ...] = (0.1917, 1.2885, 0.6229, 1.5830, 1.3593, 1.1814, 1.3444, 0.3714, -0.2165, -0.0647, 1.5823, 1.9575)
+HOP_WEIGHTS: tuple[float, ...] = (-0.3467, 1.7170, 0.5447)
+
+
+def first_round(features: np.ndarray, weights: Sequence[float] = WEIGHTS) -> np.ndarray:
+    """The first round's log-chances."""
+    if len(weights) != features.shape[1] or len(weights) != len(FEATURES):
+        raise ValueError(f"{len(weights)} weights for {features.shape[1]} features")
+    return features @ np.asarray(weights, dtype=np.float64)
+
+
+def learned_scores(
+    question: str,
+    passages: Sequence[Passage],
+    positions: Sequence[tuple[int, int, str]],
+    features: np.ndarray,
+    weights: Sequence[float] = WEIGHTS,
+    hop_weights: Sequence[float] = HOP_WEIGHTS,
+) -> np.ndarray:
+    """Scores on the knapsack's scale: both rounds' log-chance x VALUE_TEMPERATURE."""
+    if len(hop_weights) != len(HOP_FEATURES):
+        raise ValueError(f"{len(hop_weights)} hop weights for {len(HOP_FEATURES)} features")
+    first = first_round(features, weights)
+    hop = hop_features(question, passages, positions, first) @ np.asarray(hop_weights, dtype=np.float64)
+    return VALUE_TEMPERATURE * (first + hop)
