@@ -70,6 +70,7 @@ class Generation:
         if delta.text or delta.token_ids:
             now = time.perf_counter()
             self.first_token_at = self.first_token_at or now
+            self.prepared.first_token_at = self.first_token_at
             self.last_token_at = now
         self.totals.add(delta)
         return delta
