@@ -168,10 +168,15 @@ async def complete(request: Request, run: Generation, writer: ResponseWriter) ->
     return JSONResponse(writer.whole_choices(run.totals.ordered_choices(), usage))
 
 
-async def stream(run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool,
+async def stream(request: Request, run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool,
                  num_choices: int = 1) -> StreamingResponse:
     try:
-        await run.start()
+        # Nothing is sent before the first token: a client that gives up while its request waits in
+        # the engine's queue would otherwise keep its place there and have its prompt prefilled.
+        await unless_disconnected(request, run.start())
+    except ClientDisconnected:  # start() was cancelled, which aborted the request in the engine
+        await run.gateway.release(run.prepared)
+        raise
     except Exception as exc:
         await run.gateway.release(run.prepared)  # refused before any work: give the quota back
         raise run.gateway.engine_error(exc) from None
