@@ -9,8 +9,10 @@ embedding; rotation spreads that evenly over chunk counts that are a multiple of
 
 TTFT is the client's, from sending the request to the first streamed token, so compression is in
 it. Answer retention is measured on the prompt each request's model saw: the fixed policies'
-prompts are fetched from /v1/ctxgate/compress (deterministic per question), the adaptive arm's at
-the budget the controller chose for that request (usage.ctxgate.budget), after the timed requests.
+prompts are fetched from /v1/ctxgate/compress (deterministic per question, so requests that were
+abandoned count too), the adaptive arm's at the budget the controller chose for that request
+(usage.ctxgate.budget; an abandoned adaptive request reported none and is not scored), after the
+timed requests.
 """
 
 from __future__ import annotations
@@ -192,9 +194,12 @@ class SloRun:
     async def score_retention(self, client: httpx.AsyncClient, examples: Sequence[EvalExample]) -> None:
         by_id = {example.id: example for example in examples}
         for sample in self.samples:
-            if sample.error or sample.answer_retained is not None:
+            adaptive = sample.arm == self.options.adaptive
+            # A fixed policy's prompt depends on the question alone, so a request that failed or was
+            # abandoned is scored too; the adaptive arm's depends on a budget only a reply reports.
+            if sample.answer_retained is not None or (adaptive and sample.budget_tokens is None):
                 continue
-            budget = sample.budget_tokens if sample.arm == self.options.adaptive else None
+            budget = sample.budget_tokens if adaptive else None
             example = by_id[sample.question_id]
             messages = await self.sent_messages(client, example, sample.arm, budget)
             sample.answer_retained = evidence_retention(example, messages).answer_retained
