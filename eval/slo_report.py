@@ -211,6 +211,7 @@ def acceptance(samples: Sequence[SloSample], rate: float, slo_s: float, summary:
         checks.append({
             "check": f"adaptive goodput >= {ABOVE_KNEE_GAIN}x {BASELINE} (above the knee)",
             "value": None if gain is None or math.isinf(gain) else gain, "bar": ABOVE_KNEE_GAIN,
+            **({"note": f"{BASELINE} met the objective for no request"} if not theirs else {}),
             "interval": paired_goodput_ratio_interval(arm_samples(adaptive), arm_samples(BASELINE), slo_s),
             "met": None if gain is None else gain >= ABOVE_KNEE_GAIN,
         })
@@ -287,6 +288,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for check in level["acceptance"]:
             met = "–" if check["met"] is None else ("yes" if check["met"] else "**no**")
             detail = f" (difference {_f(check['difference'])})" if check.get("difference") is not None else ""
+            detail += f" ({check['note']})" if check.get("note") else ""
             lines.append(f"| {check['check']} | {_f(check['value'])}{detail} | {_f(check['bar'])} | "
                          f"{_interval(check.get('interval')).strip() or '–'} | {met} |")
         lines.append("")

@@ -122,6 +122,12 @@ def test_above_the_knee_adaptive_must_beat_the_best_fixed_policy_and_rag_default
     checks = acceptance(flat, 1.0, SLO_S, summary, "rag-adaptive", ["rag-default", "rag-fast"], knee=0.5)
     assert checks[0]["met"] is False and checks[0]["interval"][1] < 0  # worse beyond the noise
 
+    arms["rag-default"] = samples("rag-default", [1500] * 16)  # rag-default met nothing: any goodput is a gain
+    arms["rag-adaptive"] = samples("rag-adaptive", [500, 1500] * 8)
+    flat, summary = level(arms, 1.0)
+    gain = acceptance(flat, 1.0, SLO_S, summary, "rag-adaptive", ["rag-default"], knee=0.5)[1]
+    assert gain["met"] is True and gain["value"] is None and "met the objective for no request" in gain["note"]
+
 
 def test_below_the_knee_adaptive_must_keep_as_many_answers_as_rag_default():
     arms = {"rag-default": samples("rag-default", [500] * 6, rate=0.3, retained=True),
