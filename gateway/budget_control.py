@@ -14,7 +14,7 @@ When even the floor misses, the floor is the answer and the reason says so: the 
 prompt overhead, prefill speed (from responses, for an upstream that does not report its own) and
 the ratio of measured to predicted TTFT; the prompt tokens of requests decided but not yet at their
 first token (so a burst sees itself); and, per policy, the last budget, so budgets fall at once but
-rise one step per `relax_interval_s` (no oscillation under bursts).
+rise one step per `relax_interval_s` elapsed since the last change (no oscillation under bursts).
 """
 
 from __future__ import annotations
@@ -109,12 +109,15 @@ def choose_budget(load: EngineLoad, estimates: Estimates, candidates: Sequence[i
 
 def damp(target: Decision, last: int | None, last_rise_at: float, now: float,
          candidates: Sequence[int], relax_interval_s: float) -> tuple[Decision, bool]:
-    """Fall at once, rise one candidate per `relax_interval_s`: (decision, whether it rose)."""
+    """Fall at once, rise one candidate per `relax_interval_s` since the last change (a quiet minute
+    after a burst is many steps, not one per request): (decision, whether it rose)."""
     if last is None or target.budget <= last:
         return target, False
-    if now - last_rise_at < relax_interval_s:
+    elapsed = now - last_rise_at
+    if elapsed < relax_interval_s:
         return Decision(last, RISE_LIMITED, target.predicted_ttft_s), False
-    index = bisect.bisect_right(candidates, last)  # the next candidate above the last budget
+    steps = len(candidates) if relax_interval_s <= 0 else int(elapsed / relax_interval_s)
+    index = bisect.bisect_right(candidates, last) + steps - 1  # `steps` candidates above the last budget
     budget = candidates[min(index, len(candidates) - 1)]
     if budget >= target.budget:
         return target, True
@@ -193,7 +196,9 @@ class BudgetController:
                                   candidates, adaptive.relax_interval_s)
             if decision is not target:  # held below the target: predict for the budget actually chosen
                 decision = replace(decision, predicted_ttft_s=predicted_ttft_s(load, estimates, decision.budget))
-            self._trends[policy_name] = _Trend(decision.budget, now if rose or trend is None else trend.rose_at)
+            # The rise clock restarts at every change: after a fall, rising waits a full interval.
+            changed = rose or trend is None or decision.budget < trend.budget
+            self._trends[policy_name] = _Trend(decision.budget, now if changed else trend.rose_at)
             tokens = decision.budget + estimates.overhead_tokens
             self._pending[request_id] = tokens
             self._pending_tokens += tokens

@@ -70,6 +70,7 @@ class Generation:
         if delta.text or delta.token_ids:
             now = time.perf_counter()
             self.first_token_at = self.first_token_at or now
+            self.prepared.first_token_at = self.first_token_at
             self.last_token_at = now
         self.totals.add(delta)
         return delta
@@ -167,10 +168,15 @@ async def complete(request: Request, run: Generation, writer: ResponseWriter) ->
     return JSONResponse(writer.whole_choices(run.totals.ordered_choices(), usage))
 
 
-async def stream(run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool,
+async def stream(request: Request, run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool,
                  num_choices: int = 1) -> StreamingResponse:
     try:
-        await run.start()
+        # Nothing is sent before the first token: a client that gives up while its request waits in
+        # the engine's queue would otherwise keep its place there and have its prompt prefilled.
+        await unless_disconnected(request, run.start())
+    except ClientDisconnected:  # start() was cancelled, which aborted the request in the engine
+        await run.gateway.release(run.prepared)
+        raise
     except Exception as exc:
         await run.gateway.release(run.prepared)  # refused before any work: give the quota back
         raise run.gateway.engine_error(exc) from None

@@ -14,7 +14,7 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 HEADER = b"x-request-id"
 # Letters, digits and . _ : - only, bounded: a header value must not be able to forge log lines.
@@ -29,6 +29,9 @@ access_logger = logging.getLogger("ctxgate.access")
 class RequestContext:
     request_id: str
     tenant: str | None = None
+    # When the request reached the gateway (perf_counter): TTFT and the request timeout count from
+    # here, so the time spent reading, compressing and tokenizing the request is in them.
+    received_at: float = field(default_factory=time.perf_counter)
 
 
 _current: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("ctxgate_request", default=None)
@@ -37,6 +40,12 @@ _current: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar
 def current_request() -> RequestContext | None:
     """The request being served in this task, or None outside a request."""
     return _current.get()
+
+
+def received_at() -> float:
+    """When the request being served reached the gateway; now outside a request (a direct call)."""
+    context = _current.get()
+    return context.received_at if context is not None else time.perf_counter()
 
 
 def note_tenant(name: str) -> None:

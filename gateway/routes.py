@@ -173,7 +173,7 @@ async def _answer(
                             output=prepared.asks.output if prepared.asks else OutputOptions())
     run = Generation(gateway, prepared, generation)
     if body.stream:
-        return await stream(run, writer, request.url.path, body.usage_wanted(), prepared.choices)
+        return await stream(request, run, writer, request.url.path, body.usage_wanted(), prepared.choices)
     return await complete(request, run, writer)
 
 

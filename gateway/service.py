@@ -39,7 +39,7 @@ from gateway.keys import KeyRejected, KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.model_tokenizers import load_model_tokenizers
 from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
-from gateway.request_id import current_request, note_tenant
+from gateway.request_id import current_request, note_tenant, received_at
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, CtxgateExtras, GatewayRequest
 from gateway.settings import GatewaySettings
 from policies.loader import PolicyRegistry, apply_overrides
@@ -76,7 +76,10 @@ class Prepared:
     route_key: str | None = None
     # Adaptive policies: the documents budget the controller chose for this request, and why.
     budget: Decision | None = None
+    # perf_counter when the request reached the gateway (before its body was read and compressed),
+    # and when its first token came back: the gateway's TTFT, which the budget controller learns from.
     received_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -433,7 +436,12 @@ class Gateway:
             return decision.to_dict()
         result, slo = prepared.result, prepared.policy.adaptive.ttft_slo_s
         compression_s = (sum(result.compression_ms.values()) + result.wait_ms) / 1000
-        ttft_s = compression_s + metrics.ttft_ms / 1000
+        # The gateway's TTFT, from the request's arrival: reading, compressing, tokenizing and the
+        # engine's queue and prefill (the sum of the parts when no first token was timed here).
+        if prepared.first_token_at is not None:
+            ttft_s = prepared.first_token_at - prepared.received_at
+        else:
+            ttft_s = compression_s + metrics.ttft_ms / 1000
         self.budgets.observe(prepared.request_id, decision.budget,
                              Outcome(ttft_s, compression_s, result.prompt_tokens, metrics.prefill_ms))
         met = ttft_s <= slo
@@ -513,6 +521,7 @@ class Gateway:
     # -- the whole preparation -----------------------------------------------------------------
     async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant,
                            raw: dict[str, Any] | None = None) -> Prepared:
+        arrived = received_at()
         self.check_model(body.model, tenant)
         policy = self.resolve_policy(tenant, body.ctxgate, body.model)
         dropped, forward = self.check_fields(body, policy, raw)
@@ -530,7 +539,7 @@ class Gateway:
                 request_id=request_id, tenant=tenant, policy=policy, result=result,
                 prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=priority,
                 dropped_params=dropped, forward=forward, choices=choices, asks=asks, budget=budget,
-                route_key=self.route_key(body.model, tenant, result.messages, None),
+                route_key=self.route_key(body.model, tenant, result.messages, None), received_at=arrived,
             )
             prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
                                                       slot_id=prepared.request_id)
@@ -541,6 +550,7 @@ class Gateway:
 
     async def prepare_completion(self, body: CompletionRequest, tenant: Tenant,
                                  raw: dict[str, Any] | None = None) -> Prepared:
+        arrived = received_at()
         self.check_model(body.model, tenant)
         if body.ctxgate and (body.ctxgate.documents or body.ctxgate.retrieval):
             raise APIError(400, "documents and retrieval need /v1/chat/completions", param="ctxgate")
@@ -566,7 +576,7 @@ class Gateway:
             request_id=f"cmpl-{uuid.uuid4().hex}", tenant=tenant, policy=policy, result=result,
             prompt_token_ids=token_ids, prompt_text=prompt_text, sampling=sampling, priority=Priority.USER,
             dropped_params=dropped, forward=forward, choices=choices, asks=asks,
-            route_key=self.route_key(body.model, tenant, None, prompt_text),
+            route_key=self.route_key(body.model, tenant, None, prompt_text), received_at=arrived,
         )
         prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
                                                   slot_id=prepared.request_id)

@@ -117,3 +117,26 @@ async def test_budget_tightens_under_load_and_relaxes_when_idle(app, engine):
         fixed["ctxgate"]["policy"] = "passthrough"
         response = await client.post("/v1/chat/completions", json=fixed)
         assert response.status_code == 200 and "budget" not in response.json()["usage"]["ctxgate"]
+
+
+async def test_gateway_ttft_counts_from_arrival_compression_included(engine, tmp_path):
+    """The gateway's TTFT (its histogram, and what the controller learns from) starts when the
+    request arrives, not when compression is done: it is at least compression + the engine's TTFT."""
+    app = create_app(GatewaySettings(policy_dir=tmp_path), engine=engine)  # a fresh app: its own lifespan
+    transport = httpx.ASGITransport(app=app)
+    registry = app.state.gateway.metrics.registry
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=120) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        request = body() | {"model": model}
+        request["ctxgate"]["policy"] = "rag-adaptive"  # rerank and extraction: compression takes time
+        await client.post("/v1/chat/completions", json=request)  # first calls load the embedder
+        before = registry.get_sample_value("ctxgate:gateway_ttft_seconds_sum") or 0.0
+        response = await client.post("/v1/chat/completions", json=request)
+        assert response.status_code == 200, response.text
+        gateway_ttft_s = registry.get_sample_value("ctxgate:gateway_ttft_seconds_sum") - before
+    usage = response.json()["usage"]["ctxgate"]
+    compression_s = (sum(usage["compression_ms"].values()) + usage["compression_wait_ms"]) / 1000
+    assert compression_s > 0.001  # the check below means something only if compression took time
+    assert gateway_ttft_s >= compression_s + usage["ttft_ms"] / 1000
+    assert abs(usage["budget"]["measured_ttft_s"] - gateway_ttft_s) < 0.002  # the controller learns the same

@@ -99,6 +99,8 @@ def test_candidate_budgets(floor, ceiling, step, expected):
         (Decision(1200, CEILING, 1.0), 400, 0.6, 480, RISE_LIMITED, True),  # one step up
         (Decision(480, SLO, 1.0), 400, 0.6, 480, SLO, True),  # the step reaches the target
         (Decision(400, SLO, 1.0), 400, 9.0, 400, SLO, False),  # unchanged
+        (Decision(1200, CEILING, 1.0), 400, 1.6, 640, RISE_LIMITED, True),  # three intervals: three steps
+        (Decision(720, SLO, 1.0), 400, 9.0, 720, SLO, True),  # a long quiet stretch: up to the target
     ],
 )
 def test_damping(target, last, since_rise, budget, reason, rose):
@@ -146,6 +148,20 @@ def test_a_burst_sees_itself_and_tightens_then_relaxes_step_by_step():
         controller.forget("x")
         later.append(controller.decide("x", "p", POLICY, 560).budget)
     assert later == [160, 240, 320, 400, 480]  # one step per relax interval, no jump back to the ceiling
+
+
+def test_after_a_quiet_stretch_the_budget_rises_by_the_intervals_elapsed_not_one_step_per_request():
+    reader = FixedReading(EngineReading(waiting_tokens=100_000, prefill_tokens_per_s=SPEED))
+    clock = Clock()
+    controller = BudgetController(reader, clock=clock)
+    assert controller.decide("busy", "p", POLICY, 560).budget == 160
+    controller.forget("busy")
+    reader.reading = EngineReading(prefill_tokens_per_s=SPEED)  # the queue drained
+    clock.now += 0.2
+    assert controller.decide("soon", "p", POLICY, 560).reason == RISE_LIMITED  # within one interval of the fall
+    controller.forget("soon")
+    clock.now += 2.0  # 2.2 s since the fall: four intervals, four steps
+    assert controller.decide("later", "p", POLICY, 560).budget == 480
 
 
 def test_engine_queue_and_own_ledger_are_not_added_twice():
