@@ -202,14 +202,15 @@ def test_knapsack_keeps_a_chain_whole():
     assert kept_after_selection(chained=True, budget=18) == {(0, 0), (1, 0)}
 
 
-def test_policy_second_hop_defaults_off_and_rag_adaptive_is_auto():
+def test_policy_second_hop_defaults_off_and_rag_adaptive_extracts_as_rag_default():
     from policies.loader import load_policy_file, packaged_policy_dir
 
     assert ExtractionPolicy().second_hop == "off"
     # rag-default follows hops through its learned scorer's pointer round (compression.learned).
     default = load_policy_file(packaged_policy_dir() / "rag-default.yaml").extraction
     assert (default.second_hop, default.scorer) == ("off", "learned")
-    assert load_policy_file(packaged_policy_dir() / "rag-adaptive.yaml").extraction.second_hop == "auto"
+    adaptive = load_policy_file(packaged_policy_dir() / "rag-adaptive.yaml")
+    assert adaptive.extraction == default
 
 
 def hop_request(question: str) -> CompressionInput:
