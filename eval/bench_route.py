@@ -36,7 +36,7 @@ from backend.routing import Strategy, make_router
 from backend.upstream import UpstreamClient, UpstreamConfig
 from eval.route_gateway import GatewayFront
 from eval.route_workloads import Item, multi_turn, rag
-from eval.server import free_port
+from eval.server import free_port, wait_until_ok
 from eval.stats import percentiles
 from gateway.affinity import affinity_key
 
@@ -102,17 +102,7 @@ class Replicas:
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         for url, process in zip(self.urls, self.processes, strict=True):
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"engine {url} exited with {process.returncode}; see its log")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"engine {url} did not start in {timeout_s:g}s")
-                time.sleep(0.5)
+            wait_until_ok(f"{url}/health", process, f"engine {url} (see its log)", deadline)
 
     def hit_tokens(self) -> dict[str, float]:
         """Prefix-cache hit tokens of each replica still running."""

@@ -22,7 +22,7 @@ import yaml
 
 from backend.routing import Strategy
 from eval.route_workloads import Item
-from eval.server import free_port
+from eval.server import free_port, wait_until_ok
 
 MODEL = "bench"
 # The gateway's per-deployment counters (backend/deployment_metrics.py), summed over the deployments.
@@ -62,18 +62,7 @@ class GatewayFront:
                                         limits=httpx.Limits(max_connections=256))
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the gateway exited with {self.process.returncode}; see its log")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not get ready in {timeout_s:g}s")
-            time.sleep(0.5)
+        wait_until_ok(f"{self.url}/ready", self.process, "the gateway (see its log)", time.monotonic() + timeout_s)
 
     async def send(self, item: Item, max_tokens: int) -> dict[str, Any]:
         """Stream one request: {"ttft_s", "error", "prompt_tokens", "cached_tokens"} as seen by the client."""

@@ -84,20 +84,13 @@ class GatewayProcess:
 
     def _wait_ready(self) -> None:
         assert self._process is not None
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                tail = self._log_tail()
-                self.stop()
-                raise RuntimeError(f"gateway exited with code {self._process.returncode}:\n{tail}")
-            try:
-                if httpx.get(f"{self.url}{self.ready_path}", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"gateway not ready after {self.ready_timeout_s:.0f}s:\n{self._log_tail()}")
+        try:
+            wait_until_ok(f"{self.url}{self.ready_path}", self._process, "gateway",
+                          time.monotonic() + self.ready_timeout_s)
+        except RuntimeError as exc:
+            tail = self._log_tail()
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{tail}") from None
 
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -187,3 +180,19 @@ class InProcessGateway:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def wait_until_ok(url: str, process: subprocess.Popen, what: str, deadline: float) -> None:
+    """Poll `url` until it answers 200; RuntimeError when `process` exits first or the monotonic
+    `deadline` passes."""
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready in time")
+        time.sleep(0.5)
