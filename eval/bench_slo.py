@@ -32,7 +32,7 @@ import httpx
 from eval import loadgen, streaming
 from eval.bench_e2e import model_name, new_tag
 from eval.bench_engine import CpuMeter
-from eval.client import ctxgate_extra, question_messages
+from eval.client import ctxgate_extra, question_messages, retry_after_s
 from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
 from eval.evidence import evidence_retention
 from eval.slo_report import SloSample, acceptance, knee_side, plot, render_markdown, summarize_rate
@@ -42,6 +42,8 @@ PASSTHROUGH = "passthrough"
 # A request without a first token after this many objectives is abandoned: it missed long ago, and
 # an overloaded arm's queue would otherwise take minutes to drain on two cores.
 GIVE_UP_SLOS = 4.0
+# How many times one retention replay waits out a 429 (each wait at most 60 s) before it fails.
+QUOTA_WAITS = 20
 
 
 @dataclass
@@ -186,7 +188,13 @@ class SloRun:
             overrides = {"documents.max_tokens": budget} if budget is not None else None
             body = {"model": self.model, "messages": question_messages(example),
                     **ctxgate_extra(example, arm, overrides)}
-            response = await client.post(self.url + "/v1/ctxgate/compress", json=body)
+            # Scoring replays every question under every arm at once, far faster than any tenant's
+            # quota allows: a 429 is waited out, since the quota is not what this scores.
+            for _ in range(QUOTA_WAITS):
+                response = await client.post(self.url + "/v1/ctxgate/compress", json=body)
+                if response.status_code != 429:
+                    break
+                await asyncio.sleep(min(retry_after_s(response.headers), 60.0))
             response.raise_for_status()
             self._sent[key] = response.json()["messages"]
         return self._sent[key]

@@ -66,7 +66,12 @@ def _usage_extra(usage: Any) -> dict[str, Any]:
 
 def _retry_after_s(exc: Exception) -> float:
     response = getattr(exc, "response", None)
-    header = response.headers.get("retry-after") if response is not None else None
+    return retry_after_s(response.headers if response is not None else {})
+
+
+def retry_after_s(headers: Any) -> float:
+    """The seconds a 429's `Retry-After` header asks for (1 s when it is missing or not a number)."""
+    header = headers.get("retry-after")
     try:
         return max(0.1, float(header)) if header else 1.0
     except ValueError:
