@@ -3,10 +3,11 @@
 
 Rule: the score is a linear function of the features fitted as a softmax over each question's
 sentences (the log of the chance that this sentence is the one holding the answer, up to a constant
-of the question), in two rounds: the first on the sentence's own features, the second adding what
-the first round's best sentences point to (compression.sentence_features.hop_features: a multi-hop
-question's next passage). It is used times the knapsack's value temperature, so a unit's knapsack
-value (compression.scoring.values_from_scores) is its chance relative to the best sentence's. The
+of the question; a sentence holds the answer when keeping it puts the answer in the prompt: in its
+text, or in its passage's title, rendered above it), in two rounds: the first on the sentence's own
+features, the second adding what the first round's best sentences point to
+(compression.sentence_features.hop_features: a multi-hop question's next passage). It is used
+times the knapsack's value temperature, so a unit's knapsack value (compression.scoring.values_from_scores) is its chance relative to the best sentence's. The
 weights were fitted on the tune halves of the dev sets only (the test halves, grouped by shared gold
 passages, are never read by the fit): `python -m eval.fit_scorer` reproduces them.
 """
@@ -21,10 +22,10 @@ from compression.scoring import VALUE_TEMPERATURE
 from compression.sentence_features import FEATURES, HOP_FEATURES, hop_features
 from compression.state import Passage
 
-# Fitted by `python -m eval.fit_scorer` (tune halves of NQ, HotpotQA and MuSiQue); order: FEATURES
-# and HOP_FEATURES.
-WEIGHTS: tuple[float, ...] = (0.1917, 1.2885, 0.6229, 1.5830, 1.3593, 1.1814, 1.3444, 0.3714, -0.2165, -0.0647, 1.5823, 1.9575)
-HOP_WEIGHTS: tuple[float, ...] = (-0.3467, 1.7170, 0.5447)
+# Fitted by `python -m eval.fit_scorer` (tune halves of NQ, HotpotQA and MuSiQue; L2 1/100, chosen on
+# halves of the tune questions); order: FEATURES and HOP_FEATURES.
+WEIGHTS: tuple[float, ...] = (0.5694, 1.0474, 0.6525, 1.3320, 1.3097, 0.8134, 1.1578, 0.5109, -0.1954, -0.0932, 1.5322, 1.0174)
+HOP_WEIGHTS: tuple[float, ...] = (-0.0768, 1.6342, 0.4992)
 
 
 def first_round(features: np.ndarray, weights: Sequence[float] = WEIGHTS) -> np.ndarray:

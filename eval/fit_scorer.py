@@ -6,15 +6,20 @@
 Each tune question goes through the pipeline's stages up to the rerank (every passage kept), at
 each of the fixed ratios' documents budgets (the pre-filter's choice of embedded sentences depends
 on the budget), and every live sentence becomes one row of compression.sentence_features, labelled
-1 when it holds a gold answer (eval.metrics.answer_in_text, the retention check itself). A
-logistic regression (L2) is fitted with every dataset weighing the same; the weights are printed
-in compression.learned's form and written as JSON.
+1 when keeping it keeps a gold answer in the prompt (eval.metrics.answer_in_text, the retention
+check itself): the answer is in the sentence, or in its passage's title when the policy keeps
+titles (a kept sentence is rendered under its title). A softmax over each question's sentences
+(L2) is fitted with every dataset weighing the same; the L2 strength is the one whose weights, fitted
+on one half of the tune questions, keep the most answers on the other half (each way round) when
+the extraction's own selection (compression.extraction.select_sentences) spends the budget. The
+weights are printed in compression.learned's form and written as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import pickle
 from collections.abc import Sequence
@@ -48,6 +53,7 @@ class Question:
     question: str = ""
     positions: list[tuple[int, int, str]] = field(default_factory=list)
     passages_seen: list[Any] = field(default_factory=list)
+    answers: tuple[str, ...] = ()
 
 
 async def question_rows(harness: RetentionHarness, example: EvalExample, policy: Any) -> Question:
@@ -75,14 +81,18 @@ async def question_rows(harness: RetentionHarness, example: EvalExample, policy:
     units = sentence_units(state.passages)
     vectors, wanted = embed_units(units, state.passages, len(question_vector), pipeline.services.embedder.embed)
     features = unit_features(state.question_text, question_vector, state.passages, units, vectors, wanted)
-    labels = np.array([answer_in_text(unit.text, example.answers) for unit in units], dtype=np.float64)
+    keep_titles = policy.extraction.keep_titles
+    titled = {i for i, p in enumerate(state.passages) if keep_titles and answer_in_text(p.title or "", example.answers)}
+    labels = np.array([unit.passage_index in titled or answer_in_text(unit.text, example.answers) for unit in units],
+                      dtype=np.float64)
     counter = pipeline.counter
     costs = np.array(counter.count_many([unit.text for unit in units]), dtype=np.float64) + 1
     headers = np.array([passage_header_cost(counter.count, min(i + 1, 99), p, policy.extraction.keep_titles)
                         for i, p in enumerate(state.passages)], dtype=np.float64)
     return Question(features, labels, costs, np.array([u.passage_index for u in units]), headers,
                     documents_budget(state, ctx), state.question_text,
-                    [(u.passage_index, u.sentence_index, u.text) for u in units], list(state.passages))
+                    [(u.passage_index, u.sentence_index, u.text) for u in units], list(state.passages),
+                    tuple(example.answers))
 
 
 def dataset_questions(
@@ -145,19 +155,58 @@ def final_scores(question: Question, first: np.ndarray, hop: np.ndarray) -> np.n
     return offset + hop_features(question.question, question.passages_seen, question.positions, offset) @ hop
 
 
-def greedy_kept(question: Question, scores: np.ndarray) -> bool:
-    """Proxy of the extraction: sentences best first while they fit the budget (headers paid once
-    per passage); True when a kept one holds the answer."""
-    spent, used, kept = 0.0, set(), False
-    for i in np.argsort(-scores, kind="stable"):
-        extra = question.costs[i] + (0 if question.passages[i] in used else question.headers[question.passages[i]])
-        if spent + extra <= question.budget:
-            spent += extra
-            used.add(question.passages[i])
-            kept = kept or bool(question.labels[i])
-    return kept
+def kept_answer(question: Question, scores: np.ndarray, counter: Any, extraction: Any) -> bool:
+    """The extraction's own selection (knapsack, fill, exact trim) with these scores: True when the
+    rendered block holds a gold answer."""
+    from compression.extraction import select_sentences
+    from compression.rendering import render_context
+    from compression.scoring import VALUE_TEMPERATURE, SentenceUnit, store_sentence_scores
+
+    passages = copy.deepcopy(question.passages_seen)
+    units = [SentenceUnit(p, s, text, float(VALUE_TEMPERATURE * score))
+             for (p, s, text), score in zip(question.positions, scores, strict=True)]
+    store_sentence_scores(units, passages)
+    select_sentences(units, passages, question.budget, counter, extraction)
+    return answer_in_text(render_context(passages, extraction.keep_titles), question.answers)
 
 
+def retention_by_ratio(
+    questions: Sequence[Question], ratios: Sequence[float], score: Any, counter: Any, extraction: Any
+) -> list[float]:
+    """Share of questions (their rows are ratio-major per example) whose answer the selection keeps."""
+    shares = []
+    for ratio_index in range(len(ratios)):
+        at = questions[ratio_index::len(ratios)]
+        shares.append(float(np.mean([q.labels.any() and kept_answer(q, score(q), counter, extraction) for q in at])))
+    return shares
+
+
+def choose_c(
+    datasets: Sequence[list[Question]], ratios: Sequence[float], grid: Sequence[float], counter: Any, extraction: Any
+) -> float:
+    """The L2 strength whose weights, fitted on one half of the tune examples, keep the most answers
+    on the other half (both ways round; mean over datasets and ratios)."""
+    width = len(ratios)
+
+    def half(questions: list[Question], which: int) -> list[Question]:
+        return [q for k, q in enumerate(questions) if (k // width) % 2 == which]
+
+    best_c, best_share = grid[0], -1.0
+    for c in grid:
+        shares = []
+        for which in (0, 1):
+            first, hop = fit_rounds([half(qs, 1 - which) for qs in datasets], c)
+            for questions in datasets:
+                shares += retention_by_ratio(half(questions, which), ratios,
+                                             lambda q, w=first, h=hop: final_scores(q, w, h), counter, extraction)
+        share = float(np.mean(shares))
+        print(f"c={c:g}: held-out half of tune keeps {share:.4f}")
+        if share > best_share:
+            best_c, best_share = c, share
+    return best_c
+
+
+C_GRID = (10.0, 30.0, 100.0, 300.0)
 FUSED = np.array([0.45, 0, 0.35, 1.0] + [0.0] * (len(FEATURES) - 4))  # extraction.scorer "fused"
 
 
@@ -167,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policy", default="rag-default")
     parser.add_argument("--ratios", default="3,5,10")
     parser.add_argument("--limit", type=int, help="first N tune questions per dataset")
-    parser.add_argument("--c", type=float, default=1.0, help="inverse L2 strength")
+    parser.add_argument("--c", default="auto",
+                        help="inverse L2 strength, or 'auto': chosen on halves of the tune questions")
     parser.add_argument("--cache", help="pickle of the feature rows (read if it exists, else written)")
     parser.add_argument("--out", help="write the weights here as JSON")
     args = parser.parse_args(argv)
@@ -177,11 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    {"rerank.top_k": None})
     ratios = [float(r) for r in args.ratios.split(",")]
     cache = Path(args.cache) if args.cache else None
+    harness = RetentionHarness()
     if cache is not None and cache.exists():
         with cache.open("rb") as handle:
             per_dataset = pickle.load(handle)
     else:
-        harness = RetentionHarness()
         per_dataset = {}
         for name in args.datasets:
             dataset = load_dataset(resolve_dataset_path(name))
@@ -190,22 +240,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cache is not None:
             with cache.open("wb") as handle:
                 pickle.dump(per_dataset, handle)
-    first, hop = fit_rounds(list(per_dataset.values()), args.c)
+    counter = harness.pipeline.counter
+    datasets = list(per_dataset.values())
+    c = choose_c(datasets, ratios, C_GRID, counter, policy.extraction) if args.c == "auto" else float(args.c)
+    first, hop = fit_rounds(datasets, c)
     for name, questions in per_dataset.items():
-        for ratio_index, ratio in enumerate(ratios):
-            at = [q for q in questions[ratio_index::len(ratios)] if q.labels.any()]
-            fused = np.mean([greedy_kept(q, q.features @ FUSED) for q in at])
-            one = np.mean([greedy_kept(q, q.features @ first) for q in at])
-            both = np.mean([greedy_kept(q, final_scores(q, first, hop)) for q in at])
-            print(f"{name} {ratio:g}x proxy retention (answer in context, n={len(at)}): fused {fused:.3f} "
-                  f"first round {one:.3f} both rounds {both:.3f}")
+        fused = retention_by_ratio(questions, ratios, lambda q: q.features @ FUSED, counter, policy.extraction)
+        both = retention_by_ratio(questions, ratios, lambda q: final_scores(q, first, hop), counter,
+                                  policy.extraction)
+        for ratio, before, after in zip(ratios, fused, both, strict=True):
+            print(f"{name} {ratio:g}x answer kept on tune (fitted on it): fused {before:.3f} learned {after:.3f}")
     print("WEIGHTS = (" + ", ".join(f"{w:.4f}" for w in first) + ")")
     print("HOP_WEIGHTS = (" + ", ".join(f"{w:.4f}" for w in hop) + ")")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump({"weights": dict(zip(FEATURES, map(float, first), strict=True)),
                        "hop_weights": dict(zip(HOP_FEATURES, map(float, hop), strict=True)),
-                       "datasets": list(per_dataset), "ratios": ratios, "c": args.c, "split": "tune"},
+                       "datasets": list(per_dataset), "ratios": ratios, "c": c, "split": "tune"},
                       handle, indent=1)
     return 0
 
