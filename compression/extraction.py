@@ -1,10 +1,11 @@
 """Sentence scoring and budgeted selection of the passages block.
 
-A sentence's relevance fuses its embedding similarity to the question, IDF-weighted lexical overlap
-with the question, and its passage's rerank score (compression.scoring); a multi-hop question's
-bridge sentences are lifted by compression.multihop. The knapsack picks the most relevant set
-within the block budget (a multi-hop chain is one item); sentences are then emitted in their
-original order, passage titles kept. Rule: the rendered block never exceeds its budget.
+A sentence's relevance is compression.learned's fitted combination of its features (extraction.scorer
+"learned"), or fuses its embedding similarity to the question, IDF-weighted lexical overlap with the
+question and its passage's rerank score (compression.scoring; "fused", optionally with the
+query-expansion hop of compression.multihop.expand). The knapsack picks the most relevant set within
+the block budget; sentences are then emitted in their original order, passage titles kept. Rule: the
+rendered block never exceeds its budget.
 """
 
 from __future__ import annotations
@@ -120,38 +121,6 @@ def fuse_scores(
         )
 
 
-def knapsack_items(units: list[SentenceUnit]) -> list[list[int]]:
-    """Knapsack items as lists of unit positions: a chain is one item, every other unit its own."""
-    items: list[list[int]] = []
-    chains: dict[int, list[int]] = {}
-    for position, unit in enumerate(units):
-        if unit.chain is None:
-            items.append([position])
-        elif unit.chain in chains:
-            chains[unit.chain].append(position)
-        else:
-            chains[unit.chain] = [position]
-            items.append(chains[unit.chain])
-    return items
-
-
-def fit_chains(items: list[list[int]], units: list[SentenceUnit], headers: list[int], budget: int) -> list[list[int]]:
-    """A chain dearer than the whole budget (its passages' headers included) could never be taken,
-    and taking nothing of it loses the bridge: shed its members of highest chain rank (link, then
-    answer, then lead) until it fits; a shed member competes on its own."""
-    fitted: list[list[int]] = []
-    for item in items:
-        item = list(item)
-        while len(item) > 1 and (
-            sum(units[i].cost for i in item) + sum(headers[p] for p in {units[i].passage_index for i in item}) > budget
-        ):
-            last = max(item[1:], key=lambda i: units[i].chain_rank)
-            item.remove(last)
-            fitted.append([last])
-        fitted.append(item)
-    return fitted
-
-
 def select_sentences(
     units: list[SentenceUnit], passages: list[Passage], budget: int, counter: CachedCounter, policy: ExtractionPolicy
 ) -> None:
@@ -166,14 +135,12 @@ def select_sentences(
         unit.value, unit.cost = float(value), cost + 1  # +1: the joining space
     headers = [passage_header_cost(counter.count, min(i + 1, 99), p, policy.keep_titles) for i, p in enumerate(passages)]
 
-    items = fit_chains(knapsack_items(units), units, headers, budget)
-    item_values = [sum(units[i].value for i in item) for item in items]
-    item_costs = [sum(units[i].cost for i in item) for item in items]
+    values_list = [unit.value for unit in units]
+    costs_list = [unit.cost for unit in units]
     reserve = 0
     chosen: list[int] = []
     for _ in range(4):
-        chosen_items = knapsack(item_values, item_costs, budget - reserve)
-        chosen = sorted(i for item in chosen_items for i in items[item])
+        chosen = knapsack(values_list, costs_list, budget - reserve)
         used_passages = {units[i].passage_index for i in chosen}
         needed = sum(units[i].cost for i in chosen) + sum(headers[p] for p in used_passages)
         if needed <= budget:

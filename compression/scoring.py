@@ -56,12 +56,6 @@ class SentenceUnit:
     score: float
     value: float = 0.0
     cost: int = 0
-    # Units of one multi-hop chain (the first-hop sentence naming a bridge entity and the bridge
-    # passage's best sentence) share a chain id: the knapsack keeps them together or not at all.
-    chain: int | None = None
-    # Order inside the chain (0: the linking sentence); a chain too dear for the budget sheds its
-    # highest ranks first.
-    chain_rank: int = 0
 
 
 def store_sentence_scores(units: list[SentenceUnit], passages: list[Passage]) -> None:

@@ -72,11 +72,6 @@ class ExtractionPolicy(_Section):
     # Multi-hop questions: score sentences again against the question plus the best sentence
     # found so far (pseudo-relevance feedback), so the bridge passage is found too.
     expand_query: bool = False
-    # "auto": take the second hop only when the question needs a bridge entity (its form, and a
-    # passage that the first hop's best sentences name and the question does not); the bridge
-    # passage survives the rerank cut and its best sentence is kept chained to the one naming it.
-    # "off": single hop only. (`expand_query` is the older always-on second hop.)
-    second_hop: Literal["off", "auto"] = "off"
     # How a sentence's relevance is computed: "fused", embedding + lexical + passage score at hand
     # weights; "learned", compression.learned's fitted combination of compression.sentence_features.
     scorer: Literal["fused", "learned"] = "fused"

@@ -1,10 +1,11 @@
-"""The entities a sentence names, and the passages that name them too.
+"""The entities a sentence names that the question does not.
 
 A bridge entity is often no passage's title: "the person Mach's principle was named after" is
 Ernst Mach, whom the Mach's principle passage names and whose employer's passage ("Vinko Dvořák
 ... assistant to Ernst Mach at Charles University") names him again. What holds for any question:
 the names a first-hop sentence adds to the question (capitalised word runs it does not hold) point
-to the passages that name them as well, and those are where the next hop continues.
+to the passages that name them as well, and those are where the next hop continues
+(compression.sentence_features' link and pointer features).
 
 Every function here sees client text and runs in time linear in it (one regular-expression scan
 without nested repetition, then set and substring work).
@@ -66,8 +67,3 @@ def new_entities(text: str, question: str) -> list[str]:
         name for name in entities(text)
         if not mentions(question_lower, name) and not content_words(name) <= question_words
     ]
-
-
-def passages_naming(entity: str, texts: list[str], skip: set[int]) -> list[int]:
-    """Indices of the texts (not in `skip`) that name `entity` whole-word."""
-    return [index for index, text in enumerate(texts) if index not in skip and mentions(text, entity)]

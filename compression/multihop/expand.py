@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from compression.multihop.follow import BRIDGE_GAP
 from compression.multihop.names import mentions, title_core
 from compression.rerank import minmax
 from compression.scoring import EMBEDDING_WEIGHT, LEXICAL_WEIGHT, SentenceUnit, lexical_overlap
@@ -26,6 +25,8 @@ BRIDGE_SOURCES = 1
 REVERSE_SOURCES = 1
 BRIDGE_SENTENCES = 3
 FEEDBACK_WEIGHT = 0.9  # a second-hop match counts a little less than a direct one
+# A bridge passage's k-th opening sentence scores (k + 1) x this below the best sentence.
+BRIDGE_GAP = 0.05
 
 
 def expand_query(

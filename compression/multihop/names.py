@@ -1,4 +1,4 @@
-"""How a text names a passage: title cores, their owners and undated forms, matched whole-word.
+"""How a text names a passage: title cores, matched whole-word.
 
 Rule: a title and a sentence (or the question) that spell one name differently ("Tunnels &amp;
 Trolls" / "Tunnels and Trolls", "Guns N' Roses" / "Guns N Roses", "Cranberry" / "cranberries") name
@@ -11,7 +11,6 @@ import html
 import re
 
 from compression.cache import byte_bounded_cache
-from compression.text import content_words
 
 MIN_TITLE_CHARS = 3
 
@@ -63,67 +62,3 @@ def _mention_pattern(phrase: str) -> re.Pattern[str]:
     if phrase.endswith("y") and len(phrase) > 3:
         return re.compile(rf"(?<!\w){stem}(?:y|ies)(?!\w)")
     return re.compile(rf"(?<!\w){stem}(?:e?s)?(?!\w)")
-
-
-# A recording's disambiguator names its artist: "Oh My God (Guns N' Roses song)", "Halo (Beyoncé
-# song)". The question naming the artist names the passage's subject through it ("a promo Guns N
-# Roses performed"). Only recordings: a film's or a series' disambiguator is mostly a year or a
-# nationality ("(1945 film)", "(American TV series)").
-_WORK_KINDS = "song|single|album|ep|soundtrack|mixtape"
-# The disambiguator ends the title: "(", an owner without parentheses, blanks, a kind, ")" and
-# blanks. Found from the end of the title by string scanning: the pattern
-# `\((?P<owner>[^()]*?)\s+(?:kinds)\)\s*$` tried a lazy owner against every "(" and every blank of a
-# run (quadratic time on client text, reached by every title).
-_KIND_AT_END = re.compile(rf"(?:{_WORK_KINDS})\Z", re.IGNORECASE)
-_LONGEST_KIND = max(len(kind) for kind in _WORK_KINDS.split("|"))
-
-
-def disambiguator_owner(title: str) -> str | None:
-    """The owner a title's recording disambiguator names, as written ('Halo (Beyoncé song)' ->
-    'Beyoncé'), or None."""
-    close = len(title.rstrip()) - 1
-    if close < 0 or title[close] != ")":
-        return None
-    window = max(0, close - _LONGEST_KIND)
-    kind = _KIND_AT_END.search(title, window, close)
-    if kind is None:
-        return None
-    owner_end = kind.start()
-    while owner_end > 0 and title[owner_end - 1].isspace():
-        owner_end -= 1
-    if owner_end == kind.start():
-        return None  # the kind must follow a blank
-    opening = title.rfind("(", 0, owner_end)
-    if opening < 0 or title.find(")", opening, owner_end) >= 0:
-        return None
-    return title[opening + 1:owner_end]
-
-
-def title_owner(title: str) -> str:
-    """'Oh My God (Guns N' Roses song)' -> "guns n roses"; '' when the disambiguator names no owner
-    ('Kiss and Tell (1945 film)': a year is no entity)."""
-    found = disambiguator_owner(html.unescape(title))
-    if found is None:
-        return ""
-    owner = normalise(found.strip())
-    return owner if len(owner) >= MIN_TITLE_CHARS and any(not w.isdigit() for w in content_words(owner)) else ""
-
-
-# "2013 Sugar Bowl", "1992–93 Charlotte Hornets season": a leading year only dates the entity, and a
-# text names it without ("invited to the Sugar Bowl").
-_LEADING_YEAR = re.compile(r"^\d{4}(?:[–-]\d{2,4})?\s+")
-
-
-def undated_cores(cores: list[str | None]) -> list[str | None]:
-    """Each usable title core without its leading year, where that form is still a name (two
-    content words or more) and no other title of the request shares it."""
-    stripped = [_LEADING_YEAR.sub("", core) if core else None for core in cores]
-    counts: dict[str, int] = {}
-    for core in stripped:
-        if core:
-            counts[core] = counts.get(core, 0) + 1
-    return [
-        short if short and core and short != core and counts[short] == 1 and len(content_words(short)) >= 2 else None
-        for core, short in zip(cores, stripped, strict=True)
-    ]
-

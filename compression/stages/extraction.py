@@ -12,7 +12,6 @@ import numpy as np
 from compression.counting import CachedCounter
 from compression.extraction import score_sentences, select_sentences, trim_block_to_budget
 from compression.knapsack import knapsack
-from compression.multihop.follow import second_hop
 from compression.rendering import render_context, render_passage
 from compression.scoring import values_from_scores
 from compression.stages.base import Stage, StageContext
@@ -45,8 +44,6 @@ class ExtractionStage(Stage):
             question_vector = ctx.question_vector(state)
             embed = ctx.services.embedder.embed
             units = score_sentences(state.question_text, question_vector, state.passages, embed, policy)
-            if policy.second_hop == "auto":
-                report.details.update(second_hop(state.question_text, units, state.passages, embed).details())
             select_sentences(units, state.passages, budget, ctx.counter, policy)
         else:
             select_passages(state.passages, budget, ctx.counter, policy)

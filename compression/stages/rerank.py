@@ -1,13 +1,11 @@
 """The rerank stage: passages are scored against the question and the best `top_k` kept.
 
 Rule: at most `rerank.top_k` (and `documents.max_documents`) passages pass the cut, at or above
-`min_score`, plus, with extraction.second_hop "auto", the bridges a multi-hop question needs
-(compression.multihop.rerank); kept passages stay in request order.
+`min_score`; kept passages stay in request order.
 """
 
 from __future__ import annotations
 
-from compression.multihop.rerank import rerank_bridges
 from compression.rerank import (
     BM25Reranker,
     CrossEncoderReranker,
@@ -62,10 +60,6 @@ class RerankStage(Stage):
             ranked = [p for p in ranked if p.score >= policy.min_score]
         limit = min(limit, len(ranked))
         kept = {id(p) for p in ranked[:limit]}
-        if ctx.policy.extraction.second_hop == "auto":
-            bridges = rerank_bridges(state.question_text, ranked, limit, ctx.services.splitter.split)
-            kept |= {id(p) for p in bridges}
-            report.details["bridges_kept"] = len(bridges)
         state.passages = [p for p in state.passages if id(p) in kept]
         report.details["kept"] = len(state.passages)
         report.saved_tokens = before - passages_tokens(ctx.counter, state.passages)

@@ -119,8 +119,7 @@ def _untitled_state(tokenizer, embedder, titled: bool):
 
     documents = [Document(text=" ".join(sentences), title=f"Title {i}" if titled else None)
                  for i, sentences in enumerate(UNTITLED)]
-    policy = Policy(name="p", rerank={"method": "embedding-bm25", "top_k": 1},
-                    extraction={"second_hop": "off"})
+    policy = Policy(name="p", rerank={"method": "embedding-bm25", "top_k": 1})
     pipeline = CompressionPipeline(tokenizer)
     pipeline.services._embedder = embedder
     state = split_messages(CompressionInput(messages=[{"role": "user", "content": UNTITLED_QUESTION}],

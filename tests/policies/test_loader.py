@@ -66,6 +66,7 @@ def test_passthrough_disables_compression_but_keeps_a_budget():
         ("name: x\nadaptive: {headroom: 1.5}\n", "adaptive.headroom", "less than or equal to 1"),
         ("name: x\nadaptive: {step_tokens: 1, ceiling_tokens: 2000}\n", "adaptive", "more than 256 candidate"),
         ("name: x\nadaptive: {slo: 2}\n", "adaptive.slo", "Extra inputs"),
+        ("name: x\nextraction: {second_hop: auto}\n", "extraction.second_hop", "Extra inputs"),  # removed
         ("name: [unclosed\n", "", "invalid YAML at line"),
         ("- just\n- a list\n", "", "YAML mapping"),
     ],

@@ -26,7 +26,7 @@ import pytest
 
 from compression import dedup, message_context, rerank, text
 from compression.index_names import check_index_name
-from compression.multihop import forms, names
+from compression.multihop import names
 from gateway import request_id
 from gateway.sanitize import _STRUCTURE_LINE, Neutraliser
 
@@ -98,10 +98,8 @@ ENTRY_POINTS: dict[str, Callable[[str], object]] = {
     "message_context.find_context(user)": lambda value: message_context.find_context(value, system=False),
     "message_context.find_contexts": lambda value: message_context.find_contexts(value, system=True),
     "message_context.split_passages": message_context.split_passages,
-    "multihop.title_owner": names.title_owner,
     "multihop.title_core": names.title_core,
     "multihop.normalise": names.normalise.__wrapped__,
-    "multihop.question_form_cues": forms.question_form_cues,
     "multihop.mentions": lambda value: names.mentions.__wrapped__(value, "cranberry")
     if hasattr(names.mentions, "__wrapped__") else names.mentions(value + " ", "cranberry"),
     "text.SentenceSplitter.split": _split,
@@ -126,12 +124,6 @@ PATTERNS: dict[str, tuple[re.Pattern[str], str]] = {
     "message_context._TERMINATOR": (message_context._TERMINATOR, "finditer"),
     "message_context._METADATA_LINE": (message_context._METADATA_LINE, "match"),
     "message_context._PARAGRAPH_BREAK": (message_context._PARAGRAPH_BREAK, "finditer"),
-    "multihop._RELATIVE_CLAUSE": (forms._RELATIVE_CLAUSE, "finditer"),
-    "multihop._REDUCED_RELATIVE": (forms._REDUCED_RELATIVE, "finditer"),
-    "multihop._DEMONSTRATIVE": (forms._DEMONSTRATIVE, "finditer"),
-    "multihop._ROLE_OF": (forms._ROLE_OF, "finditer"),
-    "multihop._LEADING_YEAR": (names._LEADING_YEAR, "sub"),
-    "multihop._KIND_AT_END": (names._KIND_AT_END, "finditer"),
     "multihop.mention_pattern": (names._mention_pattern("cranberry"), "finditer"),
     "dedup._NUMBER": (dedup._NUMBER, "finditer"),
     "text._WORD_RE": (text._WORD_RE, "finditer"),
@@ -229,8 +221,6 @@ _OLD = {
         r"^[ \t]*(?:#+[ \t]*)?(?:(?:question|query|user question|q|answer|instructions?|task|helpful answer)[ \t]*:"
         r"|given the context\b)", re.MULTILINE | re.IGNORECASE),
 }
-_OLD_DISAMBIGUATOR = re.compile(r"\((?P<owner>[^()]*?)\s+(?:song|single|album|ep|soundtrack|mixtape)\)\s*$",
-                                re.IGNORECASE)
 
 # Pieces the random texts are made of: every marker, tag and separator the patterns look for, in
 # several cases (with the characters Unicode case folding matches: İ, K, ſ), and the blanks between.
@@ -288,12 +278,6 @@ def test_same_structure_lines_as_before() -> None:
 
     for value in _random_texts(5000, 30, seed=11):
         assert _STRUCTURE_LINE.sub(quote, value) == _OLD_STRUCTURE_LINE.sub(quote, value), value
-
-
-def test_same_disambiguator_owner_as_before() -> None:
-    for value in _random_texts(5000, 12, seed=13):
-        old = _OLD_DISAMBIGUATOR.search(value)
-        assert names.disambiguator_owner(value) == (old.group("owner") if old else None), value
 
 
 def test_same_ampersands_as_before() -> None:
