@@ -20,14 +20,13 @@ from backend.upstream import GATEWAY_OWNED
 from gateway.sanitize import Neutraliser
 
 # Fields that shape sampling or the output format, not the prompt (OpenAI's, and vLLM's extras).
-_SAMPLING = frozenset({
-    "temperature", "top_p", "top_k", "min_p", "n", "best_of", "seed", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "length_penalty", "logit_bias", "logprobs", "stop_token_ids", "ignore_eos",
-    "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "user", "metadata", "store",
-    "service_tier", "prediction",
-})
+_SAMPLING = frozenset(
+    """temperature top_p top_k min_p n best_of seed presence_penalty frequency_penalty repetition_penalty
+    length_penalty logit_bias logprobs stop_token_ids ignore_eos min_tokens include_stop_str_in_output
+    skip_special_tokens spaces_between_special_tokens response_format guided_json guided_regex guided_choice
+    guided_grammar guided_decoding_backend guided_whitespace_pattern structured_outputs user metadata store
+    service_tier prediction""".split()
+)
 _CHAT = _SAMPLING | {"top_logprobs", "tool_choice", "parallel_tool_calls", "reasoning_effort", "modalities"}
 _COMPLETION = _SAMPLING | {"echo"}
 # Rendered into the prompt by the upstream's chat template: neutralised and counted here.
