@@ -109,6 +109,8 @@ class GenerationRequest:
     # the prompt's stable prefix that cache-affinity routing hashes (None: nothing worth keeping).
     model: str | None = None
     route_key: str | None = None
+    # The served model names the caller's key may use (None: any): fallbacks outside it are skipped.
+    allowed_models: frozenset[str] | None = None
 
 
 @dataclass

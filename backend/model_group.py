@@ -351,7 +351,13 @@ class ModelRouter:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         first = self.group(request.model)
-        chain = [first, *(self.groups[name] for name in self.fallbacks.get(first.model_name, []))]
+        allowed = request.allowed_models
+        if allowed is not None and first.model_name not in allowed:
+            raise EngineError(f"model '{first.model_name}' is not allowed for this request", status_code=403,
+                              param="model", code="model_not_allowed")
+        # A fallback serves the request under the key's authority: only models the key may use.
+        chain = [first, *(self.groups[name] for name in self.fallbacks.get(first.model_name, [])
+                          if allowed is None or name in allowed)]
         for index, group in enumerate(chain):
             stream = group.generate(request)
             try:

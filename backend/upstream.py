@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ _FAILOVER_STATUSES = {502, 503, 504}
 # a tenant jump the upstream's queue, `cache_salt` (vLLM's prefix-cache namespace) is the
 # gateway's per-tenant value, never the client's, and a client's `request_id` could collide with
 # another tenant's request on the upstream. Every other client field is forwarded.
-_GATEWAY_OWNED = frozenset({
+GATEWAY_OWNED = frozenset({
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream", "stream_options",
     "stop", "ctxgate", "priority", "cache_salt", "request_id",
 })
@@ -62,6 +63,17 @@ class UpstreamConfig:
 class UpstreamUnavailable(EngineError):
     def __init__(self, message: str):
         super().__init__(message, status_code=502)
+
+
+class UpstreamRefused(EngineError):
+    """An upstream's 4xx. Its text is the upstream's (a traceback, a file path, an internal URL):
+    `detail` is for the log; clients get a generic message with the status and, where they are plain
+    identifiers, the OpenAI error's `param` and `code`."""
+
+    def __init__(self, status_code: int, detail: str, param: str | None, code: str | None):
+        super().__init__(f"the model backend refused the request (HTTP {status_code})", status_code=status_code,
+                         param=param, code=code)
+        self.detail = detail
 
 
 def _base(url: str) -> str:
@@ -162,7 +174,7 @@ class UpstreamClient:
         if request.forward is not None:
             # The client's own fields, untouched (sampling included: an absent field stays absent, so
             # the upstream applies its own defaults); only what the gateway decides is set below.
-            body = {key: value for key, value in request.forward.items() if key not in _GATEWAY_OWNED}
+            body = {key: value for key, value in request.forward.items() if key not in GATEWAY_OWNED}
         else:
             body = {"temperature": sampling.temperature, "top_p": sampling.top_p}
             if sampling.seed is not None:
@@ -214,8 +226,7 @@ class UpstreamClient:
                     await response.aread()
                     await response.aclose()
                     param, code = _error_fields(response)
-                    raise EngineError(_error_message(response), status_code=response.status_code,
-                                      param=param, code=code)
+                    raise UpstreamRefused(response.status_code, f"{url}: {_error_message(response)}", param, code)
                 self._down_until.pop(url, None)
                 self._healthy = self._upstream_model is not None
                 return url, response
@@ -294,23 +305,35 @@ class UpstreamClient:
             await response.aclose()  # closing the connection is the abort signal upstream
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_object(response: httpx.Response) -> dict[str, Any] | None:
     try:
-        error = response.json().get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return f"upstream: {error['message']}"
+        body = response.json()
     except ValueError:
-        pass
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else None
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The upstream's own words, for the log only."""
+    error = _error_object(response)
+    if error is not None and error.get("message"):
+        return f"upstream: {error['message']}"
     return f"upstream returned HTTP {response.status_code}: {response.text[:200]}"
 
 
+# What an OpenAI error's `param` (`messages[0].content`, `tools[2]`) and `code` (`invalid_value`) look
+# like; anything else is free text and stays in the log.
+_SAFE_PARAM = re.compile(r"[A-Za-z_][A-Za-z0-9_.\[\]]{0,63}")
+_SAFE_CODE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+
+
 def _error_fields(response: httpx.Response) -> tuple[str | None, str | None]:
-    """The `param` and `code` of an OpenAI-style error body (None when absent or not JSON)."""
-    try:
-        error = response.json().get("error")
-    except ValueError:
-        return None, None
-    if not isinstance(error, dict):
+    """The `param` and `code` of an OpenAI-style error body, when they are plain identifiers (None
+    when absent, not JSON, or anything else)."""
+    error = _error_object(response)
+    if error is None:
         return None, None
     param, code = error.get("param"), error.get("code")
-    return (param if isinstance(param, str) else None), (code if isinstance(code, str) else None)
+    return ((param if isinstance(param, str) and _SAFE_PARAM.fullmatch(param) else None),
+            (code if isinstance(code, str) and _SAFE_CODE.fullmatch(code) else None))

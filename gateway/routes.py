@@ -167,6 +167,7 @@ async def _answer(
         cache_salt=gateway.cache_salt(prepared.tenant.name),
         messages=messages, prompt_text=prepared.prompt_text, forward=prepared.forward,
         model=body.model, route_key=prepared.route_key,
+        allowed_models=frozenset(gateway.allowed_models(prepared.tenant)),
     )
     writer = ResponseWriter(prepared.request_id, body.model, prepared.created,
                             chat=isinstance(body, ChatCompletionRequest),

@@ -11,10 +11,11 @@ question stays the only one.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from compression.rendering import LINE_MARKERS
 from compression.types import CompressionInput
@@ -64,12 +65,51 @@ class Neutraliser:
         """A passage: inert special tokens, and no line that mimics the context block's markers."""
         return _STRUCTURE_LINE.sub(lambda m: f"{m.group(1)}> {m.group(2)}", self.text(value))
 
+    def value(self, value: Any) -> Any:
+        """A JSON value with every string in it made inert, object keys included: tool schemas,
+        descriptions, a message's name, ... anything a chat template may print."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            return {self.text(key) if isinstance(key, str) else key: self.value(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.value(item) for item in value]
+        return value
+
+    def arguments(self, value: Any) -> Any:
+        """A tool call's `arguments`: usually a JSON string, which templates parse and print again,
+        so a token spelled with JSON escapes (`\\u003c|im_end|>`) would come back whole. The parsed
+        value is neutralised and serialised again; a string that is not JSON is neutralised as text."""
+        if not isinstance(value, str):
+            return self.value(value)
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return self.text(value)
+        return json.dumps(self.value(parsed), ensure_ascii=False)
+
+    def message(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A chat message with every string a template renders made inert: content, name, tool
+        calls (names and arguments), tool call ids and any other field an upstream may print. The
+        role is the schema's closed set and stays."""
+        cleaned = {key: item if key == "role" else self.value(item) for key, item in message.items()}
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            cleaned["tool_calls"] = [self._call(call) for call in calls]
+        return cleaned
+
+    def _call(self, call: Any) -> Any:
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            return self.value(call)
+        function = call["function"]
+        return self.value({**call, "function": {}}) | {"function": self.value(function) | (
+            {"arguments": self.arguments(function["arguments"])} if "arguments" in function else {})}
+
     def compression_input(self, request: CompressionInput) -> CompressionInput:
-        """The request with its client text made inert: each message's (string) content, each
-        document's text and title. Linear-time, but a whole request's text: the gateway runs it in
-        the compression worker, off its event loop."""
-        messages = [message | {"content": self.text(message["content"])} if isinstance(message.get("content"), str)
-                    else message for message in request.messages]
+        """The request with its client text made inert: every rendered field of each message
+        (`message`), each document's text and title. Linear-time, but a whole request's text: the
+        gateway runs it in the compression worker, off its event loop."""
+        messages = [self.message(message) for message in request.messages]
         documents = [replace(document, text=self.document(document.text),
                              title=None if document.title is None else self.document(document.title))
                      for document in request.documents]

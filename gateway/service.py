@@ -23,6 +23,7 @@ from backend.openai_api.errors import APIError, generic_server_error
 from backend.openai_api.fields import enforce_supported
 from backend.openai_api.request_params import EngineAsks, engine_asks
 from backend.openai_api.responses import Usage
+from backend.upstream import UpstreamRefused
 from compression.counting import CachedCounter
 from compression.index_names import InvalidIndexName, UnknownIndexError, check_index_name
 from compression.types import (
@@ -35,6 +36,7 @@ from compression.types import (
 from gateway.affinity import affinity_key
 from gateway.budget_control import BudgetController, Decision, Outcome
 from gateway.engine_load import reader_for
+from gateway.forwarding import forwarded_fields, forwarded_prompt_tokens
 from gateway.keys import KeyRejected, KeyStore, Tenant
 from gateway.metrics import GatewayMetrics
 from gateway.model_tokenizers import load_model_tokenizers
@@ -319,10 +321,13 @@ class Gateway:
     def check_fields(self, body: GatewayRequest, policy: Policy,
                      raw: dict[str, Any] | None) -> tuple[list[str], dict[str, Any] | None]:
         """(dropped field names, fields to forward). The built-in engine refuses (400) what it cannot
-        honour unless drop_params; an upstream gets the client's body, and decides itself (except
-        for what the gateway owns: `backend.upstream._GATEWAY_OWNED`)."""
+        honour unless drop_params; an upstream gets the allow-listed part of the client's body
+        (`gateway.forwarding`), the rest dropped and named."""
         if self.engine_for(body.model).forwards_fields:
-            return [], dict(raw) if raw is not None else body.model_dump(exclude_unset=True)
+            fields = dict(raw) if raw is not None else body.model_dump(exclude_unset=True)
+            forwarded = forwarded_fields(fields, isinstance(body, ChatCompletionRequest),
+                                         self.tokens.for_model(body.model).neutraliser)
+            return forwarded.dropped, forwarded.fields
         return enforce_supported(body, policy.drop_params or self.settings.drop_params), None
 
     def choices_for(self, body: GatewayRequest, forward: dict[str, Any] | None) -> int:
@@ -382,19 +387,28 @@ class Gateway:
         return result
 
     def encode_checked(self, result: CompressionResult, policy: Policy, tools: list[dict[str, Any]] | None = None,
-                       model: str | None = None) -> tuple[list[int], str]:
+                       model: str | None = None, forward: dict[str, Any] | None = None) -> tuple[list[int], str]:
         """Token ids actually sent (with `model`'s tokenizer); re-counted here so the budget holds
-        whatever pipeline ran."""
-        tokenizer = self.tokens.for_model(model).tokenizer
-        prompt_text = tokenizer.render_chat(result.messages, tools=tools)
-        token_ids = tokenizer.encode(prompt_text)
+        whatever pipeline ran. `forward`: an upstream's fields, whose `tools` and `documents` its
+        template adds to the prompt: counted in `result.prompt_tokens` too."""
+        tokens = self.tokens.for_model(model)
+        # Tools are client text the template prints: inert like the messages (which the pipeline cleaned).
+        prompt_text = tokens.tokenizer.render_chat(result.messages, tools=tokens.neutraliser.value(tools) if tools else None)
+        token_ids = tokens.tokenizer.encode(prompt_text)
         if len(token_ids) > policy.max_input_tokens:
             logger.error("pipeline produced %d tokens over budget %d", len(token_ids), policy.max_input_tokens)
             raise APIError(
                 413, f"the prompt needs {len(token_ids)} tokens; policy '{policy.name}' allows "
                 f"{policy.max_input_tokens}", code="prompt_too_long",
             )
-        result.prompt_tokens = len(token_ids)
+        prompt_tokens = len(token_ids) + forwarded_prompt_tokens(forward, tokens.tokenizer)
+        if prompt_tokens > policy.max_input_tokens:
+            raise APIError(
+                413, f"the prompt with its tools and documents needs {prompt_tokens} tokens; policy "
+                f"'{policy.name}' allows {policy.max_input_tokens}", code="prompt_too_long",
+                param="tools" if forward and forward.get("tools") else "documents",
+            )
+        result.prompt_tokens = prompt_tokens
         return token_ids, prompt_text
 
     def sampling_for(self, body: GatewayRequest, policy: Policy, prompt_tokens: int,
@@ -532,8 +546,8 @@ class Gateway:
         try:
             result = await self.compress(body, tenant, policy)
             tools = asks.output.tools.template_tools() if asks and asks.output.tools else None
-            token_ids, prompt_text = self.encode_checked(result, policy, tools, body.model)
-            sampling = self.sampling_for(body, policy, len(token_ids), asks)
+            token_ids, prompt_text = self.encode_checked(result, policy, tools, body.model, forward)
+            sampling = self.sampling_for(body, policy, result.prompt_tokens, asks)
             priority = Priority.BACKGROUND if body.ctxgate and body.ctxgate.priority == "background" else Priority.USER
             prepared = Prepared(
                 request_id=request_id, tenant=tenant, policy=policy, result=result,
@@ -541,8 +555,8 @@ class Gateway:
                 dropped_params=dropped, forward=forward, choices=choices, asks=asks, budget=budget,
                 route_key=self.route_key(body.model, tenant, result.messages, None), received_at=arrived,
             )
-            prepared.reservation = await self.reserve(tenant, policy, len(token_ids), sampling.max_tokens * choices,
-                                                      slot_id=prepared.request_id)
+            prepared.reservation = await self.reserve(tenant, policy, result.prompt_tokens,
+                                                      sampling.max_tokens * choices, slot_id=prepared.request_id)
         except BaseException:
             self.budgets.forget(request_id)
             raise
@@ -631,6 +645,11 @@ class Gateway:
             # An engine refusing for load is the documented overload answer: tell clients when to retry.
             retry = {"Retry-After": "1"} if exc.status_code in (429, 503) else None
             code = "overloaded" if retry else (exc.code or "engine_error")
+            if isinstance(exc, UpstreamRefused):
+                # The upstream's words (a traceback, a path, an internal URL) are for the log only.
+                logger.warning("model backend refused (request id %s): %s", request_id, exc.detail)
+                return APIError(exc.status_code, f"{exc} (request id {request_id})", param=exc.param, code=code,
+                                headers=retry)
             if exc.status_code < 500:
                 return APIError(exc.status_code, str(exc), param=exc.param, code=code,
                                 headers=retry)

@@ -28,6 +28,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 class Function:
     name: str
     parameters: dict[str, Any]
+    # Rendered with the schema: models choose among functions by what they are for.
+    description: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,10 @@ class ToolUse:
         return GuideSpec.json_schema(schema, "tool_choice")
 
     def template_tools(self) -> list[dict[str, Any]]:
-        """The tools as chat templates take them (OpenAI's shape)."""
-        return [{"type": "function", "function": {"name": f.name, "parameters": f.parameters}}
-                for f in self.functions]
+        """The tools as chat templates take them (OpenAI's shape). Client text: the gateway
+        neutralises it before rendering (gateway.sanitize.Neutraliser.value)."""
+        return [{"type": "function", "function": {"name": f.name, "parameters": f.parameters}
+                 | ({"description": f.description} if f.description else {})} for f in self.functions]
 
     def read_calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content left, tool calls) read from a choice's text."""
@@ -112,7 +115,11 @@ def _functions(tools: Any) -> tuple[Function, ...]:
         if not isinstance(parameters, dict):
             raise APIError(400, f"tools[{index}].function.parameters must be a JSON schema object",
                            param=f"tools[{index}]", code="invalid_value")
-        functions.append(Function(name, parameters))
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise APIError(400, f"tools[{index}].function.description must be a string",
+                           param=f"tools[{index}]", code="invalid_value")
+        functions.append(Function(name, parameters, description))
     return tuple(functions)
 
 
