@@ -216,6 +216,9 @@ async def attack(
             except httpx.TimeoutException:
                 stats.record(hostile.kind, "timeout")
                 return
+            except asyncio.CancelledError:  # the attack is over and this one still has no answer
+                stats.record(hostile.kind, "no_answer_by_end")
+                raise
             except httpx.HTTPError as exc:
                 stats.record(hostile.kind, f"transport:{type(exc).__name__}")
                 return

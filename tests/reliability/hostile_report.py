@@ -167,6 +167,8 @@ def markdown(report: dict) -> str:
         "",
         f"Attacker: {attacker['sent']} requests, statuses {attacker['statuses']}",
         "",
+        f"Timeline (s): {report.get('timeline_s')}",
+        "",
         "| check | passed |",
         "| --- | --- |",
         *(f"| {name} | {passed} |" for name, passed in report["checks"].items()),

@@ -8,7 +8,7 @@ at full speed. Writes `hostile_soak.json`, `hostile_soak.md` and the server's lo
 1 when an acceptance check fails: victim errors (must be 0), victim TTFT P95 under attack vs alone,
 server RSS levelling off, attacker 5xx other than the documented overload answer.
 
-Bounded: every victim request has `victim_timeout_s` (over it: an error), hostile requests get 15 s
+Bounded: every victim request has `victim_timeout_s` (over it: an error), hostile requests get 5 s
 after the attack phase ends, then are cancelled; the server drains for 5 s at most.
 """
 
@@ -69,7 +69,7 @@ QUESTIONS = [
     "Where does the Rhine end?",
     "When was the Thames Barrier finished?",
 ]
-ATTACK_GRACE_S = 15.0
+ATTACK_GRACE_S = 5.0
 WARM_UP_TIMEOUT_S = 300.0
 
 
@@ -79,7 +79,8 @@ class SoakConfig:
     attack_s: float = 600.0
     victim_concurrency: int = 2
     victim_max_tokens: int = 64
-    victim_timeout_s: float = 60.0
+    victim_timeout_s: float = 120.0
+    warm_up_requests: int = 8
     attacker_concurrency: int = 6
     slow_connections: int = 3
     max_attack_requests: int = 100_000
@@ -195,10 +196,10 @@ async def victim_load(
     return phase
 
 
-async def warm_up(client: httpx.AsyncClient, url: str, key: str) -> None:
-    """Batch sizes up to 8 once (the engine traces a decode graph per padded batch size, slowly on a
-    cold server), so neither phase pays for it."""
-    bodies = [victim_body(i, max_tokens=16) for i in range(8)]
+async def warm_up(client: httpx.AsyncClient, url: str, key: str, count: int) -> None:
+    """Batch sizes up to `count` once (the engine traces a decode graph per padded batch size, slowly on
+    a cold server), so neither phase pays for it."""
+    bodies = [victim_body(i, max_tokens=16) for i in range(count)]
     async with asyncio.timeout(WARM_UP_TIMEOUT_S):
         await asyncio.gather(*(victim_request(client, url, key, body, WARM_UP_TIMEOUT_S) for body in bodies))
 
@@ -211,18 +212,8 @@ async def _attack_phase(
 ) -> VictimPhase:
     """The victim's load for `attack_s` with the attacker at full speed; the attack ends with it."""
     stop = asyncio.Event()
-    attackers = [
-        asyncio.create_task(
-            attack(
-                url,
-                keys,
-                stop,
-                stats,
-                concurrency=config.attacker_concurrency,
-                max_requests=config.max_attack_requests,
-            )
-        )
-    ]
+    limits = {"concurrency": config.attacker_concurrency, "max_requests": config.max_attack_requests}
+    attackers = [asyncio.create_task(attack(url, keys, stop, stats, **limits))]
     attackers += [
         asyncio.create_task(trickle(url, keys["attacker"], stop, stats))
         for _ in range(config.slow_connections)
@@ -237,29 +228,29 @@ async def _attack_phase(
         await asyncio.gather(*attackers, return_exceptions=True)
 
 
-async def _soak(config: SoakConfig, url: str, pid: int, keys: dict[str, str]) -> dict:
-    started, stop_sampling, samples = time.monotonic(), asyncio.Event(), ServerSamples()
+async def _soak(config: SoakConfig, url: str, pid: int, keys: dict[str, str], started: float) -> dict:
+    """The phases; times in the report are seconds since `started` (the server's launch)."""
+    stop_sampling, samples = asyncio.Event(), ServerSamples()
     sampler = asyncio.create_task(
         sample_server(url, pid, stop_sampling, started, config.sample_interval_s, samples)
     )
-    stats = AttackStats()
-    limits = httpx.Limits(max_connections=8)
+    stats, timeline = AttackStats(), {}
+    timeout = httpx.Timeout(config.victim_timeout_s, connect=10)
     try:
-        async with httpx.AsyncClient(
-            timeout=httpx.Timeout(config.victim_timeout_s, connect=10), limits=limits
-        ) as client:
-            await warm_up(client, url, keys["victim"])
+        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=8)) as client:
+            await warm_up(client, url, keys["victim"], config.warm_up_requests)
+            timeline["warm_up_done"] = time.monotonic() - started
             baseline = await victim_load(client, url, keys["victim"], config, config.baseline_s)
-            attack_from = time.monotonic() - started
+            timeline["attack_from"] = time.monotonic() - started
             attacked = await _attack_phase(client, url, keys, config, stats)
-            attack_to = time.monotonic() - started
+            timeline["attack_to"] = time.monotonic() - started
     finally:
         stop_sampling.set()
         await sampler
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
-    return build_report(
-        settings, config.acceptance, (baseline, attacked), stats, samples, (attack_from, attack_to)
-    )
+    window = (timeline["attack_from"], timeline["attack_to"])
+    report = build_report(settings, config.acceptance, (baseline, attacked), stats, samples, window)
+    return report | {"timeline_s": {name: round(at, 1) for name, at in timeline.items()}}
 
 
 def run_soak(config: SoakConfig) -> dict:
@@ -267,8 +258,14 @@ def run_soak(config: SoakConfig) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     with hostile_server(config.out) as (url, pid, keys):
+        server_start_s = time.monotonic() - started
         report = asyncio.run(_soak(config, url, pid, keys))
+    report["timeline_s"] |= {
+        "server_start": round(server_start_s, 1),
+        "total": round(time.monotonic() - started, 1),
+    }
     (config.out / "hostile_soak.json").write_text(json.dumps(report, indent=2))
     (config.out / "hostile_soak.md").write_text(markdown(report))
     return report

@@ -22,22 +22,26 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, model_dir) -> dict:
     out = tmp_path_factory.mktemp("hostile-soak")
-    config = SoakConfig(baseline_s=20, attack_s=30, victim_timeout_s=30, out=out)
+    config = SoakConfig(baseline_s=20, attack_s=30, victim_timeout_s=60, warm_up_requests=2, out=out)
     result = run_soak(config)
     print(markdown(result), f"\n(report and server log in {out})")
     return result
 
 
 def test_the_attack_ran(report):
-    """The harness itself: every kind of the mix was sent, and the victim was served in both phases."""
-    assert report["attacker"]["sent"] >= len(hostile_mix()), report["attacker"]
-    assert report["victim"]["alone"]["completed"] > 0 and report["victim"]["under_attack"]["requests"] > 0
+    """The harness itself: every kind of the mix was sent (answered or not) while the victim was loaded."""
+    assert {hostile.kind for hostile in hostile_mix()} <= set(report["attacker"]["by_kind"]), report[
+        "attacker"
+    ]
+    assert report["victim"]["under_attack"]["requests"] > 0
 
 
 def test_the_victim_never_fails_while_another_tenant_attacks(report):
-    victim = report["victim"]
-    assert victim["errors"] == [], markdown(report)
-    assert victim["under_attack"]["completed"] > 0
+    alone, under_attack = report["victim"]["alone"], report["victim"]["under_attack"]
+    # Without an attacker the victim must be served: otherwise this machine is too slow for the test.
+    assert alone["errors"] == 0 and alone["completed"] > 0, markdown(report)
+    assert under_attack["errors"] == 0, markdown(report)
+    assert under_attack["completed"] > 0
 
 
 def test_hostile_requests_get_4xx_never_5xx(report):
