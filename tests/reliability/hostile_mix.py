@@ -9,6 +9,7 @@ victim) spends microseconds per request, not the milliseconds a 1M-character `js
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import time
@@ -69,13 +70,20 @@ TOOL = {
 }
 
 
-def _unique_text(nonce: int, chars: int) -> str:
-    """`chars` characters of sentences no other request has (each carries the nonce and a counter)."""
-    sentence_count = chars // 80 + 1
-    return " ".join(
-        f"Ledger {nonce}-{i} records shipment {i * 7919 % 100_003} to depot {i % 97} on day {i % 365}."
-        for i in range(sentence_count)
-    )[:chars]
+@functools.cache
+def _ledger_sentences() -> tuple[str, ...]:
+    """Enough distinct sentences for the largest document (made once: the client's event loop also
+    times the victim, so a request's body must cost it next to nothing)."""
+    return tuple(
+        f"Ledger entry {i} records shipment {i * 7919 % 100_003} to depot {i % 97} on day {i % 365}."
+        for i in range(25_000)
+    )
+
+
+def _unique_text(tag: str, chars: int) -> str:
+    """`chars` characters of sentences no other request has: each one starts with `tag`."""
+    sentences = _ledger_sentences()[: chars // 40 + 1]
+    return (f"[{tag}] " + f" [{tag}] ".join(sentences))[:chars]
 
 
 @dataclass(frozen=True)
@@ -89,10 +97,14 @@ class Hostile:
     document_chars: int = 0  # > 0: NONCE is replaced by this much unique text, not just a number
 
     def body(self, nonce: int) -> bytes:
-        if NONCE.encode() not in self.template:
-            return self.template
-        filler = _unique_text(nonce, self.document_chars) if self.document_chars else str(nonce)
-        return self.template.replace(NONCE.encode(), json.dumps(filler)[1:-1].encode())
+        parts = self.template.split(NONCE.encode())
+        fillers = [
+            _unique_text(f"{nonce}.{index}", self.document_chars) if self.document_chars else str(nonce)
+            for index in range(len(parts) - 1)
+        ]
+        # Digits, letters, dots and brackets only: nothing to escape inside a JSON string.
+        escaped = [filler.encode() for filler in fillers]
+        return b"".join(part for pair in zip(parts, [*escaped, b""], strict=True) for part in pair)
 
 
 def _hostile(kind: str, path: str, body: dict, **options: object) -> Hostile:

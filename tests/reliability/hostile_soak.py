@@ -260,12 +260,10 @@ def run_soak(config: SoakConfig) -> dict:
     config.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with hostile_server(config.out) as (url, pid, keys):
-        server_start_s = time.monotonic() - started
-        report = asyncio.run(_soak(config, url, pid, keys))
-    report["timeline_s"] |= {
-        "server_start": round(server_start_s, 1),
-        "total": round(time.monotonic() - started, 1),
-    }
+        server_up = time.monotonic() - started
+        report = asyncio.run(_soak(config, url, pid, keys, started))
+    report["timeline_s"] = {"server_up": round(server_up, 1), **report["timeline_s"]}
+    report["timeline_s"]["server_stopped"] = round(time.monotonic() - started, 1)
     (config.out / "hostile_soak.json").write_text(json.dumps(report, indent=2))
     (config.out / "hostile_soak.md").write_text(markdown(report))
     return report
