@@ -281,10 +281,19 @@ async def trickle(
                 except TimeoutError:
                     writer.write(b" ")
                     continue
-                status = int(line.split()[1]) if line.startswith(b"HTTP/") else "closed"
+                status = await _answer_status(line, reader) if line.startswith(b"HTTP/") else "closed"
                 break
         except (OSError, ValueError, IndexError) as exc:
             status = f"transport:{type(exc).__name__}"
         finally:
             writer.close()
         stats.record("slow_body", status, f"after {time.monotonic() - started:.1f}s")
+
+
+async def _answer_status(status_line: bytes, reader: asyncio.StreamReader) -> int | str:
+    """The status of a raw HTTP answer; "overload" for the documented 503 (with Retry-After)."""
+    status = int(status_line.split()[1])
+    headers = []
+    while (line := await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b""):
+        headers.append(line.lower())
+    return "overload" if status == 503 and any(h.startswith(b"retry-after:") for h in headers) else status
