@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model large-model serve engine-serve test lint docs bench eval soak clean
+.PHONY: install model large-model serve engine-serve test lint docs bench eval soak soak-hostile clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,5 +58,11 @@ eval: model
 soak: model
 	$(PY) -m tests.reliability.soak $(SOAK_ARGS)
 
+# One tenant sends the hostile mix at full speed while another streams normal requests (default 120 s
+# alone, then 600 s under attack); report and server log in soak-hostile-out/; exits 1 if an acceptance
+# check fails. SOAK_ARGS to tune, e.g. SOAK_ARGS='--baseline 20 --duration 30'.
+soak-hostile: model
+	$(PY) -m tests.reliability.hostile_soak $(SOAK_ARGS)
+
 clean:
-	rm -rf $(VENV) bench-out eval-out site
+	rm -rf $(VENV) bench-out eval-out soak-hostile-out site
