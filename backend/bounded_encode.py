@@ -70,7 +70,9 @@ def encode_in_pieces(encode: Callable[[str], list[int]], text: str) -> list[int]
         raise TextNotTokenizable() from exc
 
 
-def encode_batch_in_pieces(encode_batch: Callable[[list[str]], list[list[int]]], texts: list[str]) -> list[list[int]]:
+def encode_batch_in_pieces(
+    encode_batch: Callable[[list[str]], list[list[int]]], texts: list[str]
+) -> list[list[int]]:
     """`encode_batch(texts)` with each text cut as `pieces` does, the pieces' ids joined back per text."""
     split = [pieces(text) for text in texts]
     if all(len(parts) == 1 for parts in split):
