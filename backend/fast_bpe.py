@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from backend.bounded_encode import encode_in_pieces
+
 logger = logging.getLogger(__name__)
 
 # The split pattern of Hugging Face's ByteLevel pre-tokenizer (use_regex=True), as GPT-2 wrote it.
@@ -73,6 +75,10 @@ class FastBPE:
             return self._fallback(text)
         if self._missing_bytes and len(raw.translate(None, self._missing_bytes)) != len(raw):
             return self._fallback(text)
+        # In pieces: a long whitespace run would exceed the split regex's backtracking limit.
+        return encode_in_pieces(self._encode_whole, text)
+
+    def _encode_whole(self, text: str) -> list[int]:
         return self._encoding.encode(text, allowed_special="all")
 
     def count(self, text: str) -> int:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from backend.bounded_encode import encode_batch_in_pieces, encode_in_pieces
 from compression.cache import ByteLRU
 
 
@@ -68,13 +69,18 @@ class TiktokenCounter:
         self.encoding = tiktoken.get_encoding(encoding_name)
 
     def encode(self, text: str) -> list[int]:
+        # In pieces: a long whitespace run would exceed the split regex's backtracking limit.
+        return encode_in_pieces(self._encode_whole, text)
+
+    def _encode_whole(self, text: str) -> list[int]:
         return self.encoding.encode(text, disallowed_special=())
 
     def count(self, text: str) -> int:
         return len(self.encode(text))
 
     def count_many(self, texts: list[str]) -> list[int]:
-        return [len(ids) for ids in self.encoding.encode_batch(texts, disallowed_special=())]
+        encoded = encode_batch_in_pieces(lambda batch: self.encoding.encode_batch(batch, disallowed_special=()), texts)
+        return [len(ids) for ids in encoded]
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str | None:
         return None  # the count is per message, not of one rendered text

@@ -6,12 +6,24 @@ slot for at most `queue_timeout_s`. Anything beyond that, and every request once
 draining for shutdown, is answered at once with the documented overload answer:
 503 `{"error": {"code": "overloaded"}}` with `Retry-After`. Memory therefore stays bounded under any
 offered load, and clients are told when to come back instead of piling up.
+
+The places are shared by every tenant, so one key must not be able to take them all:
+
+- the key is checked from the headers before anything else (no key, or a bad one: 401 at once);
+- the whole body is read (within the body size limit and read timeout) before a place is taken, so
+  a client trickling its body holds a connection, never a slot another tenant's request could run in;
+- one key may have at most `max_open_per_key` requests open (reading, queued or running) and at most
+  `max_queued_per_key` of them waiting; beyond either it gets 429 `too_many_open_requests` /
+  `too_many_queued_requests`, its own refusal, while other keys are admitted as before.
+
+Without keys (open mode) there is no key to count by: the global bounds alone apply.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -38,11 +50,19 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
+class KeyOverLimit(Overloaded):
+    """One key's own admission limit (open or queued requests): a 429 for that key, not an overload."""
+
+    def __init__(self, message: str, retry_after_s: int, code: str):
+        super().__init__(message, retry_after_s)
+        self.code = code
+
+
 class AdmissionController:
     """Counts requests in flight; a bounded FIFO of waiters gets freed slots in arrival order."""
 
     def __init__(self, max_in_flight: int | None, max_queued: int = 0, queue_timeout_s: float = 5.0,
-                 retry_after_s: int = 1):
+                 retry_after_s: int = 1, max_queued_per_key: int | None = None):
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1 (or None for no limit)")
         if max_queued < 0:
@@ -56,6 +76,8 @@ class AdmissionController:
         self.rejected = 0
         self.draining = False
         self._waiters: list[asyncio.Future[None]] = []
+        self.max_queued_per_key = max_queued_per_key
+        self._queued_by_key: dict[str, int] = {}
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(self.in_flight, len(self._waiters), self.admitted, self.rejected, self.draining)
@@ -68,7 +90,9 @@ class AdmissionController:
                 waiter.set_exception(Overloaded("the gateway is shutting down", self.retry_after_s))
         self._waiters.clear()
 
-    async def acquire(self) -> None:
+    async def acquire(self, key: str | None = None) -> None:
+        """A slot, waiting for one in the queue if need be. `key`: the API key's id, whose waiting
+        requests are capped at `max_queued_per_key`."""
         if self.draining:
             self.rejected += 1
             raise Overloaded("the gateway is shutting down; retry on another replica", self.retry_after_s)
@@ -81,8 +105,15 @@ class AdmissionController:
                 f"the gateway is at capacity ({self.in_flight} requests running, {len(self._waiters)} queued); "
                 "retry later", self.retry_after_s,
             )
+        queued = self._queued_by_key.get(key, 0) if key is not None else 0
+        if key is not None and self.max_queued_per_key is not None and queued >= self.max_queued_per_key:
+            self.rejected += 1
+            raise KeyOverLimit(f"this API key already has {queued} requests waiting for a slot "
+                               f"(max_queued_per_key); retry later", self.retry_after_s, "too_many_queued_requests")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
+        if key is not None:
+            self._queued_by_key[key] = queued + 1
         try:
             await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_s)
         except TimeoutError:
@@ -94,6 +125,9 @@ class AdmissionController:
         except BaseException:
             self._drop_waiter(waiter)
             raise
+        finally:
+            if key is not None:
+                _decrement(self._queued_by_key, key)
         # `release` handed its slot to this waiter: in_flight already counts it.
         self.admitted += 1
 
@@ -117,33 +151,104 @@ class AdmissionController:
         self.in_flight -= 1
 
 
+def _decrement(counts: dict[str, int], key: str) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]  # keys with nothing open take no memory
+
+
 def overloaded_response(exc: Overloaded) -> APIError:
-    return APIError(503, str(exc), code="overloaded", error_type="overloaded_error",
-                    headers={"Retry-After": str(exc.retry_after_s)})
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, KeyOverLimit):
+        return APIError(429, str(exc), code=exc.code, error_type="rate_limit_error", headers=headers)
+    return APIError(503, str(exc), code="overloaded", error_type="overloaded_error", headers=headers)
+
+
+# The API key's id from a request's headers (None in open mode); raises APIError (401) for a missing
+# or invalid key.
+KeyOf = Callable[[dict[bytes, bytes]], str | None]
 
 
 class AdmissionControl:
-    """ASGI middleware holding one admission slot for the whole life of a generation request."""
+    """ASGI middleware holding one admission slot for the whole life of a generation request, taken
+    once the key is known good and the body is in (see the module docstring). Sits inside the body
+    size limit, whose 413/408 it answers for the body it reads."""
 
-    def __init__(self, app, controller: AdmissionController):
+    def __init__(self, app, controller: AdmissionController, key_of: KeyOf | None = None,
+                 max_open_per_key: int | None = None):
         self.app = app
         self.controller = controller
+        self.key_of = key_of
+        self.max_open_per_key = max_open_per_key
+        self._open_by_key: dict[str, int] = {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in ADMITTED_PATHS:
             return await self.app(scope, receive, send)
+        try:
+            key = self.key_of(dict(scope.get("headers") or [])) if self.key_of is not None else None
+            self._open(key)
+        except APIError as exc:
+            return await exc.response()(scope, receive, send)
+        except Overloaded as exc:
+            return await overloaded_response(exc).response()(scope, receive, send)
+        try:
+            return await self._admit(scope, receive, send, key)
+        finally:
+            if key is not None:
+                _decrement(self._open_by_key, key)
+
+    def _open(self, key: str | None) -> None:
+        if key is None:
+            return
+        count = self._open_by_key.get(key, 0)
+        if self.max_open_per_key is not None and count >= self.max_open_per_key:
+            self.controller.rejected += 1
+            raise KeyOverLimit(f"this API key already has {count} requests open (max_open_per_key); retry later",
+                               self.controller.retry_after_s, "too_many_open_requests")
+        self._open_by_key[key] = count + 1
+
+    async def _admit(self, scope, receive, send, key: str | None) -> None:
+        try:
+            body = await _read_body(receive)
+        except APIError as exc:  # over the size limit, or not received in time
+            return await exc.response()(scope, receive, send)
+        if body is None:
+            return None  # the client left while sending its body: nobody to answer
         started = time.perf_counter()
         try:
-            await self.controller.acquire()
+            await self.controller.acquire(key)
         except Overloaded as exc:
             return await overloaded_response(exc).response()(scope, receive, send)
         scope.setdefault("state", {})["admission_wait_s"] = time.perf_counter() - started
         try:
-            return await self.app(scope, receive, send)
+            return await self.app(scope, _replay(body, receive), send)
         except ClientDisconnect:
-            return None  # the client left while its body was read (often while queued): nobody to answer
+            return None  # the client left while queued or running: nobody to answer
         finally:
             self.controller.release()
+
+
+async def _read_body(receive: Callable[[], Awaitable[dict]]) -> bytes | None:
+    """The whole request body; None when the client disconnects first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Callable[[], Awaitable[dict]]) -> Callable[[], Awaitable[dict]]:
+    """A `receive` that gives the app the body already read, then waits on the client (disconnects)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> dict:
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 class AdmissionCollector:

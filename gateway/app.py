@@ -21,7 +21,7 @@ from backend.openai_api.http import (
     BodySizeLimit,
     document_request_bodies,
 )
-from gateway.admission import AdmissionCollector, AdmissionControl, AdmissionController
+from gateway.admission import AdmissionCollector, AdmissionControl, AdmissionController, KeyOf
 from gateway.keys import KeyStore
 from gateway.lifecycle import lifespan
 from gateway.metrics import GatewayMetrics
@@ -138,6 +138,20 @@ def _policy_registry(settings: GatewaySettings, metrics: GatewayMetrics) -> Poli
     return registry
 
 
+def _key_of(gateway: Gateway) -> KeyOf:
+    """The request's API key id from its headers, as the routes authenticate it (401 for a bad key)."""
+
+    def key_of(headers: dict[bytes, bytes]) -> str | None:
+        def header(name: bytes) -> str | None:
+            value = headers.get(name)
+            return None if value is None else value.decode("latin-1")
+
+        tenant = gateway.authenticate(header(b"authorization"), header(b"x-api-key"))
+        return tenant.key.key_id if tenant.key is not None else None
+
+    return key_of
+
+
 def create_app(
     settings: GatewaySettings,
     engine: EngineClient | None = None,
@@ -166,10 +180,13 @@ def create_app(
     install_error_handlers(app)
     add_routes(app)
     document_request_bodies(app, REQUEST_BODIES, ERROR_ANSWERS)
+    app.state.admission = AdmissionController(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
+                                              max_queued_per_key=settings.max_queued_per_key)
+    app.add_middleware(AdmissionControl, controller=app.state.admission, key_of=_key_of(gateway),
+                       max_open_per_key=settings.max_open_per_key)
+    # Outside admission: a body over the limit or too slow is cut off before it could be admitted.
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
                        read_timeout_s=settings.body_read_timeout_s)
-    app.state.admission = AdmissionController(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
-    app.add_middleware(AdmissionControl, controller=app.state.admission)
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(RequestId, access_log=settings.access_log)  # outermost: every answer carries the id
     metrics.registry.register(AdmissionCollector(app.state.admission))

@@ -126,6 +126,7 @@ async def compress(request: Request) -> dict[str, Any]:
     body = await parse_body(request, ChatCompletionRequest)
     gateway.check_model(body.model, tenant)
     policy = gateway.resolve_policy(tenant, body.ctxgate, body.model)
+    await gateway.check_quota_first(tenant, policy, body, choices=0)  # nothing is generated: no output
     result = await gateway.compress(body, tenant, policy)
     gateway.encode_checked(result, policy, model=body.model)
     # Compression is metered like a request that generates nothing: one request, its prompt tokens.

@@ -5,6 +5,7 @@ The routes in `gateway.app` parse and respond; everything that decides something
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backend.api import EngineClient, EngineError, Priority, RequestMetrics, SamplingParams
+from backend.bounded_encode import TextNotTokenizable
 from backend.deltas import DeltaTotals
 from backend.model_group import ModelRouter
 from backend.openai_api.errors import APIError, generic_server_error
@@ -35,6 +37,7 @@ from compression.types import (
 )
 from gateway.affinity import affinity_key
 from gateway.budget_control import BudgetController, Decision, Outcome
+from gateway.early_checks import output_token_bound, prompt_token_bound
 from gateway.engine_load import reader_for
 from gateway.forwarding import forwarded_fields, forwarded_prompt_tokens
 from gateway.keys import KeyRejected, KeyStore, Tenant
@@ -374,6 +377,10 @@ class Gateway:
             raise APIError(413, str(exc), param="messages", code="prompt_too_long") from None
         except UnknownIndexError:
             raise _index_not_found(retrieval.index if retrieval else "") from None
+        except TextNotTokenizable:  # the library's own text (regex internals) stays in the log
+            logger.warning("compression input refused by the tokenizer", exc_info=True)
+            raise APIError(400, "a message or document could not be tokenized", param="messages",
+                           code="invalid_value") from None
         except OSError:  # a server file (an index's parts, a model): its path stays in the log
             logger.exception("compression failed on a server file")
             raise APIError(500, "the request could not be processed; the server log has the details",
@@ -410,6 +417,15 @@ class Gateway:
             )
         result.prompt_tokens = prompt_tokens
         return token_ids, prompt_text
+
+    async def encode_prompt(self, text: str, model: str | None) -> list[int]:
+        """A raw prompt's ids, tokenized off the event loop (megabytes take a second; /health must not wait)."""
+        tokenizer = self.tokens.for_model(model).tokenizer
+        try:
+            return await asyncio.to_thread(tokenizer.encode, text)
+        except TextNotTokenizable:
+            logger.warning("prompt refused by the tokenizer", exc_info=True)
+            raise APIError(400, "prompt could not be tokenized", param="prompt", code="invalid_value") from None
 
     def sampling_for(self, body: GatewayRequest, policy: Policy, prompt_tokens: int,
                      asks: EngineAsks | None = None) -> SamplingParams:
@@ -499,11 +515,7 @@ class Gateway:
                 tenant.name, limits, tokens, spend_micros, key_id=key.quota_id if key_limits else None,
                 key_limits=key_limits, slot_id=slot_id)
         except QuotaExceeded as exc:
-            self.metrics.quota_rejections.labels(tenant.name, exc.reason).inc()
-            raise APIError(
-                429, str(exc), code=exc.reason, error_type="rate_limit_error",
-                headers={"Retry-After": str(exc.retry_after_s)},
-            ) from None
+            raise self._quota_refusal(tenant, exc) from None
         except StoreUnavailable as exc:
             self.metrics.quota_store_up.set(0)
             action = limits.on_store_error
@@ -517,6 +529,31 @@ class Gateway:
             return Reservation(tenant.name, tokens, spend_micros, recorded=False)
         self.metrics.quota_store_up.set(1)
         return reservation
+
+    def _quota_refusal(self, tenant: Tenant, exc: QuotaExceeded) -> APIError:
+        self.metrics.quota_rejections.labels(tenant.name, exc.reason).inc()
+        return APIError(429, str(exc), code=exc.reason, error_type="rate_limit_error",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+
+    async def check_quota_first(self, tenant: Tenant, policy: Policy, body: GatewayRequest, choices: int) -> None:
+        """429 before any expensive work (compression, grammar, tokenizing a large prompt) when the quota
+        has no room for the request at its largest (gateway/early_checks.py); nothing is reserved. A
+        store that cannot be reached is left to `reserve`, which applies on_store_error."""
+        limits = self.limits_for(tenant, policy)
+        key = tenant.key
+        key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
+        if limits.unlimited and key_limits is None:
+            return
+        prompt = prompt_token_bound(body, policy)
+        output = output_token_bound(body, policy, choices)
+        spend_micros = int(round(self.cost(policy, prompt, output)["total"] * SPEND_SCALE))
+        try:
+            await self.store.check(tenant.name, limits, prompt + output, spend_micros,
+                                   key_id=key.quota_id if key_limits else None, key_limits=key_limits)
+        except QuotaExceeded as exc:
+            raise self._quota_refusal(tenant, exc) from None
+        except StoreUnavailable:
+            return
 
     async def reconcile(self, reservation: Reservation | None, tokens: int, spend: float) -> None:
         if reservation is None:
@@ -540,6 +577,7 @@ class Gateway:
         policy = self.resolve_policy(tenant, body.ctxgate, body.model)
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
+        await self.check_quota_first(tenant, policy, body, choices)  # before the grammar and compression
         asks = None if forward is not None else await engine_asks(body, self.tokenizer)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         policy, budget = self.adapt_budget(policy, request_id)
@@ -571,9 +609,10 @@ class Gateway:
         policy = self.resolve_policy(tenant, body.ctxgate, body.model)
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
+        await self.check_quota_first(tenant, policy, body, choices)  # before the grammar and tokenizing
         asks = None if forward is not None else await engine_asks(body, self.tokenizer)
         prompt_text = body.prompt_text() or ""
-        token_ids = self.tokens.for_model(body.model).tokenizer.encode(prompt_text)
+        token_ids = await self.encode_prompt(prompt_text, body.model)
         if not token_ids:
             raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
         if len(token_ids) > policy.max_input_tokens:

@@ -119,6 +119,12 @@ class GatewaySettings(BaseModel):
         64, ge=0, description="generation requests running at once; 0: no limit")
     max_queued: int = Field(64, ge=0, description="requests that may wait for a slot; beyond that: 503 + "
                             "Retry-After")
+    max_open_per_key: Annotated[int | None, NoLimit] = Field(
+        32, ge=0, description="generation requests one API key may have open at once (sending their body, queued or "
+        "running); beyond that: 429 too_many_open_requests; 0: no limit")
+    max_queued_per_key: Annotated[int | None, NoLimit] = Field(
+        16, ge=0, description="requests of one API key that may wait for a slot; beyond that: 429 "
+        "too_many_queued_requests; 0: no limit")
     queue_timeout_s: Annotated[float, Cli(old=("--queue-timeout",))] = Field(
         10.0, gt=0, description="seconds a request may wait for a slot before a 503")
     request_timeout_s: Annotated[float | None, NoLimit, Cli(old=("--request-timeout",))] = Field(

@@ -16,6 +16,7 @@ from gateway.quota.model import (
     NO_LIMIT,
     SLOT_HOLD,
     USAGE_NAMES,
+    Meter,
     QuotaLimits,
     Reservation,
     exceeded,
@@ -67,6 +68,22 @@ class InProcessQuotaStore:
         meters = plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, slot_id)
         self._evict_expired(now)
         # No await between check and apply: atomic on the event loop.
+        self._refuse_if_over(meters, now)
+        for meter in meters:
+            if meter.kind == COUNTER:
+                self._add(meter.key, meter.amount, meter.ttl_s, now)
+            elif meter.kind == SLOT_HOLD:
+                self._live_slots(meter.key, now)[str(slot_id)] = now + meter.ttl_s
+        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id)
+
+    async def check(
+        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+    ) -> None:
+        now = self.clock() if now is None else now
+        self._refuse_if_over(plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, None), now)
+
+    def _refuse_if_over(self, meters: list[Meter], now: float) -> None:
         for meter in meters:
             if meter.kind == COUNTER:
                 over = meter.limit != NO_LIMIT and self._get(meter.key, now) + meter.amount > meter.limit
@@ -74,12 +91,6 @@ class InProcessQuotaStore:
                 over = len(self._live_slots(meter.key, now)) + 1 > meter.limit
             if over:
                 raise exceeded(meter)
-        for meter in meters:
-            if meter.kind == COUNTER:
-                self._add(meter.key, meter.amount, meter.ttl_s, now)
-            elif meter.kind == SLOT_HOLD:
-                self._live_slots(meter.key, now)[str(slot_id)] = now + meter.ttl_s
-        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id)
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros):

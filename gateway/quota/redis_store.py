@@ -57,6 +57,21 @@ end
 return {1, 0}
 """
 
+# `reserve`'s checks alone, read-only (a slot set's live members are those whose deadline is after now).
+CHECK_LUA = """
+local now = tonumber(ARGV[1])
+for i = 1, #KEYS do
+  local base = 2 + (i - 1) * 4
+  local kind, limit, amount = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  if kind == 0 then
+    if limit >= 0 and tonumber(redis.call('GET', KEYS[i]) or '0') + amount > limit then return {0, i} end
+  elseif redis.call('ZCOUNT', KEYS[i], '(' .. ARGV[1], '+inf') + 1 > limit then
+    return {0, i}
+  end
+end
+return {1, 0}
+"""
+
 # Counters: add the delta only to keys that still exist (an expired window must not be resurrected
 # by a late delta). Slot sets: remove this request's slot. ARGV: slot id, then one delta per key
 # ('slot' for a slot set).
@@ -100,6 +115,7 @@ class RedisQuotaStore:
         )
         self._reserve = self._client.register_script(RESERVE_LUA)
         self._reconcile = self._client.register_script(RECONCILE_LUA)
+        self._check = self._client.register_script(CHECK_LUA)
 
     async def _call(self, coro_factory: Callable[[], Awaitable[T]]) -> T:
         from redis.exceptions import RedisError
@@ -123,6 +139,21 @@ class RedisQuotaStore:
         if int(admitted) != 1:
             raise exceeded(meters[int(index) - 1])
         return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id)
+
+    async def check(
+        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+    ) -> None:
+        now = self.clock() if now is None else now
+        meters = plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, None)
+        if not meters:
+            return
+        args: list[Any] = [repr(now), ""]
+        for meter in meters:
+            args += [meter.kind, meter.limit, meter.amount, meter.ttl_s]
+        fits, index = await self._call(lambda: self._check(keys=[meter.key for meter in meters], args=args))
+        if int(fits) != 1:
+            raise exceeded(meters[int(index) - 1])
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         deltas = [(meter, delta) for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros)

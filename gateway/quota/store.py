@@ -7,6 +7,7 @@ Invariants every store keeps:
   what one reconcile can add afterwards: one request's reservation).
 - The windows a call falls in come from `now` when given, otherwise from the store's clock; nothing
   else decides which minute, day or budget period a request is counted in (or its Retry-After).
+- `check` reads the same meters `reserve` would and changes nothing.
 - `reconcile` applies a reservation's deltas at most once, never to a window that has already
   expired, and never below zero.
 - Failing to reach the ledger raises `StoreUnavailable`, never anything else.
@@ -31,6 +32,14 @@ class QuotaStore(Protocol):
         self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
         key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
     ) -> Reservation: ...
+
+    async def check(
+        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+    ) -> None:
+        """Raise `QuotaExceeded` where `reserve` would (parallel slots only counted), applying nothing:
+        the cheap refusal before a request's expensive work."""
+        ...
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None: ...
 

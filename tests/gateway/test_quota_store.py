@@ -169,3 +169,21 @@ async def test_budget_periods(store, period, start, end):
     await store.reserve("b", limits, 1, 6000, now=finish)  # the next period starts empty
     with pytest.raises(QuotaExceeded):
         await store.reserve("b", limits, 1, 6000, now=begin)  # the period's first second counts too
+
+
+async def test_check_refuses_as_reserve_would_and_applies_nothing(store):
+    limits = QuotaLimits(tokens_per_minute=100, max_parallel_requests=1)
+    key_limits = QuotaLimits(requests_per_minute=5)
+    await store.check("c", limits, 100, 0, now=NOW, key_id="k1", key_limits=key_limits)
+    assert (await store.usage("c", now=NOW)) == {name: 0 for name in await store.usage("c", now=NOW)}
+    held = await store.reserve("c", limits, 60, 0, now=NOW, slot_id="r1")
+    with pytest.raises(QuotaExceeded) as info:  # the one parallel slot is held
+        await store.check("c", limits, 1, 0, now=NOW + 1)
+    assert info.value.reason == "max_parallel_requests"
+    await store.reconcile(held, 60, 0)
+    await store.check("c", limits, 40, 0, now=NOW + 1)  # exactly the room left
+    with pytest.raises(QuotaExceeded) as info:
+        await store.check("c", limits, 41, 0, now=NOW + 1)
+    assert (info.value.reason, info.value.retry_after_s) == ("tokens_per_minute", 49)
+    assert (await store.usage("c", now=NOW + 1))["tokens_this_minute"] == 60
+    await store.reserve("c", limits, 40, 0, now=NOW + 2)  # the checks took nothing
