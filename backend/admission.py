@@ -43,7 +43,9 @@ def check_sampling(params: SamplingParams, vocab_size: int | None = None) -> Non
     if params.guide is not None and vocab_size is not None and params.guide.vocab_size > vocab_size:
         raise SamplingParamError(
             f"the output grammar was compiled for a {params.guide.vocab_size}-token vocabulary; this model "
-            f"has {vocab_size}", "response_format")
+            f"has {vocab_size}",
+            "response_format",
+        )
 
 
 def admitted(params: SamplingParams, vocab_size: int, max_num_seqs: int) -> SamplingParams:
@@ -65,8 +67,13 @@ def _int(value: object, name: str, low: int, high: int, what: str | None = None)
 
 def _check_sizes(params: SamplingParams) -> None:
     _int(params.max_tokens, "max_tokens", 1, INT64_MAX, "of at least 1")
-    _int(params.min_tokens, "min_tokens", 0, params.max_tokens,
-         f"between 0 and max_tokens ({params.max_tokens})")
+    _int(
+        params.min_tokens,
+        "min_tokens",
+        0,
+        params.max_tokens,
+        f"between 0 and max_tokens ({params.max_tokens})",
+    )
     _int(params.top_k, "top_k", 0, math.inf, "of at least 0 (0 disables top-k)")  # type: ignore[arg-type]
     _int(params.n, "n", 1, MAX_N)
     if params.seed is not None:
@@ -78,7 +85,9 @@ def _check_sizes(params: SamplingParams) -> None:
     if not all(isinstance(stop, str) for stop in params.stop):
         raise SamplingParamError("stop sequences must be strings", "stop")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise SamplingParamError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+        raise SamplingParamError(
+            f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids"
+        )
     if len(params.logit_bias) > MAX_LOGIT_BIAS:
         raise SamplingParamError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
 

@@ -37,23 +37,34 @@ class StepRun:
     failed: list[tuple[Sequence, EngineError]] = field(default_factory=list)
 
 
-def run_step(runner: ModelRunner, scheduled: list[ScheduledSequence], eos_token_ids: Iterable[int]) -> StepRun:
+def run_step(
+    runner: ModelRunner, scheduled: list[ScheduledSequence], eos_token_ids: Iterable[int]
+) -> StepRun:
     run = StepRun()
     _forward(runner, scheduled, tuple(eos_token_ids), run)
     return run
 
 
-def _forward(runner: ModelRunner, scheduled: list[ScheduledSequence], eos: tuple[int, ...], run: StepRun) -> None:
+def _forward(
+    runner: ModelRunner, scheduled: list[ScheduledSequence], eos: tuple[int, ...], run: StepRun
+) -> None:
     try:
         result = runner.execute(scheduled)
     except Exception:
         if len(scheduled) == 1:
             seq = scheduled[0].seq
-            logger.exception("the model's forward pass failed for request %s alone; it is aborted", seq.request_id)
-            run.failed.append((seq, EngineError("the model failed on this request", 500, code="engine_error")))
+            logger.exception(
+                "the model's forward pass failed for request %s alone; it is aborted", seq.request_id
+            )
+            run.failed.append(
+                (seq, EngineError("the model failed on this request", 500, code="engine_error"))
+            )
             return
-        logger.warning("a forward pass of %d sequences failed; re-running it in halves to find the cause",
-                       len(scheduled), exc_info=True)
+        logger.warning(
+            "a forward pass of %d sequences failed; re-running it in halves to find the cause",
+            len(scheduled),
+            exc_info=True,
+        )
         middle = len(scheduled) // 2
         _forward(runner, scheduled[:middle], eos, run)
         _forward(runner, scheduled[middle:], eos, run)
@@ -67,12 +78,17 @@ def _sample(result: ModelRunnerOutput, eos: tuple[int, ...], run: StepRun) -> No
     try:
         tokens: list[SampledToken | RowFailure] = list(sample_tokens(result.logits, sequences, eos))
     except Exception:
-        logger.warning("sampling %d rows failed; sampling them one at a time to find the cause", len(sequences),
-                       exc_info=True)
+        logger.warning(
+            "sampling %d rows failed; sampling them one at a time to find the cause",
+            len(sequences),
+            exc_info=True,
+        )
         tokens = sample_each(result.logits, sequences, eos)
     for seq, token in zip(sequences, tokens, strict=True):
         if isinstance(token, RowFailure):
-            logger.warning("request %s failed to sample at the %s stage: %r", seq.request_id, token.stage, token.error)
+            logger.warning(
+                "request %s failed to sample at the %s stage: %r", seq.request_id, token.stage, token.error
+            )
             run.failed.append((seq, _sampling_error(token)))
         else:
             run.sampled.append((seq, token))
@@ -82,5 +98,9 @@ def _sampling_error(failure: RowFailure) -> EngineError:
     # The row fails alone, so it is this request's fields at that stage; the library's own message
     # (tensor shapes, internals) stays in the log.
     fields = ", ".join(failure.fields)
-    return EngineError(f"sampling failed at the {failure.stage} stage; check {fields}", 400,
-                       param=failure.fields[0], code="invalid_value")
+    return EngineError(
+        f"sampling failed at the {failure.stage} stage; check {fields}",
+        400,
+        param=failure.fields[0],
+        code="invalid_value",
+    )
