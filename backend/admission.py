@@ -94,9 +94,16 @@ def _check_sizes(params: SamplingParams) -> None:
 
 def _float(value: object, name: str, low: float, high: float, what: str) -> None:
     # NaN fails every comparison and infinity overflows the sampler's arithmetic: finite only.
-    finite = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    finite = isinstance(value, Real) and not isinstance(value, bool) and _is_finite(value)
     if not finite or not low <= value <= high:  # type: ignore[operator]
         raise SamplingParamError(f"{name} must be a finite number {what}", name)
+
+
+def _is_finite(value: Real) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def _check_floats(params: SamplingParams) -> None:
