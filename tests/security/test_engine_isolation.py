@@ -50,6 +50,7 @@ def llm(model_dir):
             kv_cache_memory_mb=16,
             max_model_len=20,
             max_num_seqs=4,
+            device="cpu",  # a fuzzed value that slipped past admission must not end a CUDA context
         )
     )
 
