@@ -52,33 +52,12 @@ class SamplingParams:
     logprobs: int | None = None
     guide: Guide | None = None  # a compiled grammar the output must follow (backend.guided)
 
-    def validate(self) -> None:
-        """Raise ValueError with a user-facing message for values no engine accepts."""
-        if self.max_tokens <= 0:
-            raise ValueError("max_tokens must be a positive integer")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), not {self.min_tokens}")
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be between 1 and {MAX_N}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be between -2 and 2")
-        if not 0 < self.repetition_penalty <= 10:
-            raise ValueError("repetition_penalty must be in (0, 10]")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
-        if any(not -100 <= bias <= 100 for bias in self.logit_bias.values()):
-            raise ValueError("logit_bias values must be between -100 and 100")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError (`backend.admission.SamplingParamError`, naming the field) for values no
+        engine accepts; with `vocab_size`, token ids are checked against the model's vocabulary."""
+        from backend.admission import check_sampling
+
+        check_sampling(self, vocab_size)
 
     @property
     def penalised(self) -> bool:

@@ -287,11 +287,15 @@ class AsyncEngine:
                     continue
                 try:
                     deltas = self.engine.step()
-                except Exception as exc:  # a bug in the engine must not hang every client
-                    logger.exception("engine step failed")
+                except Exception as exc:
+                    # A request that makes the step raise is aborted alone inside `step`; what still
+                    # escapes it (scheduling itself) is no one request's: the engine's state is
+                    # suspect, so every request fails rather than hanging.
+                    logger.exception("engine step failed outside any request")
                     self._fail_all(EngineError(f"engine step failed: {exc}", 500))
                     continue
                 self._dispatch(deltas)
+                self._deliver_failures(self.engine.take_failures())
                 self._refresh_stats()
                 self.metrics.observe_step(self._stats.last_step_num_tokens)
         except BaseException as exc:
@@ -390,6 +394,16 @@ class AsyncEngine:
                     if delta.finish_reason is None:
                         self._live.pop(stream.request_id, None)
                         self.engine.abort_request(stream.request_id)
+
+    def _deliver_failures(self, failures: list[tuple[str, EngineError]]) -> None:
+        """Requests the step aborted because they failed: each consumer gets its request's error."""
+        for request_id, error in failures:
+            state = self._live.pop(request_id, None)
+            if state is None:  # its consumer left already, or a second sequence of the same request
+                continue
+            self.metrics.observe_finished(GenerationDelta(
+                request_id=request_id, text="", token_ids=[], finish_reason="error"))
+            self._send(state.stream, error)
 
     def _send(self, stream: RequestStream, item: GenerationDelta | BaseException) -> None:
         try:

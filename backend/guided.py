@@ -79,6 +79,8 @@ class Guide:
 
     def __init__(self, compiled: xgrammar.CompiledGrammar):
         self._compiled = compiled
+        # The bitmask width its matchers fill: a model with a smaller vocabulary cannot use it.
+        self.vocab_size: int = compiled.tokenizer_info.vocab_size
 
     def matcher(self) -> GuideMatcher:
         import xgrammar

@@ -9,10 +9,11 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from backend.admission import SamplingParamError, admitted
 from backend.api import EngineError, GenerationDelta, GenerationRequest, SamplingParams
 from backend.attention import create_backend
 from backend.block_manager import BlockManager
@@ -27,12 +28,13 @@ from backend.engine_setup import (
     use_decode_graphs,
     use_traced_decode,
 )
+from backend.isolated_step import run_step
 from backend.kv_cache import KVCache, KVCacheSpec
 from backend.model_loader import load_model
 from backend.model_runner import ModelRunner
 from backend.output_processor import OutputProcessor, finished_metrics
-from backend.sampler import sample_tokens
-from backend.scheduler import Scheduler
+from backend.sampler import SampledToken
+from backend.scheduler import Scheduler, SchedulerOutput
 from backend.sequence import Sequence, SequenceGroup, SequenceStatus
 from backend.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -115,6 +117,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len, config.ttft_target_ms)
         self.last_step_batch_size = 0
         self.last_step_num_tokens = 0
+        self._failures: list[tuple[str, EngineError]] = []  # see take_failures
         logger.info(
             "engine ready: %s %s on %s, %d KV blocks of %d tokens (%s), attention=%s; %s",
             self.model_name, self.dtype, self.device, num_blocks, config.block_size,
@@ -136,14 +139,10 @@ class LLMEngine:
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise EngineError(f"prompt token ids must be in [0, {self.vocab_size})", 400)
         try:
-            request.sampling.validate()
-        except ValueError as exc:
-            raise EngineError(str(exc), 400) from exc
-        sampling = request.sampling
-        if sampling.n > self.config.max_num_seqs:
-            raise EngineError(f"n must be at most {self.config.max_num_seqs} (the engine's max_num_seqs)", 400)
-        if any(not 0 <= token < self.vocab_size for token in sampling.logit_bias):
-            raise EngineError(f"logit_bias token ids must be in [0, {self.vocab_size})", 400)
+            sampling = admitted(request.sampling, self.vocab_size, self.config.max_num_seqs)
+        except SamplingParamError as exc:
+            raise EngineError(str(exc), 400, param=exc.param, code="invalid_value") from None
+        request = replace(request, prompt_token_ids=prompt, sampling=sampling)
         seq = self._new_sequence(request, index=0)
         self.sequences[request.request_id] = SequenceGroup(
             request.request_id, [seq], pending_forks=sampling.n - 1, unfinished=sampling.n)
@@ -166,7 +165,7 @@ class LLMEngine:
             seq.arrival_time = request.arrival_time
         if sampling.seed is not None:
             # Choice i draws from seed + i: reproducible, and the choices differ.
-            seq.generator = torch.Generator(device=self.device).manual_seed(sampling.seed + index)
+            seq.generator = torch.Generator(device=self.device).manual_seed((sampling.seed + index) % 2**64)
         if sampling.guide is not None:
             seq.matcher = sampling.guide.matcher()
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
@@ -204,27 +203,54 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[GenerationDelta]:
-        """One iteration: schedule, run the model once, sample, and stream one delta per sampled token."""
+        """One iteration: schedule, run the model once, sample, and stream one delta per sampled token.
+
+        A request whose sequence makes the forward pass, sampling or its output handling raise is
+        aborted alone (`take_failures` hands out its error); the step goes on for the others.
+        """
         output = self.scheduler.schedule()
         self.last_step_batch_size = len(output.scheduled)
         self.last_step_num_tokens = output.num_tokens
         if output.is_empty:
             return []
         started = time.perf_counter()
-        result = self.runner.execute(output.scheduled)
-        sampled = sample_tokens(result.logits, result.sampled_sequences, self.tokenizer.eos_token_ids)
+        run = run_step(self.runner, output.scheduled, self.tokenizer.eos_token_ids)
         finished_at = time.perf_counter()
-        self.scheduler.update_from_output(output, finished_at - started)
+        failed = {seq.request_id for seq, _ in run.failed}
+        ran = [item for item in run.ran if item.seq.request_id not in failed]
+        self.scheduler.update_from_output(SchedulerOutput(ran), finished_at - started)
+        for seq, error in run.failed:
+            self._fail(seq.request_id, error)
         deltas = []
-        for seq, token in zip(result.sampled_sequences, sampled, strict=True):
-            group = self.sequences[seq.request_id]
-            if group.pending_forks and seq.num_output_tokens == 0:
-                self._fork(group, seq)
-            delta = self.outputs.append_token(seq, token.token_id, finished_at, token.logprob)
-            if delta.choice_finish_reason is not None:
-                self._finish(group, seq, delta, finished_at)
-            deltas.append(delta)
-        return deltas
+        for seq, token in run.sampled:
+            if seq.request_id in failed:
+                continue  # another choice of the same request failed: the request is over
+            try:
+                deltas.append(self._emit(seq, token, finished_at))
+            except Exception:
+                logger.exception("handling the token of request %s failed; it is aborted", seq.request_id)
+                failed.add(seq.request_id)
+                self._fail(seq.request_id, EngineError("the engine failed on this request's output", 500,
+                                                       code="engine_error"))
+        return [delta for delta in deltas if delta.request_id not in failed]
+
+    def _emit(self, seq: Sequence, token: SampledToken, now: float) -> GenerationDelta:
+        group = self.sequences[seq.request_id]
+        if group.pending_forks and seq.num_output_tokens == 0:
+            self._fork(group, seq)
+        delta = self.outputs.append_token(seq, token.token_id, now, token.logprob)
+        if delta.choice_finish_reason is not None:
+            self._finish(group, seq, delta, now)
+        return delta
+
+    def _fail(self, request_id: str, error: EngineError) -> None:
+        self.abort_request(request_id)  # nothing to abort when its last token just finished it
+        self._failures.append((request_id, error))
+
+    def take_failures(self) -> list[tuple[str, EngineError]]:
+        """The requests the last steps aborted because they failed, with the error each ends with."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def _finish(self, group: SequenceGroup, seq: Sequence, delta: GenerationDelta, now: float) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -317,7 +343,11 @@ class LLMEngine:
             self.add_request(GenerationRequest(request_id, list(prompt), sampling_params))
         pending = set(request_ids)
         while pending:
-            for delta in self.step():
+            deltas = self.step()
+            for request_id, error in self.take_failures():
+                if request_id in pending:
+                    raise error
+            for delta in deltas:
                 if delta.request_id in outputs:
                     outputs[delta.request_id].extend(delta.token_ids)
                     if delta.finish_reason is not None:

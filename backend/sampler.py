@@ -1,10 +1,15 @@
 """Next-token sampling for one engine step, batched over the step's sequences.
 
-Order, as vLLM's: penalties (repetition, frequency, presence), logit bias, min_tokens, the grammar
-mask, then greedy argmax or temperature / top-k / top-p / min-p sampling. Each stage is one tensor op
+Order: penalties (repetition, frequency, presence), logit bias, the grammar mask, min_tokens, then
+greedy argmax or temperature / top-k / top-p / min-p sampling. Each stage is one tensor op
 over the rows that ask for it (no Python loop over a vocabulary); only the final draws of rows with
 their own seeded generator run one row at a time. Log probabilities are the model's raw ones (before
 any of these stages), as vLLM reports them by default.
+
+The request fields these stages read are checked when the request is admitted (backend.admission),
+so a batched step does not raise on them. Should one still raise, `sample_each` samples the rows one
+at a time: the rows that fail are the failing requests' own (`RowFailure`, naming the stage's
+fields), and the others keep the tokens they would have drawn.
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ def sample_tokens(logits: torch.Tensor, sequences: list[Sequence],
     raw = logits
     logits = apply_penalties(logits, sequences)
     logits = apply_logit_bias(logits, sequences)
-    logits = suppress_early_stops(logits, sequences, tuple(eos_token_ids))
     logits = apply_guides(logits, sequences)
+    logits = suppress_early_stops(logits, sequences, tuple(eos_token_ids))
     token_ids = torch.argmax(logits, dim=-1)
     rows = [row for row, seq in enumerate(sequences) if not _is_greedy(seq)]
     if rows:
@@ -123,7 +128,12 @@ def apply_logit_bias(logits: torch.Tensor, sequences: list[Sequence]) -> torch.T
 
 def suppress_early_stops(logits: torch.Tensor, sequences: list[Sequence], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
     """min_tokens: a sequence with fewer output tokens cannot end on EOS (unless it ignores EOS
-    anyway) or on one of its stop_token_ids, so those logits are -inf for its row."""
+    anyway) or on one of its stop_token_ids, so those logits are -inf for its row.
+
+    Unless that leaves the row nothing to sample: a grammar that can only end here (a choice shorter
+    than min_tokens), or stop ids covering every token the grammar allows. Then the end wins over
+    min_tokens, as the grammar is the stronger constraint (and a row of -inf has no token to draw).
+    """
     entries = [
         (row, token)
         for row, seq in enumerate(sequences) if seq.num_output_tokens < seq.sampling.min_tokens
@@ -132,9 +142,13 @@ def suppress_early_stops(logits: torch.Tensor, sequences: list[Sequence], eos_to
     if not entries:
         return logits
     rows, tokens = zip(*entries, strict=True)
-    logits = logits.clone()
-    logits[list(rows), list(tokens)] = float("-inf")
-    return logits
+    suppressed = logits.clone()
+    suppressed[list(rows), list(tokens)] = float("-inf")
+    touched = sorted(set(rows))
+    emptied = torch.isneginf(suppressed[touched]).all(dim=-1, keepdim=True)
+    # No host sync: rows left empty take their unsuppressed logits back in one select.
+    suppressed[touched] = torch.where(emptied, logits[touched], suppressed[touched])
+    return suppressed
 
 
 def apply_guides(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
@@ -190,6 +204,70 @@ def _draw(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     # A seeded request draws from its own generator, so its tokens do not depend on its neighbours.
     draws = torch.multinomial(probs, 1).squeeze(1) if len(seeded) < len(sequences) else torch.empty(
         len(sequences), dtype=torch.long, device=device)
+    seeded_probs = probs[seeded]
+    # A seeded row's draw advances its generator: all are checked before any draws, so a failing row
+    # (what multinomial refuses) cannot leave the others' generators moved on for the per-row retry.
+    if not bool((torch.isfinite(seeded_probs).all(dim=-1) & (seeded_probs.sum(dim=-1) > 0)).all()):
+        raise ValueError("a seeded row has no valid probabilities to draw from")
     for i in seeded:
         draws[i] = torch.multinomial(probs[i], 1, generator=sequences[i].generator)[0]
     return draws
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """One row that failed to sample on its own: which stage, the request fields it reads, the error."""
+
+    stage: str
+    fields: tuple[str, ...]
+    error: Exception
+
+
+_STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("penalties", ("repetition_penalty", "frequency_penalty", "presence_penalty")),
+    ("logit bias", ("logit_bias",)),
+    ("grammar", ("response_format",)),
+    ("min_tokens", ("min_tokens", "stop_token_ids")),
+    ("draw", ("temperature", "top_k", "top_p", "min_p", "seed")),
+    ("log probabilities", ("logprobs",)),
+)
+
+
+def sample_each(logits: torch.Tensor, sequences: list[Sequence],
+                eos_token_ids: Iterable[int] = ()) -> list[SampledToken | RowFailure]:
+    """`sample_tokens` one row at a time (after the batched call raised): a token per good row, a
+    RowFailure per row that fails even alone. Costs a pass per row: only for a step that failed."""
+    eos = tuple(eos_token_ids)
+    results: list[SampledToken | RowFailure] = []
+    for row, seq in enumerate(sequences):
+        try:
+            results.append(sample_tokens(logits[row:row + 1], [seq], eos)[0])
+        except Exception as exc:
+            results.append(_failing_stage(logits[row:row + 1], seq, eos, exc))
+    return results
+
+
+def _failing_stage(logits: torch.Tensor, seq: Sequence, eos: tuple[int, ...], error: Exception) -> RowFailure:
+    """Which stage raises for this row alone: re-run them in order until one does."""
+    rows = [seq]
+    steps = (
+        lambda x: apply_penalties(x, rows),
+        lambda x: apply_logit_bias(x, rows),
+        lambda x: apply_guides(x, rows),
+        lambda x: suppress_early_stops(x, rows, eos),
+        lambda x: _draw_checked(x, rows),
+    )
+    current = logits
+    for (stage, fields), step in zip(_STAGES, steps, strict=False):
+        try:
+            current = step(current)
+        except Exception as exc:
+            return RowFailure(stage, fields, exc)
+    stage, fields = _STAGES[-1]
+    return RowFailure(stage, fields, error)
+
+
+def _draw_checked(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+    if not _is_greedy(sequences[0]):
+        _draw(logits, sequences)
+    return logits

@@ -179,7 +179,7 @@ async def _events(stream: RequestStream, writer: ResponseWriter, prompt_tokens: 
         if include_usage:
             yield writer.usage(_usage(totals))
     except EngineError as exc:  # headers are sent: report in-band, as OpenAI does
-        yield sse_event(APIError(exc.status_code, str(exc)).body())
+        yield sse_event(APIError(exc.status_code, str(exc), param=exc.param, code=exc.code).body())
     finally:
         stream.close()  # the client went away (or we are done): make sure the KV blocks are freed
     yield DONE
@@ -234,7 +234,7 @@ async def health(request: Request) -> dict:
 
 async def _answer_engine_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, EngineError)
-    return APIError(exc.status_code, str(exc)).response()
+    return APIError(exc.status_code, str(exc), param=exc.param, code=exc.code).response()
 
 
 @asynccontextmanager

@@ -443,7 +443,7 @@ class Gateway:
         try:
             sampling.validate()
         except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from None
+            raise APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_value") from None
         return sampling
 
     def adapt_budget(self, policy: Policy, request_id: str) -> tuple[Policy, Decision | None]:

@@ -6,9 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from backend.admission import MAX_STOP_SEQUENCES
 from backend.openai_api.errors import APIError
-
-MAX_STOP_SEQUENCES = 16
 
 
 class _Lenient(BaseModel):
