@@ -526,7 +526,7 @@ class Gateway:
         policy = self.resolve_policy(tenant, body.ctxgate, body.model)
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
-        asks = None if forward is not None else await engine_asks(body, self.tokenizer)
+        asks = None if forward is not None else await engine_asks(body, self.tokenizer, tenant.name)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         policy, budget = self.adapt_budget(policy, request_id)
         try:
@@ -557,7 +557,7 @@ class Gateway:
         policy = self.resolve_policy(tenant, body.ctxgate, body.model)
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
-        asks = None if forward is not None else await engine_asks(body, self.tokenizer)
+        asks = None if forward is not None else await engine_asks(body, self.tokenizer, tenant.name)
         prompt_text = body.prompt_text() or ""
         token_ids = self.tokens.for_model(body.model).tokenizer.encode(prompt_text)
         if not token_ids:

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from backend.guided import GuideSpec
+from backend.guided import GuideError, GuideSpec, check_schema_shape
 from backend.openai_api.errors import APIError
 
 MAX_TOOLS = 64
@@ -46,7 +46,8 @@ class ToolUse:
         calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
                   "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return GuideSpec.json_schema(schema, "tool_choice")
+        # Each tool's parameters passed the depth cap alone; the wrapping above adds four levels.
+        return GuideSpec.json_schema(schema, "tool_choice", wrapper_depth=4)
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape)."""
@@ -112,6 +113,10 @@ def _functions(tools: Any) -> tuple[Function, ...]:
         if not isinstance(parameters, dict):
             raise APIError(400, f"tools[{index}].function.parameters must be a JSON schema object",
                            param=f"tools[{index}]", code="invalid_value")
+        try:  # checked for every tool (its schema is rendered into the prompt), forced or not
+            check_schema_shape(parameters, f"tools[{index}].function.parameters")
+        except GuideError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
         functions.append(Function(name, parameters))
     return tuple(functions)
 

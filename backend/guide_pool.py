@@ -1,0 +1,275 @@
+"""Grammar compilation that a deadline stops, served fairly across tenants.
+
+xgrammar compiles in C++ without a way to interrupt it, so a thread given a deadline only stops
+being waited for: the CPU work runs on. Here each compile runs in a worker process that is killed
+(and replaced) when its deadline passes, so the deadline ends the work. The workers are forked from
+multiprocessing's forkserver with xgrammar already imported there, so starting one (at warm-up or
+after a kill) costs a fork and a tokenizer-info load (~50 ms), not xgrammar's ~3 s import.
+
+Fairness: each tenant has at most one compile running; waiting compiles are taken round robin
+across tenants, so a tenant flooding slow schemas holds at most one worker while another tenant's
+compile goes to the next free one. Each tenant's queue is short and each wait is bounded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+logger = logging.getLogger(__name__)
+
+WORKER_START_TIMEOUT_S = 120.0  # the forkserver's first start imports xgrammar (and torch)
+_PRELOAD = ["xgrammar", "backend.guided"]
+
+
+class CompileRefused(Exception):
+    """A compile that did not run or did not finish; `status` is the HTTP status it deserves."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class CompileFailed(Exception):
+    """xgrammar rejected the grammar; the message is its first line."""
+
+
+@dataclass
+class _Job:
+    tenant: str
+    kind: str
+    source: str
+    queued_at: float
+    future: concurrent.futures.Future[str] = field(default_factory=concurrent.futures.Future)
+
+
+def _worker_main(conn: Connection, tokenizer_info_json: str) -> None:
+    """A worker process: compile (kind, source) requests until told to stop (None)."""
+    import xgrammar
+
+    from backend.guided import compile_source, first_line
+
+    info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    # Our LRU in the parent bounds memory; xgrammar's unbounded cache would not.
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    conn.send(("ready", ""))
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        kind, source = request
+        try:
+            conn.send(("ok", compile_source(compiler, kind, source).serialize_json()))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            conn.send(("error", first_line(exc)))
+
+
+class _Worker:
+    """One worker process and the pipe to it."""
+
+    def __init__(self, tokenizer_info_json: str):
+        context = multiprocessing.get_context("forkserver")
+        # Ignored when the forkserver already runs (then each worker imports xgrammar itself).
+        context.set_forkserver_preload(_PRELOAD)
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_worker_main, args=(child, tokenizer_info_json), name="ctxgate-guide-worker", daemon=True
+        )
+        self.process.start()
+        child.close()
+        if not self.conn.poll(WORKER_START_TIMEOUT_S):
+            self.kill()
+            raise RuntimeError("grammar worker did not start")
+        self.conn.recv()
+
+    def run(self, kind: str, source: str, timeout_s: float) -> tuple[str, str] | None:
+        """("ok", serialized grammar) or ("error", message); None when the deadline passed."""
+        self.conn.send((kind, source))
+        if not self.conn.poll(timeout_s):
+            return None
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(1)
+        if self.process.is_alive():
+            self.kill()
+        else:
+            self.conn.close()
+
+
+class CompilePool:
+    """`workers` worker processes, each fed by its own dispatcher thread from a fair queue."""
+
+    def __init__(
+        self,
+        tokenizer_info_json: str,
+        workers: int,
+        timeout_s: float,
+        queue_wait_s: float,
+        max_queued_per_tenant: int,
+    ):
+        self._info = tokenizer_info_json
+        self.timeout_s = timeout_s
+        self.queue_wait_s = queue_wait_s
+        self._max_queued = max_queued_per_tenant
+        self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()  # order = round-robin order
+        self._running: set[str] = set()  # tenants with a compile on a worker
+        self._cond = threading.Condition()
+        self._closed = False
+        self._ready_at: float | None = None  # when a worker first answered: no queue wait counts before
+        self._workers: list[_Worker | None] = [None] * workers
+        self._threads = [
+            threading.Thread(target=self._dispatch, args=(slot,), name=f"ctxgate-guide-{slot}", daemon=True)
+            for slot in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, tenant: str, kind: str, source: str) -> concurrent.futures.Future[str]:
+        """A future of the serialized compiled grammar; it raises CompileRefused or CompileFailed."""
+        job = _Job(tenant, kind, source, time.monotonic())
+        with self._cond:
+            if self._closed:
+                raise CompileRefused("was not compiled: the server is shutting down", 503)
+            queue = self._queues.setdefault(tenant, deque())
+            if len(queue) >= self._max_queued:
+                raise CompileRefused(
+                    f"was not queued: {len(queue)} grammars of this tenant are already waiting "
+                    "to compile; retry when they finish",
+                    429,
+                )
+            queue.append(job)
+            self._cond.notify()
+        return job.future
+
+    def worker_pids(self) -> list[int]:
+        """The live workers' process ids (tests watch a killed one go)."""
+        with self._cond:
+            return [w.process.pid for w in self._workers if w is not None and w.process.pid is not None]
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            waiting = [job for queue in self._queues.values() for job in queue]
+            self._queues.clear()
+            self._cond.notify_all()
+        for job in waiting:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(CompileRefused("was not compiled: the server is shutting down", 503))
+        for thread in self._threads:
+            thread.join(self.timeout_s + 5)
+
+    # -- dispatcher threads ---------------------------------------------------------------------
+
+    def _dispatch(self, slot: int) -> None:
+        while True:
+            worker = self._ensure_worker(slot)
+            job = self._next_job()
+            if job is None:
+                if worker is not None:
+                    worker.stop()
+                return
+            try:
+                self._run(slot, worker, job)
+            finally:
+                with self._cond:
+                    self._running.discard(job.tenant)
+                    self._cond.notify_all()
+
+    def _ensure_worker(self, slot: int) -> _Worker | None:
+        worker = self._workers[slot]
+        backoff_s = 1.0
+        while worker is None and not self._closed:
+            try:
+                worker = _Worker(self._info)
+            except Exception:  # retried: compiles wait for a worker, each within its own bound
+                logger.exception("starting a grammar worker failed; retrying in %.0f s", backoff_s)
+                time.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 30.0)
+                continue
+            with self._cond:
+                self._workers[slot] = worker
+                if self._ready_at is None:
+                    self._ready_at = time.monotonic()
+        return worker
+
+    def _next_job(self) -> _Job | None:
+        """The next tenant's oldest job, round robin over tenants with nothing running; None: closed."""
+        with self._cond:
+            while not self._closed:
+                for tenant in list(self._queues):
+                    if tenant in self._running:
+                        continue
+                    queue = self._queues[tenant]
+                    job = self._live_job(queue)
+                    if not queue:
+                        del self._queues[tenant]
+                    if job is None:
+                        continue
+                    if queue:
+                        self._queues.move_to_end(tenant)  # its next job waits behind the others' turns
+                    self._running.add(tenant)
+                    return job
+                self._cond.wait(1.0)  # also wakes to expire jobs that waited too long
+            return None
+
+    def _live_job(self, queue: deque[_Job]) -> _Job | None:
+        """Pop the first job still wanted: cancelled ones are dropped, too-old ones answered."""
+        now = time.monotonic()
+        while queue:
+            job = queue.popleft()
+            if not job.future.set_running_or_notify_cancel():
+                continue  # the client went away
+            # Time spent before any worker was up (the server's start) is not the tenant's wait.
+            waited = now - max(job.queued_at, self._ready_at or now)
+            if waited > self.queue_wait_s:
+                job.future.set_exception(
+                    CompileRefused(f"waited {self.queue_wait_s:g}s for a grammar compiler; retry", 503)
+                )
+                continue
+            return job
+        return None
+
+    def _run(self, slot: int, worker: _Worker | None, job: _Job) -> None:
+        if worker is None:
+            job.future.set_exception(CompileRefused("was not compiled: the server is shutting down", 503))
+            return
+        try:
+            answer = worker.run(job.kind, job.source, self.timeout_s)
+        except (OSError, EOFError):
+            answer = ("crashed", "")
+        if answer is not None and answer[0] == "ok":
+            job.future.set_result(answer[1])
+            return
+        if answer is not None and answer[0] == "error":
+            job.future.set_exception(CompileFailed(answer[1]))
+            return
+        # Past the deadline (or the worker died): kill it so the work ends, and start its successor
+        # now, so the next compile does not pay for the start.
+        with self._cond:
+            self._workers[slot] = None
+        worker.kill()
+        if answer is None:
+            job.future.set_exception(
+                CompileRefused(f"did not compile within {self.timeout_s:g}s; simplify it")
+            )
+        else:
+            logger.error(
+                "a grammar worker died while compiling (%s, %d characters)", job.kind, len(job.source)
+            )
+            job.future.set_exception(CompileRefused("could not be compiled (the compiler failed)"))
