@@ -100,17 +100,6 @@ class _Worker:
         self.process.join(5)
         self.conn.close()
 
-    def stop(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.process.join(1)
-        if self.process.is_alive():
-            self.kill()
-        else:
-            self.conn.close()
-
 
 class CompilePool:
     """`workers` worker processes, each fed by its own dispatcher thread from a fair queue."""
@@ -157,22 +146,32 @@ class CompilePool:
             self._cond.notify()
         return job.future
 
+    def answer_within_s(self) -> float:
+        """How long a job submitted now can take at most: its queue wait and deadline, plus the
+        workers' start while none is up yet."""
+        starting = WORKER_START_TIMEOUT_S if self._ready_at is None else 0.0
+        return starting + self.queue_wait_s + self.timeout_s + 5.0
+
     def worker_pids(self) -> list[int]:
         """The live workers' process ids (tests watch a killed one go)."""
         with self._cond:
             return [w.process.pid for w in self._workers if w is not None and w.process.pid is not None]
 
     def close(self) -> None:
+        """Refuse what waits, kill the workers (a compile in progress ends with a 503), join."""
         with self._cond:
             self._closed = True
             waiting = [job for queue in self._queues.values() for job in queue]
             self._queues.clear()
+            workers = [w for w in self._workers if w is not None]
             self._cond.notify_all()
         for job in waiting:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(CompileRefused("was not compiled: the server is shutting down", 503))
+        for worker in workers:
+            worker.process.kill()
         for thread in self._threads:
-            thread.join(self.timeout_s + 5)
+            thread.join(10)
 
     # -- dispatcher threads ---------------------------------------------------------------------
 
@@ -182,7 +181,7 @@ class CompilePool:
             job = self._next_job()
             if job is None:
                 if worker is not None:
-                    worker.stop()
+                    worker.kill()
                 return
             try:
                 self._run(slot, worker, job)
@@ -258,6 +257,10 @@ class CompilePool:
             return
         if answer is not None and answer[0] == "error":
             job.future.set_exception(CompileFailed(answer[1]))
+            return
+        if self._closed:  # `close` killed the worker
+            worker.kill()
+            job.future.set_exception(CompileRefused("was not compiled: the server is shutting down", 503))
             return
         # Past the deadline (or the worker died): kill it so the work ends, and start its successor
         # now, so the next compile does not pay for the start.

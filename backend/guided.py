@@ -269,8 +269,7 @@ class GuideCompiler:
         try:
             # The pool answers every job within its queue wait plus the deadline; this bound is a
             # backstop, and cancelling here drops the job if it has not started.
-            serialized = await asyncio.wait_for(asyncio.wrap_future(future),
-                                                pool.queue_wait_s + pool.timeout_s + 5.0)
+            serialized = await asyncio.wait_for(asyncio.wrap_future(future), pool.answer_within_s())
         except CompileRefused as exc:
             raise GuideError(f"{spec.param} {exc}", spec.param, exc.status) from None
         except CompileFailed as exc:
