@@ -6,6 +6,13 @@ being waited for: the CPU work runs on. Here each compile runs in a worker proce
 multiprocessing's forkserver with xgrammar already imported there, so starting one (at warm-up or
 after a kill) costs a fork and a tokenizer-info load (~50 ms), not xgrammar's ~3 s import.
 
+What comes back: a compiled grammar's JSON is small for ordinary grammars (a 60-property object:
+0.9 MB, 85 ms to write) but can be ~75x its in-memory size (a 900-property one: 3.8 MB in memory,
+285 MB and 28 s as JSON). So a worker sends the grammar back only while it is small; a bigger one
+the worker has shown to compile within the deadline is compiled again in the server on the same
+dispatcher thread (bounded, since the worker just did the same work in time), and its tenant's
+turn lasts until that ends.
+
 Fairness: each tenant has at most one compile running; waiting compiles are taken round robin
 across tenants, so a tenant flooding slow schemas holds at most one worker while another tenant's
 compile goes to the next free one. Each tenant's queue is short and each wait is bounded.
@@ -19,13 +26,16 @@ import multiprocessing
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 120.0  # the forkserver's first start imports xgrammar (and torch)
 _PRELOAD = ["xgrammar", "backend.guided"]
+SEND_BACK_MAX_BYTES = 256 * 1024  # in memory; a bigger compiled grammar is compiled again in the server
 
 
 class CompileRefused(Exception):
@@ -46,7 +56,7 @@ class _Job:
     kind: str
     source: str
     queued_at: float
-    future: concurrent.futures.Future[str] = field(default_factory=concurrent.futures.Future)
+    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
 def _worker_main(conn: Connection, tokenizer_info_json: str) -> None:
@@ -65,7 +75,15 @@ def _worker_main(conn: Connection, tokenizer_info_json: str) -> None:
             return
         kind, source = request
         try:
-            conn.send(("ok", compile_source(compiler, kind, source).serialize_json()))
+            compiled = compile_source(compiler, kind, source)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            conn.send(("error", first_line(exc)))
+            continue
+        if compiled.memory_size_bytes > SEND_BACK_MAX_BYTES:
+            conn.send(("compiles", ""))
+            continue
+        try:
+            conn.send(("ok", compiled.serialize_json()))
         except (RuntimeError, ValueError, TypeError) as exc:
             conn.send(("error", first_line(exc)))
 
@@ -107,12 +125,16 @@ class CompilePool:
     def __init__(
         self,
         tokenizer_info_json: str,
+        load: Callable[[str], Any],
+        compile_here: Callable[[str, str], Any],
         workers: int,
         timeout_s: float,
         queue_wait_s: float,
         max_queued_per_tenant: int,
     ):
         self._info = tokenizer_info_json
+        self._load = load  # a worker's JSON -> the compiled grammar
+        self._compile_here = compile_here  # (kind, source) -> the compiled grammar, in this process
         self.timeout_s = timeout_s
         self.queue_wait_s = queue_wait_s
         self._max_queued = max_queued_per_tenant
@@ -129,8 +151,8 @@ class CompilePool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, tenant: str, kind: str, source: str) -> concurrent.futures.Future[str]:
-        """A future of the serialized compiled grammar; it raises CompileRefused or CompileFailed."""
+    def submit(self, tenant: str, kind: str, source: str) -> concurrent.futures.Future[Any]:
+        """A future of the compiled grammar; it raises CompileRefused or CompileFailed."""
         job = _Job(tenant, kind, source, time.monotonic())
         with self._cond:
             if self._closed:
@@ -147,10 +169,10 @@ class CompilePool:
         return job.future
 
     def answer_within_s(self) -> float:
-        """How long a job submitted now can take at most: its queue wait and deadline, plus the
-        workers' start while none is up yet."""
+        """How long a job submitted now can take at most: its queue wait, the deadline, as long
+        again for a big grammar compiled here, plus the workers' start while none is up yet."""
         starting = WORKER_START_TIMEOUT_S if self._ready_at is None else 0.0
-        return starting + self.queue_wait_s + self.timeout_s + 5.0
+        return starting + self.queue_wait_s + 2 * self.timeout_s + 5.0
 
     def worker_pids(self) -> list[int]:
         """The live workers' process ids (tests watch a killed one go)."""
@@ -252,8 +274,15 @@ class CompilePool:
             answer = worker.run(job.kind, job.source, self.timeout_s)
         except (OSError, EOFError):
             answer = ("crashed", "")
-        if answer is not None and answer[0] == "ok":
-            job.future.set_result(answer[1])
+        if answer is not None and answer[0] in ("ok", "compiles"):
+            try:
+                if answer[0] == "ok":
+                    job.future.set_result(self._load(answer[1]))
+                else:
+                    job.future.set_result(self._compile_here(job.kind, job.source))
+            except Exception as exc:  # the same grammar compiled in the worker; this is unexpected
+                logger.exception("a grammar the worker compiled failed here (%s)", job.kind)
+                job.future.set_exception(CompileFailed(type(exc).__name__))
             return
         if answer is not None and answer[0] == "error":
             job.future.set_exception(CompileFailed(answer[1]))

@@ -199,7 +199,8 @@ class GuideCompiler:
         with self._lock:
             if self._pool is None:
                 workers, timeout_s, queue_wait_s, max_queued = self._pool_settings
-                self._pool = CompilePool(info.serialize_json(), workers, timeout_s, queue_wait_s, max_queued)
+                self._pool = CompilePool(info.serialize_json(), self._deserialize, self._compile_here, workers,
+                                         timeout_s, queue_wait_s, max_queued)
             return self._pool
 
     def warm_up(self) -> None:
@@ -239,6 +240,15 @@ class GuideCompiler:
         cached = self._cached(spec)
         if cached is not None:
             return cached
+        try:
+            guide = Guide(self._compile_here(spec.kind, spec.source))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            self._remember(spec, first_line(exc))
+            raise GuideError(f"{spec.param} could not be compiled: {first_line(exc)}", spec.param) from None
+        self._remember(spec, guide)
+        return guide
+
+    def _compile_here(self, kind: str, source: str) -> xgrammar.CompiledGrammar:
         import xgrammar
 
         info = self._tokenizer_info()
@@ -246,13 +256,7 @@ class GuideCompiler:
             if self._compiler is None:
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             compiler = self._compiler
-        try:
-            guide = Guide(compile_source(compiler, spec.kind, spec.source))
-        except (RuntimeError, ValueError, TypeError) as exc:
-            self._remember(spec, first_line(exc))
-            raise GuideError(f"{spec.param} could not be compiled: {first_line(exc)}", spec.param) from None
-        self._remember(spec, guide)
-        return guide
+        return compile_source(compiler, kind, source)
 
     async def compile(self, spec: GuideSpec, tenant: str = ANONYMOUS_TENANT) -> Guide:
         """The compiled grammar from the cache, or from a worker process: at most one compile of
@@ -269,7 +273,7 @@ class GuideCompiler:
         try:
             # The pool answers every job within its queue wait plus the deadline; this bound is a
             # backstop, and cancelling here drops the job if it has not started.
-            serialized = await asyncio.wait_for(asyncio.wrap_future(future), pool.answer_within_s())
+            compiled = await asyncio.wait_for(asyncio.wrap_future(future), pool.answer_within_s())
         except CompileRefused as exc:
             raise GuideError(f"{spec.param} {exc}", spec.param, exc.status) from None
         except CompileFailed as exc:
@@ -277,7 +281,7 @@ class GuideCompiler:
             raise GuideError(f"{spec.param} could not be compiled: {exc}", spec.param) from None
         except TimeoutError:
             raise GuideError(f"{spec.param} did not compile in time; retry", spec.param, 503) from None
-        guide = Guide(await asyncio.to_thread(self._deserialize, serialized))
+        guide = Guide(compiled)
         self._remember(spec, guide)
         return guide
 
