@@ -38,7 +38,7 @@ MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1_000
 # A JSON schema's shape, checked before it compiles. xgrammar's cost grows with the square of an
 # object's optional properties and faster than linearly in their total; every schema at these caps
-# we tried compiles in under 1 s (docs/api.md), and anything slower is stopped by the deadline.
+# we tried compiles in about 1 s or less (docs/api.md), and anything slower is stopped by the deadline.
 MAX_SCHEMA_DEPTH = 64  # nesting of JSON objects and arrays in the schema document
 MAX_SCHEMA_NODES = 4_096  # JSON values in the schema document
 MAX_OBJECT_PROPERTIES = 128  # in one "properties"
