@@ -61,7 +61,11 @@ class _Job:
 
 def _worker_main(conn: Connection, tokenizer_info_json: str) -> None:
     """A worker process: compile (kind, source) requests until told to stop (None)."""
+    import signal
+
     import xgrammar
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C stops the server, which ends its workers
 
     from backend.guided import compile_source, first_line
 
@@ -70,7 +74,10 @@ def _worker_main(conn: Connection, tokenizer_info_json: str) -> None:
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     conn.send(("ready", ""))
     while True:
-        request = conn.recv()
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):  # the server went away: nothing left to compile for
+            return
         if request is None:
             return
         kind, source = request
