@@ -9,6 +9,7 @@ errors, SSE) is `backend.openai_api`, shared with the gateway.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from pydantic import BaseModel
 from backend.api import EngineError, GenerationRequest, Priority, SamplingParams
 from backend.async_engine import AsyncEngine
 from backend.deltas import DeltaTotals
+from backend.guided import compiler_for
 from backend.openai_api.errors import APIError, install_error_handlers
 from backend.openai_api.fields import enforce_supported
 from backend.openai_api.http import BearerAuth, document_request_bodies, parse_body, unless_disconnected
@@ -190,12 +192,18 @@ def _server(request: Request) -> EngineServer:
     return request.app.state.server
 
 
+def _client(request: Request) -> str:
+    """Whose turn a grammar compile takes here: the engine server has no tenants (one key at most),
+    so each client address queues as one."""
+    return f"client:{request.client.host}" if request.client is not None else "client:-"
+
+
 async def completions(request: Request) -> Response:
     server = _server(request)
     body = await parse_body(request, CompletionRequest)
     server.check_model(body.model)
     enforce_supported(body, server.drop_params)
-    asks = await engine_asks(body, server.engine.tokenizer)
+    asks = await engine_asks(body, server.engine.tokenizer, _client(request))
     prompt_ids = _completion_prompt_ids(body, server.engine.tokenizer)
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     return await _answer(request, server, body, prompt_ids, max_tokens, asks)
@@ -206,7 +214,7 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     server.check_model(body.model)
     enforce_supported(body, server.drop_params)
-    asks = await engine_asks(body, server.engine.tokenizer)
+    asks = await engine_asks(body, server.engine.tokenizer, _client(request))
     prompt_ids = _chat_prompt_ids(body, server.engine.tokenizer, asks)
     return await _answer(request, server, body, prompt_ids, body.requested_max_tokens(), asks)
 
@@ -241,6 +249,7 @@ async def _answer_engine_error(_request: Request, exc: Exception) -> JSONRespons
 async def _run_engine(app: FastAPI) -> AsyncIterator[None]:
     engine: AsyncEngine = app.state.server.engine
     engine.start()
+    await asyncio.to_thread(compiler_for(engine.tokenizer).warm_up)  # grammar workers start now
     yield
     await engine.stop()
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from backend.guided import compiler_for
 from gateway.service import Gateway
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway: Gateway = app.state.gateway
     gateway.engine.start()
     await gateway.engine.check_health()
+    if not gateway.forwards_fields:  # the built-in engine: grammar workers start now, not per request
+        try:
+            await asyncio.to_thread(compiler_for(gateway.tokenizer).warm_up)
+        except Exception:  # the first structured-output request retries (and reports) it
+            logger.exception("starting the grammar workers failed")
     watcher = asyncio.create_task(watch_files(gateway), name="ctxgate-reload")
     embedder_load = app.state.embedder_load = EmbedderLoad(gateway)
     warm_up = asyncio.create_task(embedder_load.run(), name="ctxgate-embedder-load")

@@ -578,7 +578,7 @@ class Gateway:
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
         await self.check_quota_first(tenant, policy, body, choices)  # before the grammar and compression
-        asks = None if forward is not None else await engine_asks(body, self.tokenizer)
+        asks = None if forward is not None else await engine_asks(body, self.tokenizer, tenant.name)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         policy, budget = self.adapt_budget(policy, request_id)
         try:
@@ -610,7 +610,7 @@ class Gateway:
         dropped, forward = self.check_fields(body, policy, raw)
         choices = self.choices_for(body, forward)
         await self.check_quota_first(tenant, policy, body, choices)  # before the grammar and tokenizing
-        asks = None if forward is not None else await engine_asks(body, self.tokenizer)
+        asks = None if forward is not None else await engine_asks(body, self.tokenizer, tenant.name)
         prompt_text = body.prompt_text() or ""
         token_ids = await self.encode_prompt(prompt_text, body.model)
         if not token_ids:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backend.api import MAX_N, MAX_TOP_LOGPROBS
-from backend.guided import Guide, GuideError, GuideSpec, compiler_for
+from backend.guided import ANONYMOUS_TENANT, Guide, GuideError, GuideSpec, compiler_for
 from backend.openai_api.errors import APIError
 from backend.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 from backend.openai_api.tools import ToolUse, tool_use
@@ -91,7 +91,7 @@ def tools_of(body: Body) -> ToolUse | None:
 def guide_spec(body: Body, tools: ToolUse | None) -> GuideSpec | None:
     """The one grammar the request asks for, or None; a 400 when it asks for two."""
     specs = [spec for spec in (_response_format(extra(body, "response_format")), *_guided_extras(body),
-                               tools.guide() if tools else None) if spec is not None]
+                               _checked(tools.guide) if tools else None) if spec is not None]
     if len(specs) > 1:
         raise APIError(400, f"{specs[0].param} and {specs[1].param} both constrain the output; send one",
                        param=specs[1].param, code="invalid_value")
@@ -144,23 +144,29 @@ def _guided(kind: str, value: Any, param: str) -> GuideSpec:
     return GuideSpec("regex" if kind == "regex" else "grammar", value, param)
 
 
-def _checked(build: Any) -> GuideSpec:
+def _checked(build: Any) -> GuideSpec | None:
     try:
         spec = build()
-        spec.check_size()
+        if spec is not None:
+            spec.check_size()
         return spec
     except GuideError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
 
-async def compile_guide(spec: GuideSpec | None, tokenizer: Tokenizer) -> Guide | None:
-    """The compiled grammar (cached; compiled off the event loop), or a 400 naming the problem."""
+_GUIDE_ERROR_CODES = {429: "rate_limit_exceeded", 503: "server_busy"}
+
+
+async def compile_guide(spec: GuideSpec | None, tokenizer: Tokenizer, tenant: str = ANONYMOUS_TENANT) -> Guide | None:
+    """The compiled grammar (cached; compiled in a worker process, `tenant`'s compiles one at a
+    time and in turn with other tenants'), or a 4xx/503 naming the problem."""
     if spec is None:
         return None
     try:
-        return await compiler_for(tokenizer).compile(spec)
+        return await compiler_for(tokenizer).compile(spec, tenant)
     except GuideError as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+        raise APIError(exc.status, str(exc), param=exc.param,
+                       code=_GUIDE_ERROR_CODES.get(exc.status, "invalid_value")) from None
 
 
 @dataclass(frozen=True)
@@ -171,9 +177,10 @@ class EngineAsks:
     output: OutputOptions
 
 
-async def engine_asks(body: Body, tokenizer: Tokenizer) -> EngineAsks:
+async def engine_asks(body: Body, tokenizer: Tokenizer, tenant: str = ANONYMOUS_TENANT) -> EngineAsks:
+    """`tenant`: whose turn a grammar compile takes (the gateway's tenant; the engine server's key)."""
     tools = tools_of(body)
     sampling = sampling_extras(body)
-    sampling["guide"] = await compile_guide(guide_spec(body, tools), tokenizer)
+    sampling["guide"] = await compile_guide(guide_spec(body, tools), tokenizer, tenant)
     output = OutputOptions(tokenizer=tokenizer, logprobs=sampling["logprobs"] is not None, tools=tools)
     return EngineAsks(sampling, output)

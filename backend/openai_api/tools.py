@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from backend.guided import GuideSpec
+from backend.guided import GuideError, GuideSpec, check_schema_shape
 from backend.openai_api.errors import APIError
 
 MAX_TOOLS = 64
@@ -48,7 +48,8 @@ class ToolUse:
         calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
                   "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return GuideSpec.json_schema(schema, "tool_choice")
+        # Each tool's parameters passed the depth cap alone; the wrapping above adds four levels.
+        return GuideSpec.json_schema(schema, "tool_choice", wrapper_depth=4)
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape). Client text: the gateway
@@ -119,6 +120,10 @@ def _functions(tools: Any) -> tuple[Function, ...]:
         if description is not None and not isinstance(description, str):
             raise APIError(400, f"tools[{index}].function.description must be a string",
                            param=f"tools[{index}]", code="invalid_value")
+        try:  # checked for every tool (its schema is rendered into the prompt), forced or not
+            check_schema_shape(parameters, f"tools[{index}].function.parameters")
+        except GuideError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
         functions.append(Function(name, parameters, description))
     return tuple(functions)
 
