@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model large-model serve engine-serve test lint docs bench eval soak clean
+.PHONY: install model large-model serve engine-serve test lint docs bench eval soak memory-soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,9 @@ eval: model
 # Long load test (default 180 s of load at 2x measured capacity); prints the figures. SOAK_ARGS to tune.
 soak: model
 	$(PY) -m tests.reliability.soak $(SOAK_ARGS)
+
+memory-soak: model
+	$(PY) -m tests.reliability.memory_soak $(MEMORY_SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) bench-out eval-out site
