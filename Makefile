@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model large-model serve engine-serve test lint docs bench eval soak soak-hostile clean
+.PHONY: install model large-model serve engine-serve test lint docs bench eval soak soak-hostile memory-soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,10 @@ soak: model
 # check fails. SOAK_ARGS to tune, e.g. SOAK_ARGS='--baseline 20 --duration 30'.
 soak-hostile: model
 	$(PY) -m tests.reliability.hostile_soak $(SOAK_ARGS)
+
+# RSS of a real server under unique ~20 KB documents, and whether it levels off. MEMORY_SOAK_ARGS to tune.
+memory-soak: model
+	$(PY) -m tests.reliability.memory_soak $(MEMORY_SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) bench-out eval-out soak-hostile-out site

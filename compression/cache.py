@@ -4,6 +4,11 @@ One small protocol (so a shared store can be plugged in) and its in-process LRU 
 plus `ByteLRU` / `byte_bounded_cache` for results keyed by client text: a count bound alone lets a
 client fill memory with a few thousand 8 MiB texts, so these are bounded by the bytes of their keys
 and values as well.
+
+Every cache of per-request data takes its byte budget from one total (`set_cache_budget`; the
+gateway's `compression_cache_mb`), split by `BUDGET_SHARES`, so the memory the compressor keeps for
+client text has one stated bound whatever the traffic (tests/reliability/memory_soak.py shows RSS
+levelling off under it).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -18,6 +24,52 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 Key = TypeVar("Key", bound=Hashable)
 Value = TypeVar("Value")
 Result = TypeVar("Result")
+
+DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
+# Each cache's part of the total. Embedding vectors (1.5 KB per sentence) are what first-sight
+# traffic fills fastest and what saves the most time on a repeat.
+BUDGET_SHARES: dict[str, float] = {
+    "embeddings": 0.35,       # compression/embeddings.py: sentence vectors
+    "summaries": 0.15,        # history summaries (the pipeline's LRUBytesCache)
+    "token_counts": 0.10,     # compression/counting.py: per-text token counts (each CachedCounter)
+    "sentences": 0.10,        # compression/text.py: sentence splits
+    "content_words": 0.10,    # compression/text.py: word sets
+    "bm25": 0.10,             # compression/rerank.py: term counts
+    "dedup_forms": 0.05,      # compression/text.py: normalised forms
+    "names": 0.03,            # compression/multihop/names.py: normalised names
+    "mention_patterns": 0.02, # compression/multihop/names.py: compiled patterns
+}
+_total_bytes = DEFAULT_CACHE_BYTES
+_tracked: dict[str, weakref.WeakSet[Any]] = {name: weakref.WeakSet() for name in BUDGET_SHARES}
+_budget_lock = threading.Lock()
+
+
+def budget_bytes(name: str) -> int:
+    """The byte budget of the caches named `name` (each instance has this much)."""
+    return max(1, int(_total_bytes * BUDGET_SHARES[name]))
+
+
+def track_budget(name: str, cache: Any) -> None:
+    """`cache` (anything with `resize(max_bytes)`) follows `set_cache_budget` from now on."""
+    with _budget_lock:
+        _tracked[name].add(cache)
+    cache.resize(budget_bytes(name))
+
+
+def set_cache_budget(total_bytes: int) -> None:
+    """Resize every tracked cache to its share of `total_bytes` (evicting what no longer fits)."""
+    global _total_bytes
+    if total_bytes < 1:
+        raise ValueError(f"the cache budget must be at least 1 byte, not {total_bytes}")
+    with _budget_lock:
+        _total_bytes = total_bytes
+        caches = [(name, cache) for name, group in _tracked.items() for cache in list(group)]
+    for name, cache in caches:
+        cache.resize(budget_bytes(name))
+
+
+def cache_budget() -> int:
+    return _total_bytes
 
 
 def approx_size(value: Any, depth: int = 2) -> int:
@@ -64,9 +116,17 @@ class ByteLRU(Generic[Key, Value]):
                 self.size_bytes -= previous[1]
             self._items[key] = (value, cost)
             self.size_bytes += cost
-            while self._items and (self.size_bytes > self.max_bytes or len(self._items) > self.max_entries):
-                _, (_, evicted) = self._items.popitem(last=False)
-                self.size_bytes -= evicted
+            self._evict()
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._evict()
+
+    def _evict(self) -> None:
+        while self._items and (self.size_bytes > self.max_bytes or len(self._items) > self.max_entries):
+            _, (_, evicted) = self._items.popitem(last=False)
+            self.size_bytes -= evicted
 
     def clear(self) -> None:
         with self._lock:
@@ -80,12 +140,19 @@ class ByteLRU(Generic[Key, Value]):
         return key in self._items
 
 
-def byte_bounded_cache(max_entries: int, max_bytes: int) -> Callable[[Callable[[Key], Result]], Callable[[Key], Result]]:
-    """functools.lru_cache for one-argument functions of client text, with a byte budget too. The
+def byte_bounded_cache(
+    max_entries: int, max_bytes: int | None = None, budget: str | None = None
+) -> Callable[[Callable[[Key], Result]], Callable[[Key], Result]]:
+    """functools.lru_cache for one-argument functions of client text, with a byte bound too:
+    `max_bytes`, or the cache budget's share named `budget` (following `set_cache_budget`). The
     wrapped function gets `.cache` (the ByteLRU) for inspection."""
+    if (max_bytes is None) == (budget is None):
+        raise ValueError("give max_bytes or budget")
 
     def decorate(function: Callable[[Key], Result]) -> Callable[[Key], Result]:
-        cache: ByteLRU[Key, Result] = ByteLRU(max_entries, max_bytes)
+        cache: ByteLRU[Key, Result] = ByteLRU(max_entries, max_bytes or budget_bytes(budget or ""))
+        if budget is not None:
+            track_budget(budget, cache)
 
         @functools.wraps(function)
         def cached(argument: Key) -> Result:
@@ -122,13 +189,16 @@ class BytesCache(Protocol):
 class LRUBytesCache:
     """Thread-safe in-process LRU bounded by total bytes stored (keys and values)."""
 
-    def __init__(self, max_bytes: int = 256 * 1024 * 1024):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int | None = None):
+        """`max_bytes` None: the "summaries" share of the cache budget (and it follows changes)."""
+        self.max_bytes = max_bytes if max_bytes is not None else budget_bytes("summaries")
         self._items: OrderedDict[str, bytes] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        if max_bytes is None:
+            track_budget("summaries", self)
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -148,9 +218,21 @@ class LRUBytesCache:
                 self._size -= len(key) + len(previous)
             self._items[key] = value
             self._size += len(key) + len(value)
-            while self._size > self.max_bytes and self._items:
-                evicted_key, evicted = self._items.popitem(last=False)
-                self._size -= len(evicted_key) + len(evicted)
+            self._evict()
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._evict()
+
+    def _evict(self) -> None:
+        while self._size > self.max_bytes and self._items:
+            evicted_key, evicted = self._items.popitem(last=False)
+            self._size -= len(evicted_key) + len(evicted)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return [self.get(key) for key in keys]

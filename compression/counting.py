@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from backend.bounded_encode import encode_batch_in_pieces, encode_in_pieces
-from compression.cache import ByteLRU
+from compression.cache import ByteLRU, budget_bytes, track_budget
 
 
 @runtime_checkable
@@ -106,9 +106,12 @@ class CachedCounter:
     another worker just evicted must not raise), the counting itself is not. Keys are client text,
     so the LRU is bounded by their bytes as well as their number."""
 
-    def __init__(self, counter: TokenCounter, max_entries: int = 50_000, max_bytes: int = 64 * 1024 * 1024):
+    def __init__(self, counter: TokenCounter, max_entries: int = 50_000, max_bytes: int | None = None):
         self.counter = counter
-        self._counts: ByteLRU[str, int] = ByteLRU(max_entries, max_bytes, sizer=_str_size)
+        self._counts: ByteLRU[str, int] = ByteLRU(max_entries, max_bytes or budget_bytes("token_counts"),
+                                                  sizer=_str_size)
+        if max_bytes is None:
+            track_budget("token_counts", self._counts)
 
     def forget(self) -> None:
         """Drop every remembered count."""

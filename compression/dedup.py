@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from compression.fair import yield_turn
 from compression.text import content_hash, normalize_for_dedup
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -20,6 +21,8 @@ _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 def numbers_in(text: str) -> frozenset[str]:
     """The numbers a text states ("1,045", "2001", "3.5"), as written."""
     return frozenset(_NUMBER.findall(text))
+
+YIELD_EVERY_UNITS = 256
 
 
 def duplicate_indices(
@@ -40,7 +43,9 @@ def duplicate_indices(
     # The kept units' vectors, in keeping order: the same rows `vectors[kept]` would copy out at
     # every unit (one matrix-vector product each, so the cosines and the choices are unchanged).
     kept_vectors = np.empty_like(vectors) if near_cosine is not None and vectors is not None else None
-    for index in order:
+    for step, index in enumerate(order):
+        if step % YIELD_EVERY_UNITS == YIELD_EVERY_UNITS - 1:
+            yield_turn()  # quadratic in the units: a huge document's loop lets other tenants in
         normalized = normalize_for_dedup(texts[index])
         if not normalized:
             continue  # punctuation-only units are left to the budget, not called duplicates

@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from compression.batching import EmbedBatcher, EngineJobBatcher, charge_engine_time
-from compression.cache import BytesCache
+from compression.cache import ByteLRU, BytesCache, budget_bytes, track_budget
+from compression.fair import yield_turn
 from compression.packed_encoder import PackedEncoder
 from compression.packed_encoder import supports as packed_supports
 from compression.text import content_hash
@@ -50,6 +51,10 @@ def default_model_path() -> Path:
 
 
 PRECISION_ENV = "CTXGATE_EMBED_PRECISION"
+# Word pieces per model call, roughly (2 characters each, at most the model's 128 per text): a large
+# document's sentences are embedded in chunks of ~0.1-0.3 s, and between chunks another tenant's
+# compression may take its turn (compression/fair.py).
+ENCODE_CHUNK_TOKENS = 256
 PRECISIONS = ("bfloat16", "int8", "float32")
 
 
@@ -104,6 +109,7 @@ class Embedder:
         cache: BytesCache | None = None,
         device: str | None = None,
         max_local_entries: int = 100_000,
+        max_local_bytes: int | None = None,
         precision: str | None = None,
     ):
         from sentence_transformers import SentenceTransformer
@@ -134,9 +140,11 @@ class Embedder:
         self._runner: Runner | None = None
         self._engine_jobs: EngineJobBatcher | None = None
         self._batcher_lock = threading.Lock()
-        self._local: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._max_local = max_local_entries
-        self._lock = threading.Lock()
+        # Bounded by bytes as well as entries: client text decides how many vectors arrive.
+        self._local: ByteLRU[str, np.ndarray] = ByteLRU(
+            max_local_entries, max_local_bytes or budget_bytes("embeddings"), sizer=_vector_size)
+        if max_local_bytes is None:
+            track_budget("embeddings", self._local)
         # Vectors of different precisions differ, so they never share cache entries.
         # int8's per-call activation scales depend on every row of the call, and packed calls hold
         # other rows than padded ones: packed int8 vectors are as close to float32's as padded
@@ -182,14 +190,12 @@ class Embedder:
         keys = [content_hash(text) for text in texts]
         vectors: dict[str, np.ndarray] = {}
         missing: dict[str, str] = {}
-        with self._lock:
-            for key, text in zip(keys, texts, strict=True):
-                found = self._local.get(key)
-                if found is not None:
-                    self._local.move_to_end(key)
-                    vectors[key] = found
-                else:
-                    missing[key] = text
+        for key, text in zip(keys, texts, strict=True):
+            found = self._local.get(key)
+            if found is not None:
+                vectors[key] = found
+            else:
+                missing[key] = text
         if missing and self._cache is not None:
             for key, raw in zip(list(missing), self._cache_get(list(missing)), strict=True):
                 if raw is not None and len(raw) == 4 * self.dimension:
@@ -221,14 +227,19 @@ class Embedder:
         self._remember([content_hash(text) for text in texts], list(vectors))
 
     def _remember(self, keys: list[str], vectors: list[np.ndarray]) -> None:
-        with self._lock:
-            for key, vector in zip(keys, vectors, strict=True):
-                self._local[key] = np.asarray(vector, dtype=np.float32)
-                self._local.move_to_end(key)
-            while len(self._local) > self._max_local:
-                self._local.popitem(last=False)
+        for key, vector in zip(keys, vectors, strict=True):
+            self._local.put(key, np.asarray(vector, dtype=np.float32))
 
     def _encode(self, texts: list[str], batch_size: int, show_progress_bar: bool) -> np.ndarray:
+        chunks = token_chunks(texts, ENCODE_CHUNK_TOKENS)
+        parts = []
+        for index, chunk in enumerate(chunks):
+            if index:
+                yield_turn()
+            parts.append(self._encode_chunk(chunk, batch_size, show_progress_bar))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _encode_chunk(self, texts: list[str], batch_size: int, show_progress_bar: bool) -> np.ndarray:
         # On the engine's thread, calls that wait together already share a pass (EngineJobBatcher):
         # the batching thread would only add its window and a thread hop to every call, and take the
         # call out of the compression's context (its engine time would be charged to nobody).
@@ -335,8 +346,7 @@ class Embedder:
 
     def forget(self) -> None:
         """Drop the in-process vectors (a shared cache, if any, keeps its own)."""
-        with self._lock:
-            self._local.clear()
+        self._local.clear()
 
     def warm_up(self, stop: threading.Event | None = None) -> int:
         """Run the model once on each chunk count the packed encoder will meet, by the path real calls
@@ -355,6 +365,25 @@ class Embedder:
                 forward()
             calls += 1
         return calls
+
+
+def token_chunks(texts: list[str], max_tokens: int) -> list[list[str]]:
+    """`texts` in order, cut into runs of about `max_tokens` word pieces (estimated from length)."""
+    chunks: list[list[str]] = [[]]
+    tokens = 0
+    for text in texts:
+        cost = min(len(text) // 2, 128) + 2
+        if chunks[-1] and tokens + cost > max_tokens:
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(text)
+        tokens += cost
+    return chunks
+
+
+def _vector_size(value: object) -> int:
+    """A vector's bytes with its array header; a key (a 32-character hash) as a str."""
+    return value.nbytes + 112 if isinstance(value, np.ndarray) else sys.getsizeof(value)
 
 
 def _normalized(vectors: np.ndarray) -> np.ndarray:

@@ -17,13 +17,13 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from compression.batching import ENGINE_TIME, EngineTime
 from compression.cache import BytesCache, LRUBytesCache
 from compression.counting import CachedCounter, ChatTokenizer
+from compression.fair import FairScheduler, yield_turn
 from compression.history import SummaryEngine
 from compression.message_context import report_kept
 from compression.rendering import render_context
@@ -81,13 +81,14 @@ class CompressionPipeline:
             self.services.embed_batching = (embed_batch_window_ms, embed_threads)
         self.services.embed_process = embed_process
         self.services.embed_runner = embed_runner
+        self._worker = _WorkerState()
+        # Tenants take turns at the workers (compression/fair.py): one tenant's huge document
+        # does not hold another's small request behind it.
         self._executor = (
-            ThreadPoolExecutor(
-                workers, thread_name_prefix="ctxgate-compress", initializer=_init_worker, initargs=(worker_nice,)
-            )
+            FairScheduler(workers, initializer=lambda: _init_worker(worker_nice),
+                          on_thread_exit=self._close_worker_loop)
             if workers > 0 else None
         )
-        self._worker = _WorkerState()
         self._caller_loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -103,8 +104,11 @@ class CompressionPipeline:
         self, request: CompressionInput, policy: Policy,
         prepare: Callable[[CompressionInput], CompressionInput] | None = None,
         counter: CachedCounter | None = None,
+        tenant: str | None = None,
     ) -> CompressionResult:
-        """`prepare`: work on the request's text to do first (the gateway's neutraliser), in the
+        """`tenant`: whose turn this work takes at the compression workers (default: the request's
+        `tenant`); tenants are served round-robin, so one's large documents do not queue another's.
+        `prepare`: work on the request's text to do first (the gateway's neutraliser), in the
         compression worker, or in a thread of its own when none is used: never on this event loop.
         `counter`: the tokens of the model this request is for, when it is not the pipeline's
         tokenizer's (a gateway serving several models); the guarantee then holds in its counts."""
@@ -117,7 +121,8 @@ class CompressionPipeline:
             self._caller_loop = asyncio.get_running_loop()
             if self.services.engine is not None:
                 self.engine = LoopBridge(self.services.engine, self._caller_loop)
-        future = self._executor.submit(self._run_in_worker, request, policy, time.perf_counter(), prepare, counter)
+        future = self._executor.submit(tenant or request.tenant, self._run_in_worker, request, policy,
+                                       time.perf_counter(), prepare, counter)
         return await asyncio.wrap_future(future)
 
     def warm_up(self, stopping: threading.Event) -> int:
@@ -144,7 +149,12 @@ class CompressionPipeline:
     def close(self) -> None:
         self.services.release()
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor.shutdown(cancel_futures=True)
+
+    def _close_worker_loop(self) -> None:
+        loop, self._worker.loop = self._worker.loop, None
+        if loop is not None:
+            loop.close()
 
     def _run_in_worker(self, request: CompressionInput, policy: Policy, submitted: float,
                        prepare: Callable[[CompressionInput], CompressionInput] | None = None,
@@ -173,6 +183,7 @@ class CompressionPipeline:
             for stage in self.stages:
                 if stage.enabled(state, policy):
                     reports.append(await run_timed(stage, state, ctx))
+                yield_turn()
         finally:
             ENGINE_TIME.reset(token)
         if state.compressing:

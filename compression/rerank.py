@@ -62,7 +62,7 @@ def bm25_terms(text: str) -> list[str]:
     return [word for word in _BM25_WORD.findall(text.lower()) if word not in stopwords]
 
 
-@byte_bounded_cache(max_entries=8192, max_bytes=64 * 1024 * 1024)
+@byte_bounded_cache(max_entries=8192, budget="bm25")
 def bm25_document(text: str) -> tuple[Counter[str], int]:
     """A document's term counts and length. Cached: the pre-filter and the rerank score the same
     passages of a request, so each is tokenized once. The

@@ -10,7 +10,7 @@ import unicodedata
 
 from sentencex import segment
 
-from compression.cache import ByteLRU, byte_bounded_cache
+from compression.cache import ByteLRU, budget_bytes, byte_bounded_cache, track_budget
 
 _WORD_RE = re.compile(r"\w+", re.UNICODE)
 
@@ -29,7 +29,7 @@ def content_hash(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
 
 
-@byte_bounded_cache(max_entries=50_000, max_bytes=32 * 1024 * 1024)
+@byte_bounded_cache(max_entries=50_000, budget="dedup_forms")
 def normalize_for_dedup(text: str) -> str:
     """Case, accents, punctuation and spacing differences do not make a passage new.
 
@@ -52,7 +52,7 @@ def words(text: str) -> list[str]:
     return _WORD_RE.findall(text.lower())
 
 
-@byte_bounded_cache(max_entries=50_000, max_bytes=64 * 1024 * 1024)
+@byte_bounded_cache(max_entries=50_000, budget="content_words")
 def content_words(text: str) -> frozenset[str]:
     """Cached: the pre-filter, the extraction and the second hop each read every sentence's words."""
     return frozenset(word for word in words(text) if word not in STOPWORDS)
@@ -64,10 +64,12 @@ class SentenceSplitter:
     sentencex splits retrieved passages as well as pysbd at a small fraction of its time
     (docs/decisions/sentence-splitter.md)."""
 
-    def __init__(self, language: str = "en", max_entries: int = 20_000, max_bytes: int = 64 * 1024 * 1024):
+    def __init__(self, language: str = "en", max_entries: int = 20_000, max_bytes: int | None = None):
         self._language = language
         # Keyed by a hash, but the values are the client's sentences: bounded by bytes too.
-        self._cache: ByteLRU[str, tuple[str, ...]] = ByteLRU(max_entries, max_bytes)
+        self._cache: ByteLRU[str, tuple[str, ...]] = ByteLRU(max_entries, max_bytes or budget_bytes("sentences"))
+        if max_bytes is None:
+            track_budget("sentences", self._cache)
 
     def forget(self) -> None:
         """Drop every remembered split (the next call of each text splits again)."""

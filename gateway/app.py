@@ -98,9 +98,11 @@ def default_pipeline(
     tokenizer: Any, engine: EngineClient | None, index_dir: Any = None, settings: GatewaySettings | None = None
 ) -> Pipeline:
     """The compression pipeline over this engine, with its own thread budget (see GatewaySettings)."""
+    from compression.cache import set_cache_budget
     from compression.pipeline import CompressionPipeline
 
     settings = settings or GatewaySettings()
+    set_cache_budget(settings.compression_cache_mb * 1024 * 1024)  # the process's caches: the last gateway's
     cache = None
     if settings.embed_cache_url:
         from compression.redis_cache import RedisBytesCache

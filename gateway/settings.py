@@ -139,6 +139,10 @@ class GatewaySettings(BaseModel):
         DEFAULT_COMPRESSION_NICE, ge=0, le=MAX_NICE,
         description="run the compression workers this many Linux nice steps below the engine's CPU priority "
         "(0: the same)")
+    compression_cache_mb: int = Field(
+        512, ge=1, description="megabytes the compressor may keep per process of what it computed from client text "
+        "(embedding vectors, token counts, sentence splits, word sets, summaries), shared among its LRU caches; "
+        "the process's memory levels off near its baseline plus this")
     embed_threads: int = Field(1, ge=1, description="OpenMP threads of the compression embedder's batching thread")
     embed_batch_window_ms: float = Field(3.0, ge=0, description="milliseconds the embedder waits to batch "
                                          "concurrent requests' sentences into one pass")

@@ -15,7 +15,7 @@ from compression.cache import byte_bounded_cache
 MIN_TITLE_CHARS = 3
 
 
-@byte_bounded_cache(max_entries=4096, max_bytes=16 * 1024 * 1024)
+@byte_bounded_cache(max_entries=4096, budget="names")
 def normalise(text: str) -> str:
     """Lower-cased, HTML entities decoded, '&' read as 'and', curly quotes straight: the forms a
     title and a sentence (or the question) use for the same name ("Tunnels &amp; Trolls", "Tunnels
@@ -56,7 +56,7 @@ def _mention_stem(phrase: str) -> str:
     return phrase[:-1] if phrase.endswith("y") and len(phrase) > 3 else phrase
 
 
-@byte_bounded_cache(max_entries=4096, max_bytes=16 * 1024 * 1024)
+@byte_bounded_cache(max_entries=4096, budget="mention_patterns")
 def _mention_pattern(phrase: str) -> re.Pattern[str]:
     stem = re.escape(_mention_stem(phrase))
     if phrase.endswith("y") and len(phrase) > 3:

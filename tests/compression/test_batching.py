@@ -117,7 +117,7 @@ def occupy_the_worker(pipeline) -> threading.Event:
         busy.set()
         release.wait(timeout=60)
 
-    pipeline._executor.submit(occupy)
+    pipeline._executor.submit("anonymous", occupy)  # the tenant the requests below are
     busy.wait(timeout=30)
     return release
 

@@ -1,4 +1,16 @@
-from compression.cache import ByteLRU, BytesCache, LRUBytesCache, byte_bounded_cache
+import pytest
+
+from compression.cache import (
+    BUDGET_SHARES,
+    DEFAULT_CACHE_BYTES,
+    ByteLRU,
+    BytesCache,
+    LRUBytesCache,
+    budget_bytes,
+    byte_bounded_cache,
+    set_cache_budget,
+)
+from compression.counting import CachedCounter
 from compression.text import SentenceSplitter, content_words, normalize_for_dedup
 
 
@@ -77,3 +89,67 @@ def test_client_text_caches_stay_within_their_byte_budgets():
     for text in big[:3]:
         splitter.split(text[:300_000] + ". End.")
     assert splitter._cache.size_bytes <= 1024 * 1024
+
+
+# -- one byte budget for every cache of per-request data (compression_cache_mb) --------------------
+
+
+@pytest.fixture
+def small_budget():
+    """The process-wide budget at 1 MiB for one test, the default again after it."""
+    set_cache_budget(1024 * 1024)
+    yield
+    set_cache_budget(DEFAULT_CACHE_BYTES)
+
+
+def test_the_shares_add_up_to_the_whole_budget():
+    assert sum(BUDGET_SHARES.values()) == pytest.approx(1.0)
+
+
+def test_the_budget_bounds_counts_splits_summaries_and_word_caches(tokenizer, small_budget):
+    counter = CachedCounter(tokenizer)
+    splitter = SentenceSplitter()
+    summaries = LRUBytesCache()
+    for i in range(120):  # ~1 MB of unique 8 KB texts through each: ten times each one's share
+        text = f"Document {i}. " + f"Sentence {i} about item {i * 7}. " * 250
+        counter.count(text)
+        splitter.split(text)
+        summaries.set(f"summary:{i}", text.encode())
+        content_words(text)
+    for name, cache in (("token_counts", counter._counts), ("sentences", splitter._cache),
+                        ("summaries", summaries), ("content_words", content_words.cache)):
+        assert 0 < cache.size_bytes <= budget_bytes(name), name
+    assert counter.count(text) == tokenizer.count(text)  # still exact after evictions
+
+
+def test_lowering_the_budget_evicts_what_no_longer_fits(tokenizer):
+    counter = CachedCounter(tokenizer)
+    try:
+        for i in range(300):
+            counter.count(f"text {i} " * 100)
+        before = counter._counts.size_bytes
+        set_cache_budget(256 * 1024)
+        assert counter._counts.size_bytes <= budget_bytes("token_counts") < before
+    finally:
+        set_cache_budget(DEFAULT_CACHE_BYTES)
+
+
+def test_an_explicit_bound_is_kept_whatever_the_budget():
+    lru = LRUBytesCache(max_bytes=100)
+    set_cache_budget(8 * 1024 * 1024)
+    try:
+        assert lru.max_bytes == 100
+    finally:
+        set_cache_budget(DEFAULT_CACHE_BYTES)
+
+
+def test_the_embedders_vectors_are_bounded_by_bytes_not_only_by_count(embedder, small_budget):
+    budget = budget_bytes("embeddings")  # ~360 KiB: about 220 384-float vectors
+    embedder.embed([f"Sentence number {i} mentions widget {i * 13}." for i in range(400)])
+    assert 0 < embedder._local.size_bytes <= budget
+    assert len(embedder._local) < 400
+
+
+def test_a_budget_below_one_byte_is_refused():
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        set_cache_budget(0)

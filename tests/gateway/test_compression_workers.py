@@ -65,9 +65,25 @@ def test_the_pipeline_compresses_in_that_many_threads(tokenizer):
     settings = GatewaySettings(compression_workers=3, embed_cache_url=None, embed_on="process")
     pipeline = default_pipeline(tokenizer, None, settings=settings)
     try:
-        assert pipeline._executor is not None and pipeline._executor._max_workers == 3
+        assert pipeline._executor is not None and pipeline._executor.slots == 3
     finally:
         pipeline.close()
+
+
+def test_the_cache_budget_setting_sizes_the_compressors_caches(tokenizer):
+    from compression.cache import DEFAULT_CACHE_BYTES, budget_bytes, cache_budget, set_cache_budget
+    from gateway.app import default_pipeline
+
+    assert GatewaySettings().compression_cache_mb * 1024 * 1024 == DEFAULT_CACHE_BYTES
+    settings = GatewaySettings(compression_cache_mb=32, embed_cache_url=None, embed_on="process")
+    pipeline = default_pipeline(tokenizer, None, settings=settings)
+    try:
+        assert cache_budget() == 32 * 1024 * 1024
+        assert pipeline.counter._counts.max_bytes == budget_bytes("token_counts") < 4 * 1024 * 1024
+        assert pipeline.cache.max_bytes == budget_bytes("summaries")
+    finally:
+        pipeline.close()
+        set_cache_budget(DEFAULT_CACHE_BYTES)
 
 
 def test_the_workers_run_at_the_engines_cpu_priority_by_default_and_refuse_a_bad_nice():
@@ -119,7 +135,7 @@ def test_a_worker_thread_runs_that_much_lower_and_the_caller_keeps_its_priority(
     settings = GatewaySettings(compression_workers=1, compression_nice=nice, embed_cache_url=None, embed_on="process")
     pipeline = default_pipeline(tokenizer, None, settings=settings)
     try:
-        assert pipeline._executor.submit(_own_priority).result(timeout=30) == min(19, caller + nice)
+        assert pipeline._executor.submit("tenant", _own_priority).result(timeout=30) == min(19, caller + nice)
     finally:
         pipeline.close()
     assert _own_priority() == caller  # the thread's, not the process's
