@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from compression.index import build_index
+    from ctxgate.compression.store.index import build_index
 
     if args.chunk_words < 8:
         raise ValueError("--chunk-words must be at least 8")

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from backend.bounded_encode import encode_batch_in_pieces, encode_in_pieces
-from compression.cache import ByteLRU, budget_bytes, track_budget
+from ctxgate.backend.platform.bounded_encode import encode_batch_in_pieces, encode_in_pieces
+from ctxgate.compression.store.cache import ByteLRU, budget_bytes, track_budget
 
 
 @runtime_checkable

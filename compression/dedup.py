@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from compression.fair import yield_turn
-from compression.text import content_hash, normalize_for_dedup
+from ctxgate.compression.fair import yield_turn
+from ctxgate.compression.text import content_hash, normalize_for_dedup
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 

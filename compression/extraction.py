@@ -1,9 +1,9 @@
 """Sentence scoring and budgeted selection of the passages block.
 
-A sentence's relevance is compression.learned's fitted combination of its features (extraction.scorer
+A sentence's relevance is ctxgate.compression.learned's fitted combination of its features (extraction.scorer
 "learned"), or fuses its embedding similarity to the question, IDF-weighted lexical overlap with the
-question and its passage's rerank score (compression.scoring; "fused", optionally with the
-query-expansion hop of compression.multihop.expand). The knapsack picks the most relevant set within
+question and its passage's rerank score (ctxgate.compression.scoring; "fused", optionally with the
+query-expansion hop of ctxgate.compression.multihop.expand). The knapsack picks the most relevant set within
 the block budget; sentences are then emitted in their original order, passage titles kept. Rule: the
 rendered block never exceeds its budget.
 """
@@ -14,13 +14,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from compression.counting import CachedCounter
-from compression.knapsack import knapsack
-from compression.learned import learned_scores
-from compression.multihop.expand import MULTI_HOP_PASSAGE_WEIGHT, boost_bridge_passages, expand_query
-from compression.rendering import passage_header_cost, render_context
-from compression.rerank import minmax
-from compression.scoring import (
+from ctxgate.compression.counting import CachedCounter
+from ctxgate.compression.knapsack import knapsack
+from ctxgate.compression.learned import learned_scores
+from ctxgate.compression.multihop.expand import MULTI_HOP_PASSAGE_WEIGHT, boost_bridge_passages, expand_query
+from ctxgate.compression.rendering import passage_header_cost, render_context
+from ctxgate.compression.rerank import minmax
+from ctxgate.compression.scoring import (
     EMBEDDING_WEIGHT,
     LEXICAL_WEIGHT,
     SentenceUnit,
@@ -28,12 +28,12 @@ from compression.scoring import (
     store_sentence_scores,
     values_from_scores,
 )
-from compression.sentence_features import sentence_features
-from compression.state import Passage
-from policies.schema import ExtractionPolicy
+from ctxgate.compression.sentence_features import sentence_features
+from ctxgate.compression.state import Passage
+from ctxgate.policies.schema import ExtractionPolicy
 
 # Single-hop questions: the sentence lives in a top-ranked passage, so its rank weighs as much as
-# the sentence's own match (multi-hop: compression.multihop.expand.MULTI_HOP_PASSAGE_WEIGHT).
+# the sentence's own match (multi-hop: ctxgate.compression.multihop.expand.MULTI_HOP_PASSAGE_WEIGHT).
 PASSAGE_WEIGHT = 1.0
 
 
@@ -68,7 +68,7 @@ def unit_features(
     question: str, question_vector: np.ndarray, passages: list[Passage], units: list[SentenceUnit],
     vectors: np.ndarray, wanted: list[int],
 ) -> np.ndarray:
-    """compression.sentence_features' rows for the units."""
+    """ctxgate.compression.sentence_features' rows for the units."""
     lexical = lexical_overlap(question, [unit.text for unit in units])
     positions = [(unit.passage_index, unit.sentence_index, unit.text) for unit in units]
     return sentence_features(question, question_vector, passages, positions, vectors, wanted, lexical)

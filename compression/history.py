@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from compression.cache import BytesCache
-from compression.counting import ChatTokenizer
-from compression.knapsack import knapsack
-from compression.scoring import lexical_overlap, values_from_scores
-from compression.state import message_text
+from ctxgate.compression.counting import ChatTokenizer
+from ctxgate.compression.knapsack import knapsack
+from ctxgate.compression.scoring import lexical_overlap, values_from_scores
+from ctxgate.compression.state import message_text
+from ctxgate.compression.store.cache import BytesCache
 
 if TYPE_CHECKING:
-    from backend.api import GenerationDelta, GenerationRequest
+    from ctxgate.backend.engine.api import GenerationDelta, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ DEFAULT_MODEL_LEN = 2048  # an engine that reports no context window is assumed 
 
 class SummaryEngine(Protocol):
     """What compression uses of an engine: background generation of history summaries, whose
-    prompts must fit its context window. `backend.api.EngineClient` has all of it."""
+    prompts must fit its context window. `ctxgate.backend.engine.api.EngineClient` has all of it."""
 
     @property
     def max_model_len(self) -> int: ...
@@ -200,7 +200,7 @@ class HistorySummarizer:
         max_tokens: int,
         input_limit: int,
     ) -> str:
-        from backend.api import GenerationRequest, Priority, SamplingParams
+        from ctxgate.backend.engine.api import GenerationRequest, Priority, SamplingParams
 
         conversation = transcript(turns)
         if self.count(conversation) > input_limit:  # one huge turn: summarize its most relevant head

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from compression.counting import ChatTokenizer
-from compression.state import Passage
+from ctxgate.compression.counting import ChatTokenizer
+from ctxgate.compression.state import Passage
 
 PROMPT_TEMPLATE = "Document: {passage}\nA question this document answers: "
 

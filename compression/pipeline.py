@@ -5,7 +5,7 @@
 
 Guarantee: `result.prompt_tokens == tokenizer.count_chat(result.messages) <= policy.max_input_tokens`,
 with every system message and the question verbatim; when those alone do not fit,
-`BudgetExceededError` is raised instead. The algorithm is the ordered list `compression.stages.STAGES`.
+`BudgetExceededError` is raised instead. The algorithm is the ordered list `ctxgate.compression.stages.STAGES`.
 """
 
 from __future__ import annotations
@@ -20,23 +20,23 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from compression.batching import ENGINE_TIME, EngineTime
-from compression.cache import BytesCache, LRUBytesCache
-from compression.counting import CachedCounter, ChatTokenizer
-from compression.fair import FairScheduler, yield_turn
-from compression.history import SummaryEngine
-from compression.message_context import report_kept
-from compression.rendering import render_context
-from compression.services import PrefillCostEstimator, Services
-from compression.stages import STAGES
-from compression.stages.base import Stage, StageContext, run_timed
-from compression.state import PipelineState, split_messages
-from compression.types import CompressionInput, CompressionResult, Document, StageReport
-from policies.schema import Policy
+from ctxgate.compression.context_lifting import report_kept
+from ctxgate.compression.counting import CachedCounter, ChatTokenizer
+from ctxgate.compression.embedding.batching import ENGINE_TIME, EngineTime
+from ctxgate.compression.fair import FairScheduler, yield_turn
+from ctxgate.compression.history import SummaryEngine
+from ctxgate.compression.rendering import render_context
+from ctxgate.compression.services import PrefillCostEstimator, Services
+from ctxgate.compression.stages import STAGES
+from ctxgate.compression.stages.base import Stage, StageContext, run_timed
+from ctxgate.compression.state import PipelineState, split_messages
+from ctxgate.compression.store.cache import BytesCache, LRUBytesCache
+from ctxgate.compression.types import CompressionInput, CompressionResult, Document, StageReport
+from ctxgate.policies.schema import Policy
 
 if TYPE_CHECKING:
-    from backend.api import GenerationDelta, GenerationRequest
-    from compression.embeddings import Runner
+    from ctxgate.backend.engine.api import GenerationDelta, GenerationRequest
+    from ctxgate.compression.embedding.embeddings import Runner
 
 __all__ = ["CompressionPipeline", "PrefillCostEstimator"]
 
@@ -66,7 +66,7 @@ class CompressionPipeline:
         disables compression never queue behind them. `embed_batch_window_ms`: concurrent requests'
         embeddings are coalesced by one batching thread with `embed_threads` OpenMP threads.
         `embed_process`: the embedding model runs in a child process, off this process's GIL
-        (compression/embed_process.py), which an engine thread in this process needs.
+        (compression/embedding/embed_process.py), which an engine thread in this process needs.
         `embed_runner`: the model's forward passes run through it instead (the in-process CPU
         engine's `run_between_steps`), which takes precedence over `embed_process`. `worker_nice`: the
         workers run that much below the calling process's CPU priority (Linux), so that their Python
@@ -128,7 +128,7 @@ class CompressionPipeline:
     def warm_up(self, stopping: threading.Event) -> int:
         """Load the embedding model and run it once per shape real calls will meet (Embedder.warm_up),
         and build the dedup normaliser's tables, so the first requests pay for neither."""
-        from compression.text import normalize_for_dedup
+        from ctxgate.compression.text import normalize_for_dedup
 
         if stopping.is_set():
             return 0
@@ -203,7 +203,7 @@ class _WorkerState(threading.local):
 def _init_worker(nice: int) -> None:
     """A compression worker runs torch ops (if any) inline, with no OpenMP team beside the engine's,
     and at `nice` below the process's CPU priority."""
-    from backend import openmp
+    from ctxgate.backend.platform import openmp
 
     openmp.limit_calling_thread(1)
     lower_thread_priority(nice)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from compression.rerank import bm25_scores, minmax, passage_text_for_scoring
-from compression.state import Passage
-from policies.schema import DEFAULT_EMBED_BUDGET_MULTIPLE, DEFAULT_EMBED_MIN_SHARE
+from ctxgate.compression.rerank import bm25_scores, minmax, passage_text_for_scoring
+from ctxgate.compression.state import Passage
+from ctxgate.policies.schema import DEFAULT_EMBED_BUDGET_MULTIPLE, DEFAULT_EMBED_MIN_SHARE
 
 # Embedded text ~ a multiple of the budget (or a share of the input, whichever is larger): a policy's
 # `documents.embed_budget_multiple` / `embed_min_share` (defaults in policies/schema.py). Answer
@@ -32,7 +32,7 @@ def mark_embedding_candidates(question: str, passages: list[Passage], budget_tok
     """Set `embed_sentences` on every passage; return how many sentences were left out. The
     allowance is `budget_multiple` x the budget or `min_share` of the input, whichever is larger
     (a policy's `documents.embed_budget_multiple` / `embed_min_share`)."""
-    from compression.scoring import lexical_overlap
+    from ctxgate.compression.scoring import lexical_overlap
 
     units = [
         (passage_index, sentence_index, sentence)

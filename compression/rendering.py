@@ -14,9 +14,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from compression.state import Passage, PipelineState, message_text
-from compression.text import content_hash
-from policies.schema import AssemblyPolicy
+from ctxgate.compression.state import Passage, PipelineState, message_text
+from ctxgate.compression.text import content_hash
+from ctxgate.policies.schema import AssemblyPolicy
 
 CONTEXT_HEADER = "Documents:"
 QUESTION_HEADER = "Question:"

@@ -4,7 +4,7 @@
 - bm25: lexical BM25 (bm25s's scoring, computed directly) over this request's passages.
 - embedding-bm25 (default): both, min-max normalized and fused with `bm25_weight`.
 - cross-encoder: a sentence-transformers CrossEncoder loaded from a local path.
-- llm: the backend model scores log p(question | passage) (see `compression.llm_score`).
+- llm: the backend model scores log p(question | passage) (see `ctxgate.compression.llm_score`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Protocol
 
 import numpy as np
 
-from compression.cache import byte_bounded_cache
-from compression.embeddings import Embedder
-from compression.state import Passage
+from ctxgate.compression.embedding.embeddings import Embedder
+from ctxgate.compression.state import Passage
+from ctxgate.compression.store.cache import byte_bounded_cache
 
 
 class Reranker(Protocol):

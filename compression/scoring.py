@@ -8,13 +8,12 @@ one strong sentence beats several weak ones of the same total cost.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from compression.state import Passage
-from compression.text import content_words
+from ctxgate.compression.state import Passage
+from ctxgate.compression.text import content_words
 
 # A sentence's relevance mixes its embedding similarity and its lexical overlap with the question at
 # these weights (plus its passage's rerank score, weighted where it is combined).
@@ -66,12 +65,3 @@ def store_sentence_scores(units: list[SentenceUnit], passages: list[Passage]) ->
             if unit.passage_index == passage_index:
                 scores[unit.sentence_index] = unit.score
         passage.sentence_scores = scores
-
-
-def match_scores(
-    query: str, texts: list[str], vectors: np.ndarray, embed: Callable[[list[str]], np.ndarray]
-) -> np.ndarray:
-    """The first hop's fusion (embedding + lexical) of `texts` against `query`, without the passage
-    term: inside one passage only the sentences' own match counts."""
-    semantic = vectors @ embed([query])[0]
-    return EMBEDDING_WEIGHT * semantic + LEXICAL_WEIGHT * lexical_overlap(query, texts)

@@ -5,7 +5,7 @@ questions): the sentence's own match with the question (embedding, lexical), its
 and rank, where it sits in its passage, whether it holds the kind of thing the question asks for
 (a year for "when", a number for "how many", a name for "who"), the names it adds to the question,
 and how it is tied to the best passages (it names one of them, or its passage is named by one: the
-bridge of a multi-hop question). compression.learned combines them with weights fitted on the tune
+bridge of a multi-hop question). ctxgate.compression.learned combines them with weights fitted on the tune
 halves of the dev sets (eval/fit_scorer.py); the test halves are never seen by the fit.
 
 Every function here sees client text and runs in time linear in it.
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compression.multihop.entities import new_entities
-from compression.multihop.names import MIN_TITLE_CHARS, mentions, title_core
-from compression.rerank import minmax
-from compression.state import Passage
-from compression.text import content_words
+from ctxgate.compression.multihop.entities import new_entities
+from ctxgate.compression.multihop.names import MIN_TITLE_CHARS, mentions, title_core
+from ctxgate.compression.rerank import minmax
+from ctxgate.compression.state import Passage
+from ctxgate.compression.text import content_words
 
-# The feature vector's layout; compression.learned's weights follow this order.
+# The feature vector's layout; ctxgate.compression.learned's weights follow this order.
 FEATURES = (
     "semantic",  # the sentence's cosine to the question, min-max over the request's sentences
     "cosine",  # the raw cosine (0 where the pre-filter left the sentence unembedded)
@@ -158,7 +158,7 @@ def sentence_features(
 
 
 # The second round: what the best sentences of the first round point to (a multi-hop question's
-# next passage). compression.learned adds them with their own fitted weights.
+# next passage). ctxgate.compression.learned adds them with their own fitted weights.
 HOP_FEATURES = (
     "hop_title",  # its passage's title is named by one of the best first-round sentences
     "hop_name",  # it names a name one of the best first-round sentences adds to the question

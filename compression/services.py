@@ -9,14 +9,14 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from compression.cache import BytesCache
-from compression.counting import CachedCounter, ChatTokenizer
-from compression.history import HistorySummarizer, SummaryEngine
-from compression.index import IndexStore
+from ctxgate.compression.counting import CachedCounter, ChatTokenizer
+from ctxgate.compression.history import HistorySummarizer, SummaryEngine
+from ctxgate.compression.store.cache import BytesCache
+from ctxgate.compression.store.index import IndexStore
 
 if TYPE_CHECKING:
-    from compression.embeddings import Embedder, Runner
-    from compression.llm_score import LLMReranker
+    from ctxgate.compression.embedding.embeddings import Embedder, Runner
+    from ctxgate.compression.llm_score import LLMReranker
 
 
 class PrefillCostEstimator:
@@ -59,7 +59,7 @@ class Services:
         index_dir: str | Path | None,
         cost_estimator: PrefillCostEstimator,
     ):
-        from compression.text import default_splitter
+        from ctxgate.compression.text import default_splitter
 
         self.counter = counter
         self.tokenizer = tokenizer
@@ -72,7 +72,7 @@ class Services:
         self._embedder: Embedder | None = None
         # (window ms, OpenMP threads) of the embedding micro-batcher; None: encode in the caller.
         self.embed_batching: tuple[float, int] | None = None
-        # Run the embedding model in a child process (compression/embed_process.py).
+        # Run the embedding model in a child process (compression/embedding/embed_process.py).
         self.embed_process = False
         # Run the model's forward passes through this (the in-process engine's run_between_steps).
         self.embed_runner: Runner | None = None
@@ -84,7 +84,7 @@ class Services:
         if self._embedder is None:
             with self._lock:
                 if self._embedder is None:
-                    from compression.embeddings import shared_embedder
+                    from ctxgate.compression.embedding.embeddings import shared_embedder
 
                     embedder = shared_embedder(self.cache)
                     if self.embed_runner is not None:
@@ -103,7 +103,7 @@ class Services:
 
     def llm_reranker(self) -> LLMReranker:
         if self._llm_reranker is None:
-            from compression.llm_score import LLMReranker
+            from ctxgate.compression.llm_score import LLMReranker
 
             self._llm_reranker = LLMReranker.from_tokenizer(self.tokenizer)
         return self._llm_reranker

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from compression.types import CompressionInput, Document, RetrievalSpec
+from ctxgate.compression.types import CompressionInput, Document, RetrievalSpec
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -34,7 +34,7 @@ class Passage:
     kept_sentences: list[int] | None = None  # extraction; None keeps every (non-removed) sentence
     # Lexical pre-filter: the sentences worth an embedding (None: all of them).
     embed_sentences: set[int] | None = None
-    # Found inside a message (compression.message_context): the passage's own markup (header, tags)
+    # Found inside a message (ctxgate.compression.context_lifting): the passage's own markup (header, tags)
     # before and after its body, rendered back verbatim around whatever of the body is kept, and the
     # index of its block in `PipelineState.context_slots`.
     frame: tuple[str, str] | None = None

@@ -10,7 +10,7 @@ import unicodedata
 
 from sentencex import segment
 
-from compression.cache import ByteLRU, budget_bytes, byte_bounded_cache, track_budget
+from ctxgate.compression.store.cache import ByteLRU, budget_bytes, byte_bounded_cache, track_budget
 
 _WORD_RE = re.compile(r"\w+", re.UNICODE)
 

@@ -52,7 +52,7 @@ class CompressionResult:
     # Time the request waited for a free compression worker before its stages ran (not in the stages'
     # `compression_ms`): what a small worker budget costs a burst of requests.
     wait_ms: float = 0.0
-    # Time its embedding passes held the in-process engine's thread (compression.batching.EngineTime):
+    # Time its embedding passes held the in-process engine's thread (ctxgate.compression.embedding.batching.EngineTime):
     # part of `compression_ms`, and time every request running in the engine waited.
     engine_ms: float = 0.0
 

@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-COMMAND_MODULES = ("backend.cli", "gateway.cli", "compression.cli", "eval.cli")
+COMMAND_MODULES = ("ctxgate.backend.serving.cli", "ctxgate.gateway.cli", "ctxgate.compression.cli", "ctxgate.eval.cli")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 

@@ -271,7 +271,7 @@ def settings_rows(cls: type) -> list[Row]:
 
 
 def policy_page() -> str:
-    from policies.schema import Policy
+    from ctxgate.policies.schema import Policy
 
     intro = """
 Every field of a policy file, from the pydantic models in `policies/schema.py` (this page is
@@ -284,15 +284,15 @@ generated from them at build time). Nested sections are written as YAML mappings
 
 
 def config_page() -> str:
-    from backend.config import EngineConfig
-    from gateway.config_file import DEPRECATED_KEYS, CtxgateConfig, key_flags
-    from gateway.settings import GatewaySettings
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.gateway.config_file import DEPRECATED_KEYS, CtxgateConfig, key_flags
+    from ctxgate.gateway.settings import GatewaySettings
 
     flags = key_flags()
     intro = """
 Every key of the `ctxgate serve --config FILE` YAML file (generated at build time). The `server:`
 section is the gateway's settings (`GatewaySettings`, `gateway/settings.py`) and `engine:` the
-in-process engine's (`EngineConfig`, `backend/config.py`): each key is the setting's name, and the
+in-process engine's (`EngineConfig`, `backend/engine/config.py`): each key is the setting's name, and the
 *Flag* column is the `ctxgate serve` flag that sets the same value (the name with dashes). Every key
 is optional; `null` or leaving it out means the *Default*. A flag given on the command line
 overrides the file, and any value written `os.environ/NAME` is read from that environment variable.
@@ -328,7 +328,7 @@ The built-in engine's configuration, built from the `engine:` section or the eng
 
 
 def keys_page() -> str:
-    from gateway.keys import KeysFile
+    from ctxgate.gateway.keys import KeysFile
 
     intro = """
 The keys file's format, from the pydantic models in `gateway/keys.py` (generated at build time).
@@ -340,7 +340,7 @@ The keys file's format, from the pydantic models in `gateway/keys.py` (generated
 
 
 def request_page() -> str:
-    from gateway.schemas import CtxgateExtras
+    from ctxgate.gateway.schemas import CtxgateExtras
 
     intro = """
 The `ctxgate` object a request may carry beside the OpenAI fields (`extra_body={"ctxgate": {...}}`
@@ -503,10 +503,10 @@ def registry_metrics(registry: Any, owners: tuple[Any, ...] = ()) -> list[Metric
 
 def metric_groups() -> list[tuple[str, str, list[MetricDoc]]]:
     """(title, note, metrics) per source, each built on a fresh registry of its own."""
-    from backend.metrics import VLLM_PREFIX, EngineMetrics, export_vllm_names
-    from backend.upstream import UpstreamClient, UpstreamConfig
-    from gateway.admission import AdmissionCollector, AdmissionController
-    from gateway.metrics import GatewayMetrics
+    from ctxgate.backend.engine.metrics import VLLM_PREFIX, EngineMetrics, export_vllm_names
+    from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig
+    from ctxgate.gateway.admission import AdmissionCollector, AdmissionController
+    from ctxgate.gateway.metrics import GatewayMetrics
 
     gateway = GatewayMetrics()
     gateway.registry.register(AdmissionCollector(AdmissionController(64, 64, 10.0)))
@@ -517,7 +517,7 @@ def metric_groups() -> list[tuple[str, str, list[MetricDoc]]]:
     upstream_client = UpstreamClient(UpstreamConfig(urls=["http://engine:8001"]))
     upstream = registry_metrics(upstream_client.metrics.registry, (upstream_client.metrics,))
 
-    from backend.deployment_metrics import DeploymentMetrics, DeploymentState
+    from ctxgate.backend.routing.deployment_metrics import DeploymentMetrics, DeploymentState
 
     deployment_metrics = DeploymentMetrics()
     deployment_metrics.watch(lambda: [DeploymentState("chat", "http://engine-1:8001/v1", 0, True)])
@@ -533,11 +533,11 @@ def metric_groups() -> list[tuple[str, str, list[MetricDoc]]]:
         ("Gateway", "Requests, compression, tokens, spend, quotas, policies and admission "
          "(`gateway/metrics.py`, `gateway/admission.py`).", own),
         ("Upstreams", "In upstream mode, per upstream URL (credentials removed from the label) "
-         "(`backend/upstream_metrics.py`).", upstream),
+         "(`backend/routing/upstream_metrics.py`).", upstream),
         ("Model groups", "With a `model_list`, per served model and deployment (a URL without credentials, or "
-         "`builtin`) (`backend/deployment_metrics.py`; [Routing](../routing.md)).", deployments),
+         "`builtin`) (`backend/routing/deployment_metrics.py`; [Routing](../routing.md)).", deployments),
         ("Engine", "The built-in engine, on the gateway's `/metrics` (in-process engine) and on "
-         "`ctxgate engine serve`'s (`backend/metrics.py`).", engine_docs),
+         "`ctxgate engine serve`'s (`backend/engine/metrics.py`).", engine_docs),
         ("vLLM names", "With `metrics.vllm_names` (or `--vllm-metric-names`), the engine's "
          "vLLM-compatible metrics are exported a second time under vLLM's names, so dashboards and "
          "autoscalers written for vLLM work unchanged.", vllm),

@@ -20,7 +20,7 @@ Arms are interleaved chunk by chunk (a chunk is a few closed-loop "rounds" of `c
 the order rotated per chunk, because a shared two-core machine drifts over minutes. Every request
 starts with a unique tag, so nothing is served from the prefix cache, and generates exactly
 `output_tokens` tokens (ignore_eos), so arms differ only in what they prefill and what runs around it.
-Every chunk records the CPU time other processes took meanwhile (eval.bench_engine.CpuMeter).
+Every chunk records the CPU time other processes took meanwhile (ctxgate.eval.bench_engine.CpuMeter).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ from typing import Any
 import httpx
 
 from ctxgate.client import ctxgate_extra_body
-from eval import loadgen, streaming
-from eval.bench_engine import CpuMeter
-from eval.client import ctxgate_extra, question_messages
-from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
-from eval.e2e_report import acceptance, level_label, plot, render_markdown, summarize_level
-from eval.e2e_samples import ARM_ORDERS, PASSES, TAG_PLACEHOLDER, ArmRun, E2EOptions, Sample
-from eval.loadgen import closed_loop
-from eval.loadgen import poisson_offsets as arrival_offsets
+from ctxgate.eval import loadgen, streaming
+from ctxgate.eval.bench_engine import CpuMeter
+from ctxgate.eval.client import ctxgate_extra, question_messages
+from ctxgate.eval.datasets import EvalExample, load_dataset, resolve_dataset_path
+from ctxgate.eval.e2e_report import acceptance, level_label, plot, render_markdown, summarize_level
+from ctxgate.eval.e2e_samples import ARM_ORDERS, PASSES, TAG_PLACEHOLDER, ArmRun, E2EOptions, Sample
+from ctxgate.eval.loadgen import closed_loop
+from ctxgate.eval.loadgen import poisson_offsets as arrival_offsets
 
 
 # ---------------------------------------------------------------------------- requests
@@ -87,8 +87,8 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any])
 
 async def local_generate(engine: Any, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
     """One request to an in-process `AsyncEngine`, timed like `stream_chat` (usage in the same shape)."""
-    from backend.api import GenerationRequest, SamplingParams
-    from backend.deltas import DeltaTotals
+    from ctxgate.backend.engine.api import GenerationRequest, SamplingParams
+    from ctxgate.backend.engine.deltas import DeltaTotals
 
     started = time.perf_counter()
     ids = engine.tokenizer.encode_chat(messages)
@@ -156,7 +156,7 @@ class E2ERun:
 
     async def warm_up(self, client: httpx.AsyncClient, examples: list[EvalExample]) -> None:
         """Load lazy parts (the embedder, first-call allocations) on scrambled text nobody measures."""
-        from eval.bench_prefill import scrambled_copy
+        from ctxgate.eval.bench_prefill import scrambled_copy
 
         for example in examples[:2]:
             copy = scrambled_copy(example)
@@ -251,9 +251,9 @@ async def model_name(url: str) -> str:
 
 def start_local_engine(model: str | None, max_num_batched_tokens: int | None = None) -> Any:
     """The built-in engine in this process, configured as `ctxgate serve` configures its own."""
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
-    from backend.model_prepare import prepare_default_model
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.backend.model.model_prepare import prepare_default_model
 
     budget = {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}
     engine = AsyncEngine(EngineConfig(model=str(model or prepare_default_model()), **budget))
@@ -262,15 +262,15 @@ def start_local_engine(model: str | None, max_num_batched_tokens: int | None = N
 
 
 def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -> dict[str, Any]:
-    from eval.report import cpu_path_line
-    from eval.server import EngineServerProcess, GatewayProcess
+    from ctxgate.eval.report import cpu_path_line
+    from ctxgate.eval.server import EngineServerProcess, GatewayProcess
 
     dataset = load_dataset(resolve_dataset_path(options.dataset), limit=options.limit)
     target = Path(out_dir)
     target.mkdir(parents=True, exist_ok=True)
     levels: dict[str, Any] = {}
     all_runs: list[ArmRun] = []
-    from gateway.settings import DEFAULT_COMPRESSION_NICE, default_compression_workers
+    from ctxgate.gateway.settings import DEFAULT_COMPRESSION_NICE, default_compression_workers
 
     compression_workers = options.compression_workers or default_compression_workers()
     compression_nice = DEFAULT_COMPRESSION_NICE if options.compression_nice is None else options.compression_nice

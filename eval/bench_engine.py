@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.loadgen import closed_loop
-from eval.stats import percentile
-from eval.streaming import stream_chat
+from ctxgate.eval.loadgen import closed_loop
+from ctxgate.eval.stats import percentile
+from ctxgate.eval.streaming import stream_chat
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class EngineRunner:
         return asyncio.run(self._run(prompts, workload))
 
     async def _run(self, prompts: list[list[int]], workload: Workload) -> list[RequestResult]:
-        from backend.api import GenerationRequest, SamplingParams
+        from ctxgate.backend.engine.api import GenerationRequest, SamplingParams
 
         async def one(prompt_ids: list[int]) -> RequestResult:
             request = GenerationRequest(
@@ -339,7 +339,7 @@ class HFGenerateRunner:
     def __init__(self, model_dir: str, torch_dtype, tokenizer, num_threads: int | None = None, device: str = "cpu"):
         import torch
 
-        # The in-process engine leaves this thread one OpenMP thread (backend/openmp.py); the
+        # The in-process engine leaves this thread one OpenMP thread (backend/platform/openmp.py); the
         # baseline gets the same thread count as the engine for the length of each run.
         self.num_threads = num_threads
         from transformers import AutoModelForCausalLM
@@ -365,7 +365,7 @@ class HFGenerateRunner:
             return results
         finally:
             if self.num_threads:
-                from backend import openmp
+                from ctxgate.backend.platform import openmp
 
                 openmp.hand_cores_to_engine()  # this thread's team would throttle the engine's
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from eval.bench_engine import (
+from ctxgate.eval.bench_engine import (
     WORKLOADS,
     BenchOptions,
     EngineRunner,
@@ -56,9 +56,9 @@ def parse_peers(specs: list[str], target_name: str) -> list[tuple[str, str]]:
 def bench_engine_command(args: argparse.Namespace) -> int:
     import torch
 
-    from backend.cli import engine_config_from_args
-    from backend.model_prepare import prepare_default_model
-    from backend.tokenizer import load_tokenizer
+    from ctxgate.backend.model.model_prepare import prepare_default_model
+    from ctxgate.backend.model.tokenizer import load_tokenizer
+    from ctxgate.backend.serving.cli import engine_config_from_args
 
     options = options_from_args(args)
     set_progress(not args.no_progress)
@@ -67,7 +67,7 @@ def bench_engine_command(args: argparse.Namespace) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
 
-    from backend.cpu_features import cpu_path
+    from ctxgate.backend.platform.cpu_features import cpu_path
 
     settings: dict = {"mode": "url" if args.url else "in-process", "model": model_dir, "threads": torch.get_num_threads()}
     # Every figure names the CPU path that produced it: this machine's, and the engine's own choice.
@@ -79,7 +79,7 @@ def bench_engine_command(args: argparse.Namespace) -> int:
         settings["url"] = args.url
         baseline_dtype = {"auto": torch.bfloat16}.get(args.dtype) or getattr(torch, args.dtype)
     else:
-        from backend.async_engine import AsyncEngine
+        from ctxgate.backend.engine.async_engine import AsyncEngine
 
         config = engine_config_from_args(args)
         if config.model is None:
@@ -107,7 +107,7 @@ def bench_engine_command(args: argparse.Namespace) -> int:
         print(f"bench engine: engine path {settings['engine_path']}")
     guided = None
     if args.guided_arm and not args.url:  # before the engine thread starts: the arm steps the engine itself
-        from eval.bench_guided import guided_arm
+        from ctxgate.eval.bench_guided import guided_arm
 
         guided = guided_arm(async_engine.engine, output_tokens=args.output_tokens or 32)
         print(f"bench engine: guided arm {guided}")

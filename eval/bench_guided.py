@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from backend.api import GenerationRequest, SamplingParams
-from backend.guided import GuideSpec, compiler_for
-from backend.llm_engine import LLMEngine
-from backend.sampler import apply_guides
-from backend.sequence import Sequence
+from ctxgate.backend.engine.api import GenerationRequest, SamplingParams
+from ctxgate.backend.engine.guided import GuideSpec, compiler_for
+from ctxgate.backend.engine.llm_engine import LLMEngine
+from ctxgate.backend.engine.sampler import apply_guides
+from ctxgate.backend.engine.sequence import Sequence
 
 SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
     "answer": {"type": "string"}, "passage_ids": {"type": "array", "items": {"type": "integer"}}},

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from eval.client import GatewayClient
-from eval.datasets import Dataset, EvalExample, load_dataset, resolve_dataset_path
+from ctxgate.eval.client import GatewayClient
+from ctxgate.eval.datasets import Dataset, EvalExample, load_dataset, resolve_dataset_path
 
 COST_MODEL_SCHEMA = "ctxgate.prefill_cost/v1"
 
@@ -194,8 +194,8 @@ def run_bench_prefill(
     api_key: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    from eval.report import cpu_path_line
-    from eval.server import GatewayProcess
+    from ctxgate.eval.report import cpu_path_line
+    from ctxgate.eval.server import GatewayProcess
 
     dataset = load_dataset(resolve_dataset_path(dataset_path), limit=limit)
     target = Path(out_dir)

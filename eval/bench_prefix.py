@@ -26,10 +26,10 @@ from typing import Any
 import httpx
 import yaml
 
-from eval.client import SYSTEM_PROMPT, ctxgate_extra
-from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
-from eval.evidence import messages_text
-from eval.metrics import answer_in_text
+from ctxgate.eval.client import SYSTEM_PROMPT, ctxgate_extra
+from ctxgate.eval.datasets import EvalExample, load_dataset, resolve_dataset_path
+from ctxgate.eval.evidence import messages_text
+from ctxgate.eval.metrics import answer_in_text
 
 METRIC = re.compile(r"^ctxgate:prefix_cache_(queries|hits)_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.MULTILINE)
 
@@ -50,7 +50,7 @@ def recurring_workload(examples: list[EvalExample], pool_size: int = 8, seed: in
 
 def stable_variant(policy_name: str) -> dict[str, Any]:
     """The packaged policy with `assembly.order: stable`, under a name of its own."""
-    from policies.loader import packaged_policy_dir
+    from ctxgate.policies.loader import packaged_policy_dir
 
     policy = yaml.safe_load((packaged_policy_dir() / f"{policy_name}.yaml").read_text())
     policy["name"] = f"{policy_name}-stable"
@@ -103,8 +103,8 @@ async def measure_retention(url: str, model: str, examples: list[EvalExample], a
 
 def run_bench_prefix(dataset: str, policy: str, limit: int, retention_limit: int, out_dir: str | Path,
                      model: str | None = None) -> dict[str, Any]:
-    from eval.report import cpu_path_line
-    from eval.server import GatewayProcess
+    from ctxgate.eval.report import cpu_path_line
+    from ctxgate.eval.server import GatewayProcess
 
     target = Path(out_dir)
     target.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ replica cannot hold every conversation) and runs the same open-loop schedules (e
 under each strategy: round robin, least outstanding and cache affinity. `--via gateway` (the
 default): through a real `ctxgate serve` process whose model list fronts the replicas with the arm's
 strategy (eval/route_gateway.py), over HTTP; `--via in-process`: through a model group
-(backend/model_group.py) in this process, with the gateway's affinity key (gateway/affinity.py). Per arm and workload:
+(backend/routing/model_router.py) in this process, with the gateway's affinity key (gateway/affinity.py). Per arm and workload:
 prefix-cache hit tokens summed over the replicas (the change of their
 `ctxgate:prefix_cache_hits_total`), TTFT P50/P95 as the client sees it, requests/s. A last run
 repeats the multi-turn workload under affinity and SIGKILLs one replica half-way: a request that
@@ -28,17 +28,17 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from backend.api import GenerationRequest, SamplingParams
-from backend.deployment_health import DeploymentHealth, HealthPolicy
-from backend.deployment_metrics import DeploymentMetrics
-from backend.model_group import Deployment, ModelGroup
-from backend.routing import Strategy, make_router
-from backend.upstream import UpstreamClient, UpstreamConfig
-from eval.route_gateway import GatewayFront
-from eval.route_workloads import Item, multi_turn, rag
-from eval.server import free_port, wait_until_ok
-from eval.stats import percentiles
-from gateway.affinity import affinity_key
+from ctxgate.backend.engine.api import GenerationRequest, SamplingParams
+from ctxgate.backend.routing.deployment_health import DeploymentHealth, HealthPolicy
+from ctxgate.backend.routing.deployment_metrics import DeploymentMetrics
+from ctxgate.backend.routing.model_router import Deployment, ModelGroup
+from ctxgate.backend.routing.strategies import Strategy, make_router
+from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig
+from ctxgate.eval.route_gateway import GatewayFront
+from ctxgate.eval.route_workloads import Item, multi_turn, rag
+from ctxgate.eval.server import free_port, wait_until_ok
+from ctxgate.eval.stats import percentiles
+from ctxgate.gateway.affinity import affinity_key
 
 ARMS: dict[str, Strategy] = {"round robin": "weighted_round_robin", "least outstanding": "least_outstanding",
                              "affinity": "cache_affinity"}

@@ -29,14 +29,14 @@ from typing import Any
 
 import httpx
 
-from eval import loadgen, streaming
-from eval.bench_e2e import model_name, new_tag
-from eval.bench_engine import CpuMeter
-from eval.client import ctxgate_extra, question_messages, retry_after_s
-from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
-from eval.evidence import evidence_retention
-from eval.slo_report import SloSample, acceptance, knee_side, plot, render_markdown, summarize_rate
-from eval.splits import split_examples
+from ctxgate.eval import loadgen, streaming
+from ctxgate.eval.bench_e2e import model_name, new_tag
+from ctxgate.eval.bench_engine import CpuMeter
+from ctxgate.eval.client import ctxgate_extra, question_messages, retry_after_s
+from ctxgate.eval.datasets import EvalExample, load_dataset, resolve_dataset_path
+from ctxgate.eval.evidence import evidence_retention
+from ctxgate.eval.slo_report import SloSample, acceptance, knee_side, plot, render_markdown, summarize_rate
+from ctxgate.eval.splits import split_examples
 
 PASSTHROUGH = "passthrough"
 # A request without a first token after this many objectives is abandoned: it missed long ago, and
@@ -153,7 +153,7 @@ class SloRun:
     async def warm_up(self, client: httpx.AsyncClient, examples: list[EvalExample]) -> None:
         """Load what loads lazily (the embedder, first-call allocations) and give the adaptive
         controller a prefill speed, on scrambled copies nobody measures."""
-        from eval.bench_prefill import scrambled_copy
+        from ctxgate.eval.bench_prefill import scrambled_copy
 
         for example in examples[:2]:
             for arm in self.options.arms:
@@ -247,8 +247,8 @@ def questions(options: SloOptions) -> tuple[str, list[EvalExample]]:
 
 
 def run_bench_slo(options: SloOptions, out_dir: str | Path, command: str = "") -> dict[str, Any]:
-    from eval.report import cpu_path_line
-    from eval.server import GatewayProcess
+    from ctxgate.eval.report import cpu_path_line
+    from ctxgate.eval.server import GatewayProcess
 
     dataset_path, examples = questions(options)
     target = Path(out_dir)

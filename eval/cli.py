@@ -10,7 +10,12 @@ import logging
 import shlex
 import sys
 
-from backend.cli_actions import StoreWithDeprecatedAliases, at_least_one, nice_increment, positive_number
+from ctxgate.backend.settings.cli_actions import (
+    StoreWithDeprecatedAliases,
+    at_least_one,
+    nice_increment,
+    positive_number,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -148,8 +153,8 @@ def require_eval_extra(command: str, *modules: str) -> None:
 def _eval_run(args: argparse.Namespace) -> int:
     require_eval_extra("eval run", "openai", "matplotlib", "pysbd")
     _quiet_http_logs()
-    from eval.runner import RunConfig, run_eval
-    from eval.sweep import parse_sweep
+    from ctxgate.eval.runner import RunConfig, run_eval
+    from ctxgate.eval.sweep import parse_sweep
 
     config = RunConfig(
         dataset=args.dataset,
@@ -186,7 +191,13 @@ def _eval_run(args: argparse.Namespace) -> int:
 
 def _eval_retention(args: argparse.Namespace) -> int:
     require_eval_extra("eval retention", "pysbd")
-    from eval.retention import parse_overrides, ratio_table, run_ratio_report, run_retention, write_json
+    from ctxgate.eval.retention import (
+        parse_overrides,
+        ratio_table,
+        run_ratio_report,
+        run_retention,
+        write_json,
+    )
 
     if args.ratios:
         ratios = [float(value) for value in args.ratios.split(",") if value.strip()]
@@ -219,7 +230,7 @@ def _value(estimate: dict) -> str:
 
 def _eval_retention_curve(args: argparse.Namespace) -> int:
     require_eval_extra("eval retention-curve", "pysbd", "matplotlib")
-    from eval.retention_curve import run_retention_curve
+    from ctxgate.eval.retention_curve import run_retention_curve
 
     budgets = [int(value) for value in args.budgets.split(",") if value.strip()] if args.budgets else None
     if budgets is not None and (not budgets or min(budgets) <= 0):
@@ -239,8 +250,8 @@ def _eval_message_context(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
-    from eval.datasets import resolve_dataset_path
-    from eval.message_context import measure
+    from ctxgate.eval.datasets import resolve_dataset_path
+    from ctxgate.eval.langchain_context import measure
 
     if args.offset < 0:
         raise ValueError("--offset must be 0 or more")
@@ -251,8 +262,8 @@ def _eval_message_context(args: argparse.Namespace) -> int:
 
 
 def _eval_gate(args: argparse.Namespace) -> int:
-    from eval.gate import run_gate
-    from eval.report import load_report
+    from ctxgate.eval.gate import run_gate
+    from ctxgate.eval.report import load_report
 
     result = run_gate(
         load_report(args.baseline),
@@ -268,7 +279,7 @@ def _eval_gate(args: argparse.Namespace) -> int:
 def _bench_prefill(args: argparse.Namespace) -> int:
     require_eval_extra("bench prefill", "openai")
     _quiet_http_logs()
-    from eval.bench_prefill import run_bench_prefill
+    from ctxgate.eval.bench_prefill import run_bench_prefill
 
     result = run_bench_prefill(
         dataset_path=args.dataset,
@@ -291,7 +302,9 @@ def _bench_prefill(args: argparse.Namespace) -> int:
 
 
 def _register_bench_engine(bench_sub: argparse._SubParsersAction) -> None:
-    from backend.cli import add_engine_arguments  # argparse only: keeps `ctxgate --help` instant
+    from ctxgate.backend.serving.cli import (
+        add_engine_arguments,  # argparse only: keeps `ctxgate --help` instant
+    )
 
     engine = bench_sub.add_parser(
         "engine",
@@ -336,7 +349,7 @@ def _register_bench_engine(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from eval.bench_engine_cli import bench_engine_command
+    from ctxgate.eval.bench_engine_cli import bench_engine_command
 
     return bench_engine_command(args)
 
@@ -379,9 +392,9 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
 def _bench_e2e(args: argparse.Namespace) -> int:
     require_eval_extra("bench e2e", "matplotlib")
     _quiet_http_logs()
-    from eval.bench_e2e import run_bench_e2e
-    from eval.e2e_report import render_markdown
-    from eval.e2e_samples import E2EOptions
+    from ctxgate.eval.bench_e2e import run_bench_e2e
+    from ctxgate.eval.e2e_report import render_markdown
+    from ctxgate.eval.e2e_samples import E2EOptions
 
     levels = [int(value) for value in args.concurrency.split(",") if value.strip()]
     if not levels or min(levels) <= 0 or args.output_tokens <= 0 or args.rounds_per_chunk <= 0:
@@ -395,7 +408,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         arrival_rate=args.arrival_rate,
     )
-    from backend.cpu_features import cpu_path
+    from ctxgate.backend.platform.cpu_features import cpu_path
 
     print(f"bench e2e: {cpu_path().summary()}")
     report = run_bench_e2e(options, args.out, command="ctxgate " + shlex.join(sys.argv[1:]))
@@ -460,9 +473,9 @@ def _register_bench_slo(bench_sub: argparse._SubParsersAction) -> None:
 def _bench_slo(args: argparse.Namespace) -> int:
     require_eval_extra("bench slo", "matplotlib", "pysbd")
     _quiet_http_logs()
-    from backend.cpu_features import cpu_path
-    from eval.bench_slo import SloOptions, run_bench_slo
-    from eval.slo_report import render_markdown
+    from ctxgate.backend.platform.cpu_features import cpu_path
+    from ctxgate.eval.bench_slo import SloOptions, run_bench_slo
+    from ctxgate.eval.slo_report import render_markdown
 
     options = SloOptions(
         dataset=args.dataset, split=args.split, requests=args.requests, rates=args.rates,
@@ -496,7 +509,7 @@ def _register_bench_prefix(bench_sub: argparse._SubParsersAction) -> None:
 
 def _bench_prefix_reuse(args: argparse.Namespace) -> int:
     _quiet_http_logs()
-    from eval.bench_prefix import render_markdown, run_bench_prefix
+    from ctxgate.eval.bench_prefix import render_markdown, run_bench_prefix
 
     if args.limit <= 0 or args.retention_limit <= 0:
         raise ValueError("--limit and --retention-limit must be positive")
@@ -531,7 +544,7 @@ def _register_bench_route(bench_sub: argparse._SubParsersAction) -> None:
 
 def _bench_route(args: argparse.Namespace) -> int:
     _quiet_http_logs()
-    from eval.bench_route import RouteBenchConfig, render_markdown, run_bench_route
+    from ctxgate.eval.bench_route import RouteBenchConfig, render_markdown, run_bench_route
 
     config = RouteBenchConfig(replicas=args.replicas, conversations=args.conversations, turns=args.turns,
                               rag_requests=args.rag_requests, max_tokens=args.max_tokens,

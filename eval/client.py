@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from ctxgate.client import ctxgate_extra_body
-from eval.datasets import EvalExample
+from ctxgate.eval.datasets import EvalExample
 
 SYSTEM_PROMPT = (
     "Answer the question using the documents provided. Reply with the short answer only "

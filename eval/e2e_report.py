@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eval.e2e_samples import ARMS, CLOSED_LOOP_ONLY_CHECKS, PASSES, ArmRun, Sample
-from eval.stats import p95_ratio_interval, percentile
+from ctxgate.eval.e2e_samples import ARMS, CLOSED_LOOP_ONLY_CHECKS, PASSES, ArmRun, Sample
+from ctxgate.eval.stats import p95_ratio_interval, percentile
 
 if TYPE_CHECKING:
-    from eval.bench_e2e import E2ERun
+    from ctxgate.eval.bench_e2e import E2ERun
 
 def latency(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
@@ -289,7 +289,7 @@ def _pair(values: dict[str, Any], digits: int = 0) -> str:
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Requests/s and TTFT P50/P95 per arm, one group per concurrency level (cold pass)."""
-    from eval.plots import _pyplot
+    from ctxgate.eval.plots import _pyplot
 
     plt = _pyplot()
     levels = list(report["levels"])

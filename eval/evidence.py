@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from eval.datasets import EvalExample, Passage
-from eval.metrics import answer_in_text, normalize_answer, text_retained
+from ctxgate.eval.datasets import EvalExample, Passage
+from ctxgate.eval.metrics import answer_in_text, normalize_answer, text_retained
 
 
 def messages_text(messages: list[dict[str, Any]]) -> str:

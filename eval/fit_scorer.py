@@ -1,18 +1,18 @@
-"""Fit compression.learned's weights on the tune halves of the dev sets (never the test halves).
+"""Fit ctxgate.compression.learned's weights on the tune halves of the dev sets (never the test halves).
 
-    python -m eval.fit_scorer --input nq-multidoc-dev.jsonl --input hotpotqa-distractor-dev.jsonl \
+    python -m ctxgate.eval.fit_scorer --input nq-multidoc-dev.jsonl --input hotpotqa-distractor-dev.jsonl \
         --input musique-dev.jsonl --out weights.json
 
 Each tune question goes through the pipeline's stages up to the rerank (every passage kept), at
 each of the fixed ratios' documents budgets (the pre-filter's choice of embedded sentences depends
-on the budget), and every live sentence becomes one row of compression.sentence_features, labelled
-1 when keeping it keeps a gold answer in the prompt (eval.metrics.answer_in_text, the retention
+on the budget), and every live sentence becomes one row of ctxgate.compression.sentence_features, labelled
+1 when keeping it keeps a gold answer in the prompt (ctxgate.eval.metrics.answer_in_text, the retention
 check itself): the answer is in the sentence, or in its passage's title when the policy keeps
 titles (a kept sentence is rendered under its title). A softmax over each question's sentences
 (L2) is fitted with every dataset weighing the same; the L2 strength is the one whose weights, fitted
 on one half of the tune questions, keep the most answers on the other half (each way round) when
-the extraction's own selection (compression.extraction.select_sentences) spends the budget. The
-weights are printed in compression.learned's form and written as JSON.
+the extraction's own selection (ctxgate.compression.extraction.select_sentences) spends the budget. The
+weights are printed in ctxgate.compression.learned's form and written as JSON.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from compression.sentence_features import FEATURES, HOP_FEATURES
-from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
-from eval.metrics import answer_in_text
-from eval.retention import RetentionHarness, policy_with_overrides
-from eval.splits import split_examples
+from ctxgate.compression.sentence_features import FEATURES, HOP_FEATURES
+from ctxgate.eval.datasets import EvalExample, load_dataset, resolve_dataset_path
+from ctxgate.eval.metrics import answer_in_text
+from ctxgate.eval.retention import RetentionHarness, policy_with_overrides
+from ctxgate.eval.splits import split_examples
 
 # Stages run before the features are read: the ones before the extraction.
 FEATURE_STAGES = ("retrieval", "message-context", "cost-check", "history", "dedup", "rerank")
@@ -58,12 +58,12 @@ class Question:
 
 async def question_rows(harness: RetentionHarness, example: EvalExample, policy: Any) -> Question:
     """Feature rows and labels of one question's live sentences under `policy`."""
-    from compression.extraction import embed_units, sentence_units, unit_features
-    from compression.rendering import passage_header_cost
-    from compression.stages.base import StageContext
-    from compression.stages.budget import documents_budget
-    from compression.stages.prepare import ensure_candidates
-    from compression.state import split_messages
+    from ctxgate.compression.extraction import embed_units, sentence_units, unit_features
+    from ctxgate.compression.rendering import passage_header_cost
+    from ctxgate.compression.stages.base import StageContext
+    from ctxgate.compression.stages.budget import documents_budget
+    from ctxgate.compression.stages.prepare import ensure_candidates
+    from ctxgate.compression.state import split_messages
 
     pipeline = harness.pipeline
     state = split_messages(harness.request_of(example), budget_tokens=policy.max_input_tokens)
@@ -134,7 +134,7 @@ def fit_rounds(datasets: Sequence[list[Question]], c: float) -> tuple[np.ndarray
     """Both rounds' weights: the first on the sentences' own features, then the hop features with
     the first round's scores held fixed. Every dataset weighs the same; questions whose context
     holds no answer teach nothing and are left out."""
-    from compression.sentence_features import hop_features
+    from ctxgate.compression.sentence_features import hop_features
 
     answered = [[q for q in questions if q.labels.any()] for questions in datasets]
     first = softmax_fit([(q.features, q.labels > 0, 1.0 / len(qs), np.zeros(len(q.labels)))
@@ -149,7 +149,7 @@ def fit_rounds(datasets: Sequence[list[Question]], c: float) -> tuple[np.ndarray
 
 
 def final_scores(question: Question, first: np.ndarray, hop: np.ndarray) -> np.ndarray:
-    from compression.sentence_features import hop_features
+    from ctxgate.compression.sentence_features import hop_features
 
     offset = question.features @ first
     return offset + hop_features(question.question, question.passages_seen, question.positions, offset) @ hop
@@ -158,9 +158,9 @@ def final_scores(question: Question, first: np.ndarray, hop: np.ndarray) -> np.n
 def kept_answer(question: Question, scores: np.ndarray, counter: Any, extraction: Any) -> bool:
     """The extraction's own selection (knapsack, fill, exact trim) with these scores: True when the
     rendered block holds a gold answer."""
-    from compression.extraction import select_sentences
-    from compression.rendering import render_context
-    from compression.scoring import VALUE_TEMPERATURE, SentenceUnit, store_sentence_scores
+    from ctxgate.compression.extraction import select_sentences
+    from ctxgate.compression.rendering import render_context
+    from ctxgate.compression.scoring import VALUE_TEMPERATURE, SentenceUnit, store_sentence_scores
 
     passages = copy.deepcopy(question.passages_seen)
     units = [SentenceUnit(p, s, text, float(VALUE_TEMPERATURE * score))
@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cache", help="pickle of the feature rows (read if it exists, else written)")
     parser.add_argument("--out", help="write the weights here as JSON")
     args = parser.parse_args(argv)
-    from policies.loader import load_policy_file, packaged_policy_dir
+    from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
     policy = policy_with_overrides(load_policy_file(packaged_policy_dir() / f"{args.policy}.yaml"),
                                    {"rerank.top_k": None})

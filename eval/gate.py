@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.stats import paired_bootstrap_difference
+from ctxgate.eval.stats import paired_bootstrap_difference
 
 
 @dataclass

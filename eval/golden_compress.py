@@ -2,8 +2,8 @@
 of two versions of the code (a rewrite of a pattern that sees client text must not change what is
 extracted).
 
-    python -m eval.golden_compress --out before.jsonl --limit 60
-    python -m eval.golden_compress --out after.jsonl --limit 60 && cmp before.jsonl after.jsonl
+    python -m ctxgate.eval.golden_compress --out before.jsonl --limit 60
+    python -m ctxgate.eval.golden_compress --out after.jsonl --limit 60 && cmp before.jsonl after.jsonl
 
 Every question runs in process (no HTTP) through `CompressionPipeline.run`, with client text
 neutralised as the gateway does it (messages: special tokens; documents and titles: special tokens
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eval.client import question_messages
-from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
+from ctxgate.eval.client import question_messages
+from ctxgate.eval.datasets import EvalExample, load_dataset, resolve_dataset_path
 
 DEFAULT_SETS = ("nq-multidoc", "hotpotqa-distractor", "musique")
 INSTRUCTIONS = "Answer the question using only the context below. If the context does not say, answer 'unknown'."
@@ -85,11 +85,11 @@ class GoldenRunner:
     """One pipeline (tokenizer and embedding model loaded once) for every question."""
 
     def __init__(self, policy_name: str):
-        from backend.model_prepare import resolve_model_path
-        from backend.tokenizer import load_tokenizer
-        from compression.pipeline import CompressionPipeline
-        from gateway.sanitize import Neutraliser
-        from policies.loader import load_policy_file, packaged_policy_dir
+        from ctxgate.backend.model.model_prepare import resolve_model_path
+        from ctxgate.backend.model.tokenizer import load_tokenizer
+        from ctxgate.compression.pipeline import CompressionPipeline
+        from ctxgate.gateway.sanitize import Neutraliser
+        from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
         self.tokenizer = load_tokenizer(str(resolve_model_path(None)))
         self.pipeline = CompressionPipeline(self.tokenizer, embed_batch_window_ms=0.0, embed_threads=1)
@@ -97,8 +97,8 @@ class GoldenRunner:
         self.policy = load_policy_file(packaged_policy_dir() / f"{policy_name}.yaml")
 
     def request(self, messages: list[dict[str, str]], documents: list[dict[str, str]]) -> Any:
-        """The pipeline's input as the gateway builds it from a request (gateway.service)."""
-        from compression.types import CompressionInput, Document
+        """The pipeline's input as the gateway builds it from a request (ctxgate.gateway.service)."""
+        from ctxgate.compression.types import CompressionInput, Document
 
         neutral = self.neutraliser
         return CompressionInput(

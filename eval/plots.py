@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from eval.stats import percentile
+from ctxgate.eval.stats import percentile
 
 
 def _pyplot() -> Any:

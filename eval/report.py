@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from eval.stats import Estimate, bootstrap_mean, paired_bootstrap_difference, percentiles
+from ctxgate.eval.stats import Estimate, bootstrap_mean, paired_bootstrap_difference, percentiles
 
 REPORT_SCHEMA_VERSION = 1
 # The per-question scores the gate compares; `answer_retention` is the headline evidence measure.
@@ -205,8 +205,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def cpu_path_line() -> str:
     """The CPU and engine path of the machine that produced a report's figures."""
-    from backend.cpu_features import cpu_path
-    from compression.embeddings import precision_for_this_cpu
+    from ctxgate.backend.platform.cpu_features import cpu_path
+    from ctxgate.compression.embedding.embeddings import precision_for_this_cpu
 
     return f"{cpu_path().summary()}; embedder {precision_for_this_cpu()}"
 

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from eval.client import question_messages
-from eval.datasets import EvalExample, load_dataset, resolve_dataset_path
-from eval.evidence import evidence_retention
-from eval.splits import SPLITS, hop_count, split_examples
-from eval.stats import bootstrap_mean, percentile
+from ctxgate.eval.client import question_messages
+from ctxgate.eval.datasets import EvalExample, load_dataset, resolve_dataset_path
+from ctxgate.eval.evidence import evidence_retention
+from ctxgate.eval.splits import SPLITS, hop_count, split_examples
+from ctxgate.eval.stats import bootstrap_mean, percentile
 
 __all__ = ["SPLITS", "split_examples"]
 
@@ -58,7 +58,7 @@ class QuestionResult:
 def policy_with_overrides(policy: Any, overrides: dict[str, Any]) -> Any:
     """The policy with dotted-field overrides applied (the operator's harness may override any
     field, not only those a request may)."""
-    from policies.loader import apply_overrides
+    from ctxgate.policies.loader import apply_overrides
 
     if not overrides:
         return policy
@@ -85,10 +85,10 @@ class RetentionHarness:
     """One pipeline (tokenizer and embedding model loaded once) for many runs."""
 
     def __init__(self, model: str | None = None, first_sight: bool = True):
-        from backend.model_prepare import resolve_model_path
-        from backend.tokenizer import load_tokenizer
-        from compression.pipeline import CompressionPipeline
-        from gateway.sanitize import Neutraliser
+        from ctxgate.backend.model.model_prepare import resolve_model_path
+        from ctxgate.backend.model.tokenizer import load_tokenizer
+        from ctxgate.compression.pipeline import CompressionPipeline
+        from ctxgate.gateway.sanitize import Neutraliser
 
         self.tokenizer = load_tokenizer(str(resolve_model_path(model)))
         # The embedding model runs as in the gateway (GatewaySettings: one batching thread with one
@@ -105,7 +105,7 @@ class RetentionHarness:
         self.pipeline.forget_text_caches()
 
     def request_of(self, example: EvalExample) -> Any:
-        from compression.types import CompressionInput, Document
+        from ctxgate.compression.types import CompressionInput, Document
 
         messages = [
             {"role": m["role"], "content": self.neutraliser.text(m["content"])} for m in question_messages(example)
@@ -145,7 +145,7 @@ class RetentionHarness:
         """The documents budget that cuts this question's prompt to 1/ratio of the original: the
         original prompt over the ratio, less what is never cut (system prompt, question, the
         passages block's framing), as the pipeline lays the prompt out (placement "user")."""
-        from compression.rendering import question_with_context
+        from ctxgate.compression.rendering import question_with_context
 
         request = self.request_of(example)
         system, question = request.messages[0], request.messages[1]["content"]
@@ -234,7 +234,7 @@ def run_ratio_report(
 ) -> dict[str, Any]:
     """Every dataset, every split, every ratio: the fixed-ratio report (yes/no questions, which a
     substring check cannot score, are left out)."""
-    from policies.loader import load_policy_file, packaged_policy_dir
+    from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
     directory = Path(policy_dir) if policy_dir else packaged_policy_dir()
     policy = policy_with_overrides(load_policy_file(directory / f"{policy_name}.yaml"), overrides)
@@ -287,7 +287,7 @@ def run_retention(
     policy_dir: str | None = None,
     harness: RetentionHarness | None = None,
 ) -> dict[str, Any]:
-    from policies.loader import load_policy_file, packaged_policy_dir
+    from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
     directory = Path(policy_dir) if policy_dir else packaged_policy_dir()
     policy = policy_with_overrides(load_policy_file(directory / f"{policy_name}.yaml"), overrides)

@@ -20,10 +20,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eval.client import question_messages
-from eval.datasets import load_dataset, resolve_dataset_path
-from eval.evidence import evidence_retention
-from eval.retention import (
+from ctxgate.eval.client import question_messages
+from ctxgate.eval.datasets import load_dataset, resolve_dataset_path
+from ctxgate.eval.evidence import evidence_retention
+from ctxgate.eval.retention import (
     RetentionHarness,
     policy_with_overrides,
     split_examples,
@@ -36,7 +36,7 @@ DEFAULT_BUDGETS = (1000, 700, 560, 400, 300, 200, 150, 100, 60)
 def ctxgate_curve(
     harness: RetentionHarness, policy_name: str, dataset: str, split: str, limit: int, budgets: list[int]
 ) -> list[dict[str, Any]]:
-    from policies.loader import load_policy_file, packaged_policy_dir
+    from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
     base = load_policy_file(packaged_policy_dir() / f"{policy_name}.yaml")
     examples = [e for e in split_examples(load_dataset(resolve_dataset_path(dataset)).examples, split) if not e.is_yes_no]
@@ -56,7 +56,7 @@ def ctxgate_curve(
 
 def peer_curve(harness: RetentionHarness, peer: dict[str, Any], dataset: str) -> list[dict[str, Any]]:
     """The peer's rows re-rendered and re-counted with ctxgate's tokenizer, one point per target ratio."""
-    from compression.rendering import question_with_context
+    from ctxgate.compression.rendering import question_with_context
 
     loaded = load_dataset(resolve_dataset_path(dataset))
     examples = {e.id: e for e in loaded.examples}

@@ -20,12 +20,12 @@ from typing import Any
 import httpx
 import yaml
 
-from backend.routing import Strategy
-from eval.route_workloads import Item
-from eval.server import free_port, wait_until_ok
+from ctxgate.backend.routing.strategies import Strategy
+from ctxgate.eval.route_workloads import Item
+from ctxgate.eval.server import free_port, wait_until_ok
 
 MODEL = "bench"
-# The gateway's per-deployment counters (backend/deployment_metrics.py), summed over the deployments.
+# The gateway's per-deployment counters (backend/routing/deployment_metrics.py), summed over the deployments.
 ROUTING_COUNTERS = {"requests": "deployment_requests_total", "served_by_ring_owner": "deployment_affinity_hits_total",
                     "ejections": "deployment_ejections_total"}
 

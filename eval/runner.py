@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.client import ChatOutcome, GatewayClient
-from eval.datasets import Dataset, EvalExample, load_dataset, resolve_dataset_path
-from eval.evidence import evidence_retention
-from eval.loadgen import closed_loop
-from eval.metrics import answer_in_text, exact_match, token_f1
-from eval.sweep import PolicyVariant, SweepSpec, build_sweep_variants, plain_variants
+from ctxgate.eval.client import ChatOutcome, GatewayClient
+from ctxgate.eval.datasets import Dataset, EvalExample, load_dataset, resolve_dataset_path
+from ctxgate.eval.evidence import evidence_retention
+from ctxgate.eval.loadgen import closed_loop
+from ctxgate.eval.metrics import answer_in_text, exact_match, token_f1
+from ctxgate.eval.sweep import PolicyVariant, SweepSpec, build_sweep_variants, plain_variants
 
 
 @dataclass
@@ -173,7 +173,7 @@ GatewayLauncher = Callable[[str | None, Path], AbstractContextManager[str]]
 
 
 def subprocess_launcher(model: str | None) -> GatewayLauncher:
-    from eval.server import GatewayProcess
+    from ctxgate.eval.server import GatewayProcess
 
     def launch(policy_dir: str | None, log_path: Path) -> AbstractContextManager[str]:
         return GatewayProcess(policy_dir=policy_dir, model=model, log_path=log_path)
@@ -186,8 +186,8 @@ def run_eval(config: RunConfig, launcher: GatewayLauncher | None = None) -> dict
 
     Without `config.url` a gateway is started for the run: by default `ctxgate serve` as a child
     process; `launcher` can serve it differently (e.g. in this process, sharing a loaded engine)."""
-    from eval.plots import write_plots
-    from eval.report import build_report, write_report_files
+    from ctxgate.eval.plots import write_plots
+    from ctxgate.eval.report import build_report, write_report_files
 
     if config.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")

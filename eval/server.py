@@ -128,7 +128,7 @@ class EngineServerProcess(GatewayProcess):
 
 
 class InProcessGateway:
-    """The gateway app (`gateway.app.create_app`) served by uvicorn in a background thread of this
+    """The gateway app (`ctxgate.gateway.app.create_app`) served by uvicorn in a background thread of this
     process, on a free port. Lets a caller share one already-loaded engine across several gateways
     (e.g. the sweep's derived-policy gateway and a plain one) instead of loading the model again."""
 
@@ -146,8 +146,8 @@ class InProcessGateway:
 
         import uvicorn
 
-        from gateway.app import create_app
-        from gateway.settings import GatewaySettings
+        from ctxgate.gateway.app import create_app
+        from ctxgate.gateway.settings import GatewaySettings
 
         settings = GatewaySettings(host="127.0.0.1", port=self.port, model=self.model,
                                    policy_dir=Path(self.policy_dir) if self.policy_dir else None)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from eval.stats import interval_of, percentile
+from ctxgate.eval.stats import interval_of, percentile
 
 CONFIDENCE = 0.9  # of every bootstrap interval in the report
 RESAMPLES = 2000
@@ -305,7 +305,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], path: Path) -> None:
     """Goodput (with intervals, and the offered rate as the ceiling) and answer retention per arm
     against the arrival rate."""
-    from eval.plots import _pyplot
+    from ctxgate.eval.plots import _pyplot
 
     plt = _pyplot()
     rates = [float(key) for key in report["rates"]]

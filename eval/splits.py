@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from eval.datasets import EvalExample
+from ctxgate.eval.datasets import EvalExample
 
 SPLITS = ("all", "tune", "test")
 SPLIT_SEED = 41

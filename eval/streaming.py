@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from backend.openai_api.sse import read_sse_payloads
+from ctxgate.backend.openai_api.sse import read_sse_payloads
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Structured answers through the real OpenAI SDK: `client.beta.chat.completions.parse(...,
 response_format=CitedAnswer)` on NQ dev questions with their passages, against a `ctxgate serve`.
 
-    python -m eval.structured_nq --limit 50            # starts `ctxgate serve` on a free port
-    python -m eval.structured_nq --url http://host:8000 --limit 50
+    python -m ctxgate.eval.structured_nq --limit 50            # starts `ctxgate serve` on a free port
+    python -m ctxgate.eval.structured_nq --url http://host:8000 --limit 50
 
 Prints how many answers parsed into `CitedAnswer`, and how many cite the gold passage.
 """
@@ -83,7 +83,7 @@ def main() -> None:
     if args.url:
         print(json.dumps(run(args.url.rstrip("/") + "/v1", args.model, args.limit)))
         return
-    from eval.server import GatewayProcess
+    from ctxgate.eval.server import GatewayProcess
 
     with GatewayProcess() as url:
         print(json.dumps(run(url + "/v1", args.model, args.limit)))

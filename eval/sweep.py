@@ -96,7 +96,7 @@ def variant_policy_name(base: str, spec: SweepSpec, value: Any) -> str:
 def _validate(raw: dict[str, Any], where: str) -> None:
     from pydantic import ValidationError
 
-    from policies.schema import Policy
+    from ctxgate.policies.schema import Policy
 
     try:
         Policy.model_validate(raw)

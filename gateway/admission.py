@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import ClientDisconnect
 
-from backend.openai_api.errors import APIError
+from ctxgate.backend.openai_api.errors import APIError
 
 # Paths whose requests reach the model; everything else (health, metrics, models) is never queued.
 ADMITTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/ctxgate/compress")

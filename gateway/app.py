@@ -1,8 +1,8 @@
 """Wiring: `create_app(settings, engine=None, pipeline=None)` builds the gateway and its FastAPI app.
 
 Tests and the eval harness run it in-process. Without an engine it starts the in-process engine, or
-the HTTP upstream client when `settings.upstreams` is set. The routes are in `gateway.routes`, one
-request's run in `gateway.generation`, start-up and shutdown in `gateway.lifecycle`.
+the HTTP upstream client when `settings.upstreams` is set. The routes are in `ctxgate.gateway.routes`, one
+request's run in `ctxgate.gateway.generation`, start-up and shutdown in `ctxgate.gateway.lifecycle`.
 """
 
 from __future__ import annotations
@@ -15,24 +15,24 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from backend.api import EngineClient
-from backend.openai_api.errors import install_error_handlers
-from backend.openai_api.http import (
+from ctxgate.backend.engine.api import EngineClient
+from ctxgate.backend.openai_api.errors import install_error_handlers
+from ctxgate.backend.openai_api.http import (
     BodySizeLimit,
     document_request_bodies,
 )
-from gateway.admission import AdmissionCollector, AdmissionControl, AdmissionController, KeyOf
-from gateway.keys import KeyStore
-from gateway.lifecycle import lifespan
-from gateway.metrics import GatewayMetrics
-from gateway.middleware import RequestCounter
-from gateway.quota import Clock, create_store
-from gateway.request_id import RequestId
-from gateway.routes import add_routes
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.service import Gateway, Pipeline
-from gateway.settings import GatewaySettings
-from policies.loader import PolicyRegistry, ReloadError, packaged_policy_dir
+from ctxgate.gateway.admission import AdmissionCollector, AdmissionControl, AdmissionController, KeyOf
+from ctxgate.gateway.keys import KeyStore
+from ctxgate.gateway.lifecycle import lifespan
+from ctxgate.gateway.metrics import GatewayMetrics
+from ctxgate.gateway.middleware import RequestCounter
+from ctxgate.gateway.quota import Clock, create_store
+from ctxgate.gateway.request_id import RequestId
+from ctxgate.gateway.routes import add_routes
+from ctxgate.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from ctxgate.gateway.service import Gateway, Pipeline
+from ctxgate.gateway.settings import GatewaySettings
+from ctxgate.policies.loader import PolicyRegistry, ReloadError, packaged_policy_dir
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +53,13 @@ ERROR_ANSWERS = {
 # -- construction --------------------------------------------------------------------------------
 def _default_engine(settings: GatewaySettings) -> EngineClient:
     if settings.model_list:
-        from gateway.model_groups import build_router
-        from gateway.model_list import builtin_needed
+        from ctxgate.gateway.model_list_config import builtin_needed
+        from ctxgate.gateway.router_setup import build_router
 
         builtin = _builtin_engine(settings) if builtin_needed(settings.model_list, settings.upstreams) else None
         return build_router(settings, builtin, owns_builtin=True)
     if settings.upstreams:
-        from backend.upstream import UpstreamClient, UpstreamConfig
+        from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig
 
         config = UpstreamConfig(
             urls=list(settings.upstreams), model=settings.upstream_model,
@@ -72,9 +72,9 @@ def _default_engine(settings: GatewaySettings) -> EngineClient:
 
 
 def _builtin_engine(settings: GatewaySettings) -> EngineClient:
-    from backend.async_engine import AsyncEngine  # noqa: I001 (lands with the engine branch)
-    from backend.config import EngineConfig
-    from backend.model_prepare import prepare_default_model
+    from ctxgate.backend.engine.async_engine import AsyncEngine  # noqa: I001 (lands with the engine branch)
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.backend.model.model_prepare import prepare_default_model
 
     return AsyncEngine(EngineConfig(model=str(settings.model or prepare_default_model())),
                        max_waiting_requests=settings.engine_max_waiting_requests)
@@ -82,13 +82,13 @@ def _builtin_engine(settings: GatewaySettings) -> EngineClient:
 
 def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
     if settings.tokenizer:  # counting for a remote model: no local model package needed
-        from gateway.tokenizers import load_counting_tokenizer
+        from ctxgate.gateway.tokenizer_spec import load_counting_tokenizer
 
         return load_counting_tokenizer(settings.tokenizer)
     if engine.tokenizer is not None:
         return engine.tokenizer
-    from backend.model_prepare import resolve_model_path
-    from backend.tokenizer import load_tokenizer
+    from ctxgate.backend.model.model_prepare import resolve_model_path
+    from ctxgate.backend.model.tokenizer import load_tokenizer
 
     # The served model's own tokenizer and chat template: a GGUF file's come from its converted copy.
     return load_tokenizer(str(resolve_model_path(settings.model)))
@@ -98,14 +98,14 @@ def default_pipeline(
     tokenizer: Any, engine: EngineClient | None, index_dir: Any = None, settings: GatewaySettings | None = None
 ) -> Pipeline:
     """The compression pipeline over this engine, with its own thread budget (see GatewaySettings)."""
-    from compression.cache import set_cache_budget
-    from compression.pipeline import CompressionPipeline
+    from ctxgate.compression.pipeline import CompressionPipeline
+    from ctxgate.compression.store.cache import set_cache_budget
 
     settings = settings or GatewaySettings()
     set_cache_budget(settings.compression_cache_mb * 1024 * 1024)  # the process's caches: the last gateway's
     cache = None
     if settings.embed_cache_url:
-        from compression.redis_cache import RedisBytesCache
+        from ctxgate.compression.store.redis_cache import RedisBytesCache
 
         cache = RedisBytesCache(settings.embed_cache_url)
     side_work = engine.side_work if engine is not None and settings.embed_on == "engine" else None
@@ -164,7 +164,7 @@ def create_app(
     metrics = GatewayMetrics()
     owns_engine = engine is None
     if engine is not None and settings.model_list:  # the caller's engine is the list's `engine: builtin`
-        from gateway.model_groups import build_router
+        from ctxgate.gateway.router_setup import build_router
 
         engine, owns_engine = build_router(settings, engine, owns_builtin=False), True
     engine = engine if engine is not None else _default_engine(settings)

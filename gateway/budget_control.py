@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from gateway.engine_load import EngineReading, LoadReader
-from policies.schema import AdaptivePolicy
+from ctxgate.gateway.engine_load import EngineReading, LoadReader
+from ctxgate.policies.schema import AdaptivePolicy
 
 # Reasons, as usage.ctxgate.budget.reason and the metric's label say them.
 CEILING = "ceiling"  # the loosest budget keeps the SLO

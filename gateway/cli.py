@@ -9,17 +9,23 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from backend.config import EngineConfig
-from backend.settings_cli import add_model_flags, describe_errors, given_values, kebab, static_defaults
-from gateway.config_file import SERVER_SKIP
-from gateway.settings import GatewaySettings
+from ctxgate.backend.engine.config import EngineConfig
+from ctxgate.backend.settings.flags import (
+    add_model_flags,
+    describe_errors,
+    given_values,
+    kebab,
+    static_defaults,
+)
+from ctxgate.gateway.config_file import SERVER_SKIP
+from ctxgate.gateway.settings import GatewaySettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible budget gateway")
     serve.add_argument("--config", default=None, metavar="FILE",
                        help="YAML config file (see `ctxgate config schema`); flags given here override it")
-    # Every other flag is a settings field (gateway/settings.py, backend/config.py), with no argparse
+    # Every other flag is a settings field (gateway/settings.py, backend/engine/config.py), with no argparse
     # default: what is not given comes from the config file, then from the field's default.
     add_model_flags(serve, GatewaySettings, skip=SERVER_SKIP)
     add_model_flags(serve, EngineConfig)  # --model and the in-process engine's knobs, as in `engine serve`
@@ -114,7 +120,7 @@ def resolve_serve_args(args: argparse.Namespace) -> ServeConfig:
     """
     import logging
 
-    from gateway.config_file import CtxgateConfig, load_config
+    from ctxgate.gateway.config_file import CtxgateConfig, load_config
 
     path = getattr(args, "config", None)
     config = load_config(path) if path else CtxgateConfig()
@@ -151,24 +157,24 @@ def _serve(args: argparse.Namespace) -> int:
     resolved = resolve_serve_args(args)
     settings = resolved.settings
 
-    from gateway.app import create_app
-    from gateway.settings import exposure_problem
+    from ctxgate.gateway.app import create_app
+    from ctxgate.gateway.settings import exposure_problem
 
     problem = exposure_problem(settings)
     if problem is not None:
         print(f"ctxgate serve: {problem}", file=sys.stderr)
         return 2
     _log_request_ids()
-    from gateway.model_list import builtin_needed
-    from gateway.shutdown import DrainingServer
+    from ctxgate.gateway.model_list_config import builtin_needed
+    from ctxgate.gateway.shutdown import DrainingServer
 
     engine = None
     if builtin_needed(settings.model_list, settings.upstreams):
-        from backend.async_engine import AsyncEngine
+        from ctxgate.backend.engine.async_engine import AsyncEngine
 
         engine = AsyncEngine(resolved.engine, max_waiting_requests=settings.engine_max_waiting_requests)
         if settings.vllm_metric_names:
-            from backend.metrics import export_vllm_names
+            from ctxgate.backend.engine.metrics import export_vllm_names
 
             export_vllm_names(engine.metrics)
     app = create_app(settings, engine=engine)
@@ -180,7 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if engine is not None:
             engine.shutdown()
-    from gateway.lifecycle import exit_if_still_loading
+    from ctxgate.gateway.lifecycle import exit_if_still_loading
 
     exit_if_still_loading(app)
     return 0
@@ -190,7 +196,7 @@ def _log_request_ids() -> None:
     """Every log line written while serving a request names its x-request-id."""
     import logging
 
-    from gateway.request_id import RequestIdFilter
+    from ctxgate.gateway.request_id import RequestIdFilter
 
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
@@ -199,7 +205,7 @@ def _log_request_ids() -> None:
 
 def _config_check(args: argparse.Namespace) -> int:
     """Every problem of every file (not just the first), one line each; status 1 if any."""
-    from gateway.config_file import ConfigError, load_config
+    from ctxgate.gateway.config_file import ConfigError, load_config
 
     failed = 0
     for path in args.files:
@@ -218,7 +224,7 @@ def _config_check(args: argparse.Namespace) -> int:
 
 def _file_references_problems(config) -> list[str]:
     """The files a config names: they exist, and a keys file parses (a broken one would stop `serve` too)."""
-    from gateway.keys import read_keys_file
+    from ctxgate.gateway.keys import read_keys_file
 
     problems = []
     for name in ("keys_file", "policy_dir"):
@@ -237,14 +243,14 @@ def _file_references_problems(config) -> list[str]:
 def _config_schema(_args: argparse.Namespace) -> int:
     import json
 
-    from gateway.config_file import config_schema
+    from ctxgate.gateway.config_file import config_schema
 
     print(json.dumps(config_schema(), indent=2))
     return 0
 
 
 def _policy_check(args: argparse.Namespace) -> int:
-    from policies.loader import PolicyFileError, load_policy_file
+    from ctxgate.policies.loader import PolicyFileError, load_policy_file
 
     failed = 0
     for path in args.files:
@@ -261,7 +267,7 @@ def _policy_check(args: argparse.Namespace) -> int:
 def _policy_schema(_args: argparse.Namespace) -> int:
     import json
 
-    from policies.schema import Policy
+    from ctxgate.policies.schema import Policy
 
     print(json.dumps(Policy.model_json_schema(), indent=2))
     return 0
@@ -308,7 +314,7 @@ def _parse_labels(items: list[str]) -> tuple[dict[str, str], str | None]:
 
 
 def _keys_add(args: argparse.Namespace) -> int:
-    from gateway.keys import Limits, add_key
+    from ctxgate.gateway.keys import Limits, add_key
 
     labels, note = _parse_labels(args.label)
     limits = Limits(
@@ -330,7 +336,7 @@ def _keys_list(args: argparse.Namespace) -> int:
     import json
     from datetime import UTC, datetime
 
-    from gateway.keys import read_keys_file
+    from ctxgate.gateway.keys import read_keys_file
 
     if not os.path.exists(args.keys):
         raise FileNotFoundError(f"keys file not found: {args.keys}")
@@ -364,7 +370,7 @@ def _keys_list(args: argparse.Namespace) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:
-    from gateway.keys import revoke_key
+    from ctxgate.gateway.keys import revoke_key
 
     for key_id in args.key_ids:
         tenant, entry = revoke_key(args.keys, key_id)
@@ -373,7 +379,7 @@ def _keys_revoke(args: argparse.Namespace) -> int:
 
 
 def _keys_rotate(args: argparse.Namespace) -> int:
-    from gateway.keys import rotate_key
+    from ctxgate.gateway.keys import rotate_key
 
     grace = parse_duration(args.grace) if args.grace else 0.0
     tenant, key, old = rotate_key(args.keys, args.key_id, grace_s=grace)

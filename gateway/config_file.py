@@ -25,10 +25,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from backend.config import EngineConfig
-from backend.settings_cli import error_text, kebab
-from gateway.model_list import ModelConfig, check_model_list
-from gateway.settings import GatewaySettings
+from ctxgate.backend.engine.config import EngineConfig
+from ctxgate.backend.settings.flags import error_text, kebab
+from ctxgate.gateway.model_list_config import ModelConfig, check_model_list
+from ctxgate.gateway.settings import GatewaySettings
 
 ENV_PREFIX = "os.environ/"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

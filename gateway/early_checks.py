@@ -14,8 +14,8 @@ with little quota left, or any request from one with none.
 
 from __future__ import annotations
 
-from gateway.schemas import ChatCompletionRequest, GatewayRequest
-from policies.schema import Policy
+from ctxgate.gateway.schemas import ChatCompletionRequest, GatewayRequest
+from ctxgate.policies.schema import Policy
 
 
 def _utf8_bytes(text: str | None) -> int:

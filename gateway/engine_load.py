@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from backend.llm_engine import EngineStats
+    from ctxgate.backend.engine.llm_engine import EngineStats
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class LoadReader(Protocol):
 
 @runtime_checkable
 class StatsSource(Protocol):
-    """An engine that reports its scheduler's state (backend.async_engine.AsyncEngine)."""
+    """An engine that reports its scheduler's state (ctxgate.backend.engine.async_engine.AsyncEngine)."""
 
     def stats(self) -> EngineStats: ...
 

@@ -5,7 +5,7 @@ to the prompt behind its back (vLLM's `documents`, `tools`), or that re-renders 
 `chat_template_kwargs`, `add_generation_prompt`, ...), would escape all three. So the fields that go
 on are an explicit allow-list: sampling and output fields are forwarded as they are; `tools` and
 `documents` are neutralised like messages and counted in the prompt's tokens (max_input_tokens and
-the quota reservation); the gateway's own fields (`backend.upstream.GATEWAY_OWNED`) are set by it;
+the quota reservation); the gateway's own fields (`ctxgate.backend.routing.upstream.GATEWAY_OWNED`) are set by it;
 everything else is dropped and named in `usage.ctxgate.dropped_params`.
 """
 
@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from backend.openai_api.errors import APIError
-from backend.upstream import GATEWAY_OWNED
-from gateway.sanitize import Neutraliser
+from ctxgate.backend.openai_api.errors import APIError
+from ctxgate.backend.routing.upstream import GATEWAY_OWNED
+from ctxgate.gateway.sanitize import Neutraliser
 
 # Fields that shape sampling or the output format, not the prompt (OpenAI's, and vLLM's extras).
 _SAMPLING = frozenset(

@@ -15,13 +15,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from backend.api import GenerationDelta, GenerationRequest
-from backend.deltas import DeltaTotals
-from backend.openai_api.errors import ClientDisconnected
-from backend.openai_api.http import unless_disconnected
-from backend.openai_api.responses import ResponseWriter, Usage, fold_chunks
-from backend.openai_api.sse import DONE, event_stream_response, sse_event
-from gateway.service import Gateway, Prepared
+from ctxgate.backend.engine.api import GenerationDelta, GenerationRequest
+from ctxgate.backend.engine.deltas import DeltaTotals
+from ctxgate.backend.openai_api.errors import ClientDisconnected
+from ctxgate.backend.openai_api.http import unless_disconnected
+from ctxgate.backend.openai_api.responses import ResponseWriter, Usage, fold_chunks
+from ctxgate.backend.openai_api.sse import DONE, event_stream_response, sse_event
+from ctxgate.gateway.service import Gateway, Prepared
 
 
 class Generation:

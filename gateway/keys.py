@@ -51,7 +51,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from compression.index_names import INDEX_NAME_PATTERN
+from ctxgate.compression.store.index_names import INDEX_NAME_PATTERN
 
 ANONYMOUS_TENANT = "anonymous"
 KEY_PREFIX = "cg-"

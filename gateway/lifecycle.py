@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from backend.guided import compiler_for
-from gateway.service import Gateway
+from ctxgate.backend.engine.guided import compiler_for
+from ctxgate.gateway.service import Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +94,11 @@ class EmbedderLoad:
             logger.exception("loading the embedding model failed")
 
     def _load(self) -> None:
-        from backend import openmp
+        from ctxgate.backend.platform import openmp
 
         if self.stopping.is_set():
             return
-        openmp.limit_calling_thread(1)  # no OpenMP team beside the engine's (backend/openmp.py)
+        openmp.limit_calling_thread(1)  # no OpenMP team beside the engine's (backend/platform/openmp.py)
         started = time.perf_counter()
         calls = self.pipeline.warm_up(self.stopping)
         logger.info("embedding model loaded and warmed up (%d calls) in %.1f s", calls, time.perf_counter() - started)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.metrics import GatewayMetrics
+from ctxgate.gateway.metrics import GatewayMetrics
 
 _COUNTED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/ctxgate/compress", "/v1/ctxgate/policies",

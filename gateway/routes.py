@@ -13,16 +13,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backend.api import GenerationRequest
-from backend.openai_api.errors import APIError
-from backend.openai_api.http import parse_body, parse_body_and_json
-from backend.openai_api.request_params import OutputOptions
-from backend.openai_api.responses import ResponseWriter
-from gateway.generation import Generation, complete, stream
-from gateway.keys import Tenant
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
-from gateway.service import Gateway, Prepared, compression_figures
-from policies.loader import ReloadError
+from ctxgate.backend.engine.api import GenerationRequest
+from ctxgate.backend.openai_api.errors import APIError
+from ctxgate.backend.openai_api.http import parse_body, parse_body_and_json
+from ctxgate.backend.openai_api.request_params import OutputOptions
+from ctxgate.backend.openai_api.responses import ResponseWriter
+from ctxgate.gateway.generation import Generation, complete, stream
+from ctxgate.gateway.keys import Tenant
+from ctxgate.gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
+from ctxgate.gateway.service import Gateway, Prepared, compression_figures
+from ctxgate.policies.loader import ReloadError
 
 
 def add_routes(app: FastAPI) -> None:

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from compression.rendering import LINE_MARKERS
-from compression.types import CompressionInput
+from ctxgate.compression.rendering import LINE_MARKERS
+from ctxgate.compression.types import CompressionInput
 
 ZERO_WIDTH_SPACE = "\u200b"
 # Built from the renderer's own list, so a marker added there is neutralised here too. The indent
@@ -40,7 +40,7 @@ KNOWN_CONTROL_TOKENS = (
 
 
 class SpecialTokenSource(Protocol):
-    """What the neutraliser needs of a tokenizer (backend.tokenizer.Tokenizer, TiktokenTokenizer)."""
+    """What the neutraliser needs of a tokenizer (ctxgate.backend.model.tokenizer.Tokenizer, TiktokenTokenizer)."""
 
     def special_tokens(self) -> set[str]: ...
 

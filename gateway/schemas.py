@@ -1,4 +1,4 @@
-"""The gateway's request bodies: the shared OpenAI ones (`backend.openai_api.schemas`) plus ctxgate's extras."""
+"""The gateway's request bodies: the shared OpenAI ones (`ctxgate.backend.openai_api.schemas`) plus ctxgate's extras."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from backend.openai_api import schemas as openai
+from ctxgate.backend.openai_api import schemas as openai
 
 
 class _Strict(BaseModel):

@@ -1,6 +1,6 @@
 """Request orchestration, independent of HTTP: auth, policy, budget, quota, accounting.
 
-The routes in `gateway.app` parse and respond; everything that decides something lives here.
+The routes in `ctxgate.gateway.app` parse and respond; everything that decides something lives here.
 """
 
 from __future__ import annotations
@@ -17,38 +17,45 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from backend.api import EngineClient, EngineError, Priority, RequestMetrics, SamplingParams
-from backend.bounded_encode import TextNotTokenizable
-from backend.deltas import DeltaTotals
-from backend.model_group import ModelRouter
-from backend.openai_api.errors import APIError, generic_server_error
-from backend.openai_api.fields import enforce_supported
-from backend.openai_api.request_params import EngineAsks, engine_asks
-from backend.openai_api.responses import Usage
-from backend.upstream import UpstreamRefused
-from compression.counting import CachedCounter
-from compression.index_names import InvalidIndexName, UnknownIndexError, check_index_name
-from compression.types import (
+from ctxgate.backend.engine.api import EngineClient, EngineError, Priority, RequestMetrics, SamplingParams
+from ctxgate.backend.engine.deltas import DeltaTotals
+from ctxgate.backend.openai_api.errors import APIError, generic_server_error
+from ctxgate.backend.openai_api.fields import enforce_supported
+from ctxgate.backend.openai_api.request_params import EngineAsks, engine_asks
+from ctxgate.backend.openai_api.responses import Usage
+from ctxgate.backend.platform.bounded_encode import TextNotTokenizable
+from ctxgate.backend.routing.model_router import ModelRouter
+from ctxgate.backend.routing.upstream import UpstreamRefused
+from ctxgate.compression.counting import CachedCounter
+from ctxgate.compression.store.index_names import InvalidIndexName, UnknownIndexError, check_index_name
+from ctxgate.compression.types import (
     BudgetExceededError,
     CompressionInput,
     CompressionResult,
     Document,
     RetrievalSpec,
 )
-from gateway.affinity import affinity_key
-from gateway.budget_control import BudgetController, Decision, Outcome
-from gateway.early_checks import output_token_bound, prompt_token_bound
-from gateway.engine_load import reader_for
-from gateway.forwarding import forwarded_fields, forwarded_prompt_tokens
-from gateway.keys import KeyRejected, KeyStore, Tenant
-from gateway.metrics import GatewayMetrics
-from gateway.model_tokenizers import load_model_tokenizers
-from gateway.quota import SPEND_SCALE, QuotaExceeded, QuotaLimits, QuotaStore, Reservation, StoreUnavailable
-from gateway.request_id import current_request, note_tenant, received_at
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, CtxgateExtras, GatewayRequest
-from gateway.settings import GatewaySettings
-from policies.loader import PolicyRegistry, apply_overrides
-from policies.schema import CostPolicy, Policy
+from ctxgate.gateway.affinity import affinity_key
+from ctxgate.gateway.budget_control import BudgetController, Decision, Outcome
+from ctxgate.gateway.early_checks import output_token_bound, prompt_token_bound
+from ctxgate.gateway.engine_load import reader_for
+from ctxgate.gateway.forwarding import forwarded_fields, forwarded_prompt_tokens
+from ctxgate.gateway.keys import KeyRejected, KeyStore, Tenant
+from ctxgate.gateway.metrics import GatewayMetrics
+from ctxgate.gateway.quota import (
+    SPEND_SCALE,
+    QuotaExceeded,
+    QuotaLimits,
+    QuotaStore,
+    Reservation,
+    StoreUnavailable,
+)
+from ctxgate.gateway.request_id import current_request, note_tenant, received_at
+from ctxgate.gateway.schemas import ChatCompletionRequest, CompletionRequest, CtxgateExtras, GatewayRequest
+from ctxgate.gateway.settings import GatewaySettings
+from ctxgate.gateway.tokenizer_per_model import load_model_tokenizers
+from ctxgate.policies.loader import PolicyRegistry, apply_overrides
+from ctxgate.policies.schema import CostPolicy, Policy
 
 logger = logging.getLogger(__name__)
 # Most sequences one upstream request may make (`n`, `best_of`), as OpenAI's own limit on `n`.
@@ -89,7 +96,7 @@ class Prepared:
 
 
 class Pipeline(Protocol):
-    """What the gateway needs of a compressor (compression.pipeline.CompressionPipeline is the one)."""
+    """What the gateway needs of a compressor (ctxgate.compression.pipeline.CompressionPipeline is the one)."""
 
     async def run(self, inp: CompressionInput, policy: Policy,
                   prepare: Callable[[CompressionInput], CompressionInput] | None = None,
@@ -325,7 +332,7 @@ class Gateway:
                      raw: dict[str, Any] | None) -> tuple[list[str], dict[str, Any] | None]:
         """(dropped field names, fields to forward). The built-in engine refuses (400) what it cannot
         honour unless drop_params; an upstream gets the allow-listed part of the client's body
-        (`gateway.forwarding`), the rest dropped and named."""
+        (`ctxgate.gateway.forwarding`), the rest dropped and named."""
         if self.engine_for(body.model).forwards_fields:
             fields = dict(raw) if raw is not None else body.model_dump(exclude_unset=True)
             forwarded = forwarded_fields(fields, isinstance(body, ChatCompletionRequest),

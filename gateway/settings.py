@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from backend.settings_cli import Cli
-from gateway.model_list import ModelConfig, check_model_list
+from ctxgate.backend.settings.flags import Cli
+from ctxgate.gateway.model_list_config import ModelConfig, check_model_list
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0

@@ -14,7 +14,7 @@ from types import FrameType
 
 import uvicorn
 
-from gateway.admission import AdmissionController
+from ctxgate.gateway.admission import AdmissionController
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from policies.schema import Policy
+from ctxgate.policies.schema import Policy
 
 logger = logging.getLogger(__name__)
 

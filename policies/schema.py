@@ -73,7 +73,7 @@ class ExtractionPolicy(_Section):
     # found so far (pseudo-relevance feedback), so the bridge passage is found too.
     expand_query: bool = False
     # How a sentence's relevance is computed: "fused", embedding + lexical + passage score at hand
-    # weights; "learned", compression.learned's fitted combination of compression.sentence_features.
+    # weights; "learned", ctxgate.compression.learned's fitted combination of ctxgate.compression.sentence_features.
     scorer: Literal["fused", "learned"] = "fused"
 
 

@@ -14,14 +14,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from backend.model_prepare import prepare_default_model
+    from ctxgate.backend.model.model_prepare import prepare_default_model
 
     return prepare_default_model()
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from backend.tokenizer import load_tokenizer
+    from ctxgate.backend.model.tokenizer import load_tokenizer
 
     return load_tokenizer(str(model_dir))
 
@@ -53,6 +53,6 @@ def qwen_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def qwen_dir(qwen_gguf) -> Path:
-    from backend.model_prepare import prepare_gguf
+    from ctxgate.backend.model.model_prepare import prepare_gguf
 
     return prepare_gguf(qwen_gguf)

@@ -1,6 +1,6 @@
 """The OpenAI wire protocol, written once for both HTTP servers.
 
-`backend.server` (the engine's own server) and `gateway.app` (the prompt-budget gateway) import
+`ctxgate.backend.serving.server` (the engine's own server) and `ctxgate.gateway.app` (the prompt-budget gateway) import
 everything they say on the wire from here, so the two cannot drift:
 
 - `schemas`: request bodies (`ChatCompletionRequest`, `CompletionRequest`) and message flattening;

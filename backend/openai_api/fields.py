@@ -6,7 +6,7 @@ and the dropped names are reported. A field is never accepted and then silently 
 sent with its neutral value (`n: 1`, `presence_penalty: 0`, `response_format: {"type": "text"}`, ...)
 asks for nothing the engine does not do, so it is accepted.
 
-An upstream server gets every field forwarded instead (`backend.upstream`), and decides itself.
+An upstream server gets every field forwarded instead (`ctxgate.backend.routing.upstream`), and decides itself.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from backend.openai_api.errors import APIError
-from backend.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from ctxgate.backend.openai_api.errors import APIError
+from ctxgate.backend.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 
 Neutral = Callable[[Any], bool]
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 
-from backend.openai_api.errors import (
+from ctxgate.backend.openai_api.errors import (
     APIError,
     BodyReadTimeout,
     BodyTooLarge,

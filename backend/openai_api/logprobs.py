@@ -6,8 +6,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from backend.api import TokenLogprob
-from backend.tokenizer import Tokenizer
+from ctxgate.backend.engine.api import TokenLogprob
+from ctxgate.backend.model.tokenizer import Tokenizer
 
 
 @lru_cache(maxsize=1)

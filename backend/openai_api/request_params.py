@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from backend.api import MAX_N, MAX_TOP_LOGPROBS
-from backend.guided import ANONYMOUS_TENANT, Guide, GuideError, GuideSpec, compiler_for
-from backend.openai_api.errors import APIError
-from backend.openai_api.schemas import ChatCompletionRequest, CompletionRequest
-from backend.openai_api.tools import ToolUse, tool_use
-from backend.tokenizer import Tokenizer
+from ctxgate.backend.engine.api import MAX_N, MAX_TOP_LOGPROBS
+from ctxgate.backend.engine.guided import ANONYMOUS_TENANT, Guide, GuideError, GuideSpec, compiler_for
+from ctxgate.backend.model.tokenizer import Tokenizer
+from ctxgate.backend.openai_api.errors import APIError
+from ctxgate.backend.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from ctxgate.backend.openai_api.tools import ToolUse, tool_use
 
 Body = ChatCompletionRequest | CompletionRequest
 

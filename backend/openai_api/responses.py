@@ -7,11 +7,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from backend.api import GenerationDelta, TokenLogprob
-from backend.deltas import ChoiceTotals, DeltaTotals
-from backend.openai_api.logprobs import chat_logprobs, completion_logprobs
-from backend.openai_api.request_params import OutputOptions
-from backend.openai_api.sse import sse_event
+from ctxgate.backend.engine.api import GenerationDelta, TokenLogprob
+from ctxgate.backend.engine.deltas import ChoiceTotals, DeltaTotals
+from ctxgate.backend.openai_api.logprobs import chat_logprobs, completion_logprobs
+from ctxgate.backend.openai_api.request_params import OutputOptions
+from ctxgate.backend.openai_api.sse import sse_event
 
 
 class PromptTokensDetails(BaseModel):

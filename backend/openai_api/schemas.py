@@ -6,14 +6,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from backend.admission import MAX_STOP_SEQUENCES
-from backend.openai_api.errors import APIError
+from ctxgate.backend.engine.sampling_checks import MAX_STOP_SEQUENCES
+from ctxgate.backend.openai_api.errors import APIError
 
 
 class _Lenient(BaseModel):
     # Clients (the OpenAI SDK, LangChain, vLLM extras, ...) send fields not modelled here. They are
     # kept (`model_extra`) rather than dropped: an upstream gets them forwarded untouched, and the
-    # built-in engine refuses the known ones it cannot honour (`backend.openai_api.fields`).
+    # built-in engine refuses the known ones it cannot honour (`ctxgate.backend.openai_api.fields`).
     model_config = ConfigDict(extra="allow")
 
 

@@ -15,11 +15,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from backend.guided import GuideError, GuideSpec, check_schema_shape
-from backend.openai_api.errors import APIError
+from ctxgate.backend.engine.guided import GuideError, GuideSpec, check_schema_shape
+from ctxgate.backend.model.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from ctxgate.backend.openai_api.errors import APIError
 
 MAX_TOOLS = 64
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _TAGGED_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(\{.*?\})\s*" + re.escape(TOOL_CALL_CLOSE), re.S)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -53,7 +53,7 @@ class ToolUse:
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape). Client text: the gateway
-        neutralises it before rendering (gateway.sanitize.Neutraliser.value)."""
+        neutralises it before rendering (ctxgate.gateway.sanitize.Neutraliser.value)."""
         return [{"type": "function", "function": {"name": f.name, "parameters": f.parameters}
                  | ({"description": f.description} if f.description else {})} for f in self.functions]
 
@@ -126,39 +126,3 @@ def _functions(tools: Any) -> tuple[Function, ...]:
             raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
         functions.append(Function(name, parameters, description))
     return tuple(functions)
-
-
-def fold_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Messages for a chat template that knows nothing of tools: the tools and the call format go
-    into the system message, an assistant's calls become `<tool_call>` text, a tool result a turn of
-    role "tool"."""
-    folded = []
-    for message in messages:
-        content = message.get("content") or ""
-        calls = message.get("tool_calls")
-        calls = [call for call in calls if isinstance(call, dict)] if isinstance(calls, list) else []
-        if calls:
-            content = (content + "\n" if content else "") + "\n".join(_tagged(call) for call in calls)
-        folded.append({"role": message["role"], "content": content})
-    if tools:
-        preamble = ("You may call functions. The functions, as JSON schemas:\n"
-                    + "\n".join(json.dumps(tool.get("function", tool), ensure_ascii=False) for tool in tools)
-                    + f"\nTo call one, answer with {TOOL_CALL_OPEN}{{\"name\": <name>, \"arguments\": <object>}}"
-                    f"{TOOL_CALL_CLOSE}.")
-        if folded and folded[0]["role"] == "system":
-            folded[0] = {"role": "system", "content": folded[0]["content"] + "\n\n" + preamble}
-        else:
-            folded.insert(0, {"role": "system", "content": preamble})
-    return folded
-
-
-def _tagged(call: dict[str, Any]) -> str:
-    function = call.get("function")
-    function = function if isinstance(function, dict) else {}
-    arguments = function.get("arguments", "{}")
-    try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
-        pass  # kept as the string the client sent
-    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
-    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"

@@ -5,7 +5,7 @@ entity's passage names: "What position was held by the woman who portrayed Corli
 film Kiss and Tell?" needs the Kiss and Tell passage (it names Shirley Temple) and then the Shirley
 Temple passage (it holds the answer). The second passage shares few words with the question, so a
 single-hop scorer ranks it low and a tight budget drops it. The learned scorer
-(compression.sentence_features, compression.learned) follows such links with features fitted on
+(ctxgate.compression.sentence_features, ctxgate.compression.learned) follows such links with features fitted on
 held-out halves; this package holds the text work they use, and the older query-expansion hop.
 
 The package, one idea per module:

@@ -5,7 +5,7 @@ Ernst Mach, whom the Mach's principle passage names and whose employer's passage
 ... assistant to Ernst Mach at Charles University") names him again. What holds for any question:
 the names a first-hop sentence adds to the question (capitalised word runs it does not hold) point
 to the passages that name them as well, and those are where the next hop continues
-(compression.sentence_features' link and pointer features).
+(ctxgate.compression.sentence_features' link and pointer features).
 
 Every function here sees client text and runs in time linear in it (one regular-expression scan
 without nested repetition, then set and substring work).
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 
-from compression.multihop.names import mentions, normalise
-from compression.text import STOPWORDS, content_words
+from ctxgate.compression.multihop.names import mentions, normalise
+from ctxgate.compression.text import STOPWORDS, content_words
 
 # A name: capitalised words (or numbers inside one: "Louis XIV", "Apollo 11"), joined by blanks and
 # the lower-case particles names carry ("Charles University", "Mark Twain", "Alice de Lusignan",
@@ -39,7 +39,7 @@ MAX_ENTITIES = 8
 
 
 def entities(text: str) -> list[str]:
-    """The names `text` holds, normalised (compression.multihop.names.normalise), in text order,
+    """The names `text` holds, normalised (ctxgate.compression.multihop.names.normalise), in text order,
     without duplicates: 'He was an assistant to Ernst Mach at Charles University' ->
     ['ernst mach', 'charles university']."""
     found: dict[str, None] = {}

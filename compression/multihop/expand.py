@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from compression.multihop.names import mentions, title_core
-from compression.rerank import minmax
-from compression.scoring import EMBEDDING_WEIGHT, LEXICAL_WEIGHT, SentenceUnit, lexical_overlap
-from compression.state import Passage
+from ctxgate.compression.multihop.names import mentions, title_core
+from ctxgate.compression.rerank import minmax
+from ctxgate.compression.scoring import EMBEDDING_WEIGHT, LEXICAL_WEIGHT, SentenceUnit, lexical_overlap
+from ctxgate.compression.state import Passage
 
 # The passage term's weight when the question may need a second hop (1.0 otherwise).
 MULTI_HOP_PASSAGE_WEIGHT = 0.20

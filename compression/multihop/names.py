@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import re
 
-from compression.cache import byte_bounded_cache
+from ctxgate.compression.store.cache import byte_bounded_cache
 
 MIN_TITLE_CHARS = 3
 

@@ -8,21 +8,21 @@ done on first need (sentence split, pre-filter, the question's embedding). Stage
 from cached per-unit counts; the fit stage checks the exact count of the final prompt. When the
 cost check decides compressing does not pay (or the policy disables it), the compressing stages
 stand aside and the fit sends the original. The multi-hop logic the rerank and extraction stages
-call lives in compression.multihop.
+call lives in ctxgate.compression.multihop.
 """
 
 from __future__ import annotations
 
-from compression.stages.assembly import AssemblyStage
-from compression.stages.base import Stage
-from compression.stages.cost_check import CostCheckStage
-from compression.stages.dedup import DedupStage
-from compression.stages.extraction import ExtractionStage
-from compression.stages.fit import FitStage
-from compression.stages.history import HistoryStage
-from compression.stages.message_context import MessageContextStage
-from compression.stages.rerank import RerankStage
-from compression.stages.retrieval import RetrievalStage
+from ctxgate.compression.stages.assembly import AssemblyStage
+from ctxgate.compression.stages.base import Stage
+from ctxgate.compression.stages.cost_check import CostCheckStage
+from ctxgate.compression.stages.dedup import DedupStage
+from ctxgate.compression.stages.extraction import ExtractionStage
+from ctxgate.compression.stages.fit import FitStage
+from ctxgate.compression.stages.history import HistoryStage
+from ctxgate.compression.stages.lift_context import MessageContextStage
+from ctxgate.compression.stages.rerank import RerankStage
+from ctxgate.compression.stages.retrieval import RetrievalStage
 
 # The pipeline, in order. Retrieval and the context found inside messages come first because the
 # original prompt (and the cost check) must include those passages; history runs before the documents stages because the

@@ -5,10 +5,10 @@ Rule: it only orders (`assembly.order`); the fit stage renders them.
 
 from __future__ import annotations
 
-from compression.rendering import order_passages
-from compression.stages.base import Stage, StageContext
-from compression.state import PipelineState
-from compression.types import StageReport
+from ctxgate.compression.rendering import order_passages
+from ctxgate.compression.stages.base import Stage, StageContext
+from ctxgate.compression.state import PipelineState
+from ctxgate.compression.types import StageReport
 
 
 class AssemblyStage(Stage):

@@ -15,11 +15,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from compression.counting import CachedCounter
-from compression.services import Services
-from compression.state import PipelineState
-from compression.types import StageReport
-from policies.schema import Policy
+from ctxgate.compression.counting import CachedCounter
+from ctxgate.compression.services import Services
+from ctxgate.compression.state import PipelineState
+from ctxgate.compression.types import StageReport
+from ctxgate.policies.schema import Policy
 
 
 @dataclass

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from compression.counting import CachedCounter
-from compression.extraction import drop_lowest_sentence
-from compression.history import turn_units
-from compression.rendering import render_messages, summary_text
-from compression.stages.base import StageContext
-from compression.state import Passage, PipelineState, message_text
-from compression.types import BudgetExceededError
+from ctxgate.compression.counting import CachedCounter
+from ctxgate.compression.extraction import drop_lowest_sentence
+from ctxgate.compression.history import turn_units
+from ctxgate.compression.rendering import render_messages, summary_text
+from ctxgate.compression.stages.base import StageContext
+from ctxgate.compression.state import Passage, PipelineState, message_text
+from ctxgate.compression.types import BudgetExceededError
 
 MESSAGE_FRAMING_TOKENS = 5  # role + start/end markers around one chat message (estimate)
 

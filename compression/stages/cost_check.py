@@ -8,12 +8,12 @@ Rule: when the pinned parts alone are over the budget the request is refused
 
 from __future__ import annotations
 
-from compression.rendering import order_passages, render_context, render_messages, render_slots
-from compression.stages.base import Stage, StageContext
-from compression.stages.budget import forced_saving, pinned_tokens
-from compression.state import PipelineState, RenderedPrompt
-from compression.types import StageReport
-from policies.schema import Policy
+from ctxgate.compression.rendering import order_passages, render_context, render_messages, render_slots
+from ctxgate.compression.stages.base import Stage, StageContext
+from ctxgate.compression.stages.budget import forced_saving, pinned_tokens
+from ctxgate.compression.state import PipelineState, RenderedPrompt
+from ctxgate.compression.types import StageReport
+from ctxgate.policies.schema import Policy
 
 
 class CostCheckStage(Stage):

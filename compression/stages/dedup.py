@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from compression.dedup import duplicate_indices
-from compression.rerank import passage_embedding_texts, passage_text_for_scoring, passage_vectors
-from compression.stages.base import Stage, StageContext
-from compression.stages.budget import passages_tokens
-from compression.stages.prepare import embed_with_question, ensure_candidates, ensure_sentences
-from compression.state import Passage, PipelineState
-from compression.types import StageReport
-from policies.schema import Policy
+from ctxgate.compression.dedup import duplicate_indices
+from ctxgate.compression.rerank import passage_embedding_texts, passage_text_for_scoring, passage_vectors
+from ctxgate.compression.stages.base import Stage, StageContext
+from ctxgate.compression.stages.budget import passages_tokens
+from ctxgate.compression.stages.prepare import embed_with_question, ensure_candidates, ensure_sentences
+from ctxgate.compression.state import Passage, PipelineState
+from ctxgate.compression.types import StageReport
+from ctxgate.policies.schema import Policy
 
 
 class DedupStage(Stage):

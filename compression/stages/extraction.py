@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from compression.counting import CachedCounter
-from compression.extraction import score_sentences, select_sentences, trim_block_to_budget
-from compression.knapsack import knapsack
-from compression.rendering import render_context, render_passage
-from compression.scoring import values_from_scores
-from compression.stages.base import Stage, StageContext
-from compression.stages.budget import documents_budget, passages_tokens
-from compression.stages.prepare import ensure_candidates
-from compression.state import Passage, PipelineState
-from compression.types import StageReport
-from policies.schema import ExtractionPolicy
+from ctxgate.compression.counting import CachedCounter
+from ctxgate.compression.extraction import score_sentences, select_sentences, trim_block_to_budget
+from ctxgate.compression.knapsack import knapsack
+from ctxgate.compression.rendering import render_context, render_passage
+from ctxgate.compression.scoring import values_from_scores
+from ctxgate.compression.stages.base import Stage, StageContext
+from ctxgate.compression.stages.budget import documents_budget, passages_tokens
+from ctxgate.compression.stages.prepare import ensure_candidates
+from ctxgate.compression.state import Passage, PipelineState
+from ctxgate.compression.types import StageReport
+from ctxgate.policies.schema import ExtractionPolicy
 
 
 class ExtractionStage(Stage):

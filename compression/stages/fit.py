@@ -7,13 +7,13 @@ When the cost check skipped compression the original is sent as it is, if it fit
 
 from __future__ import annotations
 
-from compression.extraction import drop_lowest_sentence
-from compression.rendering import order_passages, render_context, render_messages, render_slots
-from compression.stages.base import Stage, StageContext
-from compression.stages.budget import drop_least_valuable_unit
-from compression.state import PipelineState, RenderedPrompt
-from compression.types import BudgetExceededError, StageReport
-from policies.schema import Policy
+from ctxgate.compression.extraction import drop_lowest_sentence
+from ctxgate.compression.rendering import order_passages, render_context, render_messages, render_slots
+from ctxgate.compression.stages.base import Stage, StageContext
+from ctxgate.compression.stages.budget import drop_least_valuable_unit
+from ctxgate.compression.state import PipelineState, RenderedPrompt
+from ctxgate.compression.types import BudgetExceededError, StageReport
+from ctxgate.policies.schema import Policy
 
 
 class FitStage(Stage):

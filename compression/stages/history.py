@@ -7,13 +7,13 @@ is kept verbatim or dropped whole, never summarized or split.
 
 from __future__ import annotations
 
-from compression.history import is_tool_unit, turn_units
-from compression.rendering import SUMMARY_HEADER
-from compression.stages.base import Stage, StageContext
-from compression.stages.budget import MESSAGE_FRAMING_TOKENS, history_tokens, turn_cost
-from compression.state import PipelineState
-from compression.types import StageReport
-from policies.schema import Policy
+from ctxgate.compression.history import is_tool_unit, turn_units
+from ctxgate.compression.rendering import SUMMARY_HEADER
+from ctxgate.compression.stages.base import Stage, StageContext
+from ctxgate.compression.stages.budget import MESSAGE_FRAMING_TOKENS, history_tokens, turn_cost
+from ctxgate.compression.state import PipelineState
+from ctxgate.compression.types import StageReport
+from ctxgate.policies.schema import Policy
 
 MIN_SUMMARY_TOKENS = 8  # below this a summary says nothing: the older turns are dropped instead
 

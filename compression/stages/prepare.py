@@ -7,10 +7,10 @@ it (their vectors come from the index).
 
 from __future__ import annotations
 
-from compression.prefilter import mark_embedding_candidates
-from compression.stages.base import StageContext
-from compression.stages.budget import documents_budget
-from compression.state import Passage, PipelineState, split_passages
+from ctxgate.compression.prefilter import mark_embedding_candidates
+from ctxgate.compression.stages.base import StageContext
+from ctxgate.compression.stages.budget import documents_budget
+from ctxgate.compression.state import Passage, PipelineState, split_passages
 
 
 def ensure_sentences(ctx: StageContext, passages: list[Passage]) -> None:

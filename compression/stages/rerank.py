@@ -6,7 +6,7 @@ Rule: at most `rerank.top_k` (and `documents.max_documents`) passages pass the c
 
 from __future__ import annotations
 
-from compression.rerank import (
+from ctxgate.compression.rerank import (
     BM25Reranker,
     CrossEncoderReranker,
     EmbeddingReranker,
@@ -14,12 +14,12 @@ from compression.rerank import (
     Reranker,
     refine_untitled,
 )
-from compression.stages.base import Stage, StageContext
-from compression.stages.budget import passages_tokens
-from compression.stages.prepare import ensure_candidates
-from compression.state import PipelineState
-from compression.types import StageReport
-from policies.schema import Policy
+from ctxgate.compression.stages.base import Stage, StageContext
+from ctxgate.compression.stages.budget import passages_tokens
+from ctxgate.compression.stages.prepare import ensure_candidates
+from ctxgate.compression.state import PipelineState
+from ctxgate.compression.types import StageReport
+from ctxgate.policies.schema import Policy
 
 
 class RerankStage(Stage):

@@ -7,10 +7,10 @@ sentence keeps its stored vector.
 
 from __future__ import annotations
 
-from compression.stages.base import Stage, StageContext
-from compression.state import Passage, PipelineState
-from compression.types import Document, StageReport
-from policies.schema import Policy
+from ctxgate.compression.stages.base import Stage, StageContext
+from ctxgate.compression.state import Passage, PipelineState
+from ctxgate.compression.types import Document, StageReport
+from ctxgate.policies.schema import Policy
 
 
 class RetrievalStage(Stage):

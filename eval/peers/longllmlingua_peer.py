@@ -29,9 +29,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from eval.datasets import EvalExample, load_dataset, resolve_dataset_path  # noqa: E402
-from eval.metrics import answer_in_text  # noqa: E402
-from eval.splits import hop_count, split_examples  # noqa: E402
+from ctxgate.eval.datasets import EvalExample, load_dataset, resolve_dataset_path  # noqa: E402
+from ctxgate.eval.metrics import answer_in_text  # noqa: E402
+from ctxgate.eval.splits import hop_count, split_examples  # noqa: E402
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "ctxgate" / "models" / "SmolLM2-135M-Instruct"
 CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"

@@ -1,9 +1,9 @@
 """Quotas per tenant and per API key: reserve before the model call, reconcile with the real count after.
 
-- `gateway.quota.model`: limits, windows, meters, reservations (pure; no I/O, no clock).
-- `gateway.quota.store`: the `QuotaStore` protocol every ledger follows, the `Clock`.
-- `gateway.quota.memory`: one process's ledger.
-- `gateway.quota.redis_store`: the ledger replicas share (atomic Lua scripts).
+- `ctxgate.gateway.quota.model`: limits, windows, meters, reservations (pure; no I/O, no clock).
+- `ctxgate.gateway.quota.store`: the `QuotaStore` protocol every ledger follows, the `Clock`.
+- `ctxgate.gateway.quota.memory`: one process's ledger.
+- `ctxgate.gateway.quota.redis_store`: the ledger replicas share (atomic Lua scripts).
 
 A reservation touches a list of meters (the tenant's and, when the key has limits of its own, the
 key's); it is admitted only if it fits under every limit. Parallel-request limits are sets of
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-from gateway.quota.memory import InProcessQuotaStore
-from gateway.quota.model import (
+from ctxgate.gateway.quota.memory import InProcessQuotaStore
+from ctxgate.gateway.quota.model import (
     BUDGET_PERIODS,
     DEFAULT_SLOT_TTL_S,
     SPEND_SCALE,
@@ -28,8 +28,8 @@ from gateway.quota.model import (
     Windows,
     build_meters,
 )
-from gateway.quota.redis_store import RedisQuotaStore
-from gateway.quota.store import Clock, QuotaStore
+from ctxgate.gateway.quota.redis_store import RedisQuotaStore
+from ctxgate.gateway.quota.store import Clock, QuotaStore
 
 __all__ = [
     "BUDGET_PERIODS", "DEFAULT_SLOT_TTL_S", "SPEND_SCALE", "Clock", "InProcessQuotaStore", "Meter", "QuotaExceeded",

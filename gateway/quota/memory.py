@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 
-from gateway.quota.model import (
+from ctxgate.gateway.quota.model import (
     COUNTER,
     NO_LIMIT,
     SLOT_HOLD,
@@ -24,7 +24,7 @@ from gateway.quota.model import (
     reconcile_deltas,
     usage_keys,
 )
-from gateway.quota.store import Clock
+from ctxgate.gateway.quota.store import Clock
 
 
 class InProcessQuotaStore:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from policies.schema import QuotaPolicy
+from ctxgate.policies.schema import QuotaPolicy
 
 MINUTE_S = 60
 DAY_S = 86400

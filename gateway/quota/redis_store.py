@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from gateway.quota.model import (
+from ctxgate.gateway.quota.model import (
     SLOT_HOLD,
     USAGE_NAMES,
     QuotaLimits,
@@ -25,7 +25,7 @@ from gateway.quota.model import (
     reconcile_deltas,
     usage_keys,
 )
-from gateway.quota.store import Clock
+from ctxgate.gateway.quota.store import Clock
 
 T = TypeVar("T")
 

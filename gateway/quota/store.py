@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from gateway.quota.model import QuotaLimits, Reservation
+from ctxgate.gateway.quota.model import QuotaLimits, Reservation
 
 # Seconds since the epoch, as time.time gives them. Injectable so tests own time instead of
 # waiting for the wall clock.

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from backend.cpu_features import ISA_CAP_ENV, TORCH_ISA_CAPS
+from ctxgate.backend.platform.cpu_features import ISA_CAP_ENV, TORCH_ISA_CAPS
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -42,8 +42,8 @@ def hf_greedy_reference(model_dir, parity_prompts) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def make_engine(model_dir):
     """Build an LLMEngine on the test model with overrides; float32 unless told otherwise."""
-    from backend.config import EngineConfig
-    from backend.llm_engine import LLMEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.backend.engine.llm_engine import LLMEngine
 
     def build(**overrides):
         # One thread: a thread pool on a shared 2-core CI box stalls whenever a neighbour runs.

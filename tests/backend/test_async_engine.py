@@ -7,15 +7,15 @@ import uuid
 
 import pytest
 
-from backend.api import EngineError, GenerationRequest, SamplingParams
+from ctxgate.backend.engine.api import EngineError, GenerationRequest, SamplingParams
 from tests.support.metrics import metric_value
 from tests.support.waiting import wait_until_engine_idle
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
 
     config = EngineConfig(
         model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=64,
@@ -172,8 +172,8 @@ async def test_a_failing_job_fails_its_future_not_the_engine(engine):
 
 
 def test_jobs_are_refused_after_shutdown(model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
 
     config = EngineConfig(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=16, max_model_len=128)
     stopped = AsyncEngine(config)

@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.api import SamplingParams
-from backend.attention import (
+from ctxgate.backend.engine.api import SamplingParams
+from ctxgate.backend.engine.config import EngineConfig
+from ctxgate.backend.engine.model_runner import ModelRunner
+from ctxgate.backend.engine.scheduler import ScheduledSequence
+from ctxgate.backend.engine.sequence import Sequence
+from ctxgate.backend.engine.startup import check_device_support, resolve_device, use_decode_graphs
+from ctxgate.backend.model.attention import (
     AttentionMetadata,
     CPUBatchedAttention,
     create_backend,
@@ -24,20 +29,20 @@ from backend.attention import (
     gathered_decode_attention,
     resolve_backend_name,
 )
-from backend.attention_cuda import CUDAAttention, padding_bias
-from backend.config import EngineConfig
-from backend.decode_graphs import (
+from ctxgate.backend.model.attention_cuda import CUDAAttention, padding_bias
+from ctxgate.backend.model.decode_graphs import (
     DecodeBatch,
     DecodeGraphs,
     DecodeInputBuffers,
     capture_sizes,
     padded_batch_size,
 )
-from backend.engine_setup import check_device_support, resolve_device, use_decode_graphs
-from backend.kv_cache import KVCache, KVCacheSpec, activation_reserve_bytes, kv_blocks_for_gpu_memory
-from backend.model_runner import ModelRunner
-from backend.scheduler import ScheduledSequence
-from backend.sequence import Sequence
+from ctxgate.backend.model.kv_cache import (
+    KVCache,
+    KVCacheSpec,
+    activation_reserve_bytes,
+    kv_blocks_for_gpu_memory,
+)
 from tests.backend.engine_fixtures import PARITY_MAX_TOKENS
 
 GREEDY = SamplingParams(max_tokens=PARITY_MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -105,7 +110,7 @@ def test_decode_graphs_default_on_for_the_cuda_backend_only():
 
 
 def test_cli_flags_reach_the_config():
-    from backend.cli import add_engine_arguments, engine_config_from_args
+    from ctxgate.backend.serving.cli import add_engine_arguments, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
@@ -123,7 +128,7 @@ def test_cpu_decode_kernel_is_never_called_with_non_cpu_tensors(monkeypatch):
     """Meta tensors stand in for GPU ones: the C++ kernel has no meta (nor CUDA) implementation
     (and is not even loaded here), so reaching it would raise; the guard sends them down the
     gathered path."""
-    from backend import cpu_kernels
+    from ctxgate.backend.model import cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "load", lambda: True)  # as if built: the backend would use it
     spec = KVCacheSpec(1, 3, 64, 16, torch.bfloat16, False)
@@ -201,7 +206,7 @@ TRITON_CASES = {  # name: (dtype, int8 KV, tolerance against the gathered float 
 def triton_kernel_errors() -> dict[str, float]:
     """Max |Triton kernel - gathered reference| per case; run under TRITON_INTERPRET=1 (a fresh
     process: triton decides between compiling and interpreting when it is first imported)."""
-    from backend import triton_paged_attention
+    from ctxgate.backend.model import triton_paged_attention
 
     assert triton_paged_attention.interpreter_enabled()
     assert CUDAAttention(9, 3, 64, decode_kernel="triton").decode_kernel_for(torch.empty(1, 9, 64), 16) == "triton"
@@ -237,7 +242,7 @@ def test_triton_paged_decode_kernel_matches_the_gathered_reference(tmp_path):
 
 def test_triton_kernel_runs_on_gpu_tensors_only_unless_interpreted():
     pytest.importorskip("triton", reason="triton is not installed")
-    from backend import triton_paged_attention
+    from ctxgate.backend.model import triton_paged_attention
 
     if triton_paged_attention.interpreter_enabled():
         pytest.skip("this process imported triton in interpreter mode")

@@ -10,9 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from backend.api import SamplingParams
-from backend.block_manager import NO_PARENT_HASH, BlockManager, InvariantError, hash_block
-from backend.sequence import Sequence
+from ctxgate.backend.engine.api import SamplingParams
+from ctxgate.backend.engine.block_manager import NO_PARENT_HASH, BlockManager, InvariantError, hash_block
+from ctxgate.backend.engine.sequence import Sequence
 
 BLOCK = 4
 

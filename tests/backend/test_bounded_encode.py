@@ -9,8 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend.bounded_encode import MAX_WHITESPACE_RUN, TextNotTokenizable, encode_in_pieces, pieces
-from gateway.tokenizers import TiktokenTokenizer
+from ctxgate.backend.platform.bounded_encode import (
+    MAX_WHITESPACE_RUN,
+    TextNotTokenizable,
+    encode_in_pieces,
+    pieces,
+)
+from ctxgate.gateway.tokenizer_spec import TiktokenTokenizer
 
 RUN = "\n"
 # Text shapes real prompts have: words, digits, punctuation, newlines, CJK, whitespace runs.

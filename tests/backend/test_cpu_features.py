@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend import cpu_features
-from backend.cpu_features import ISA_CAP_ENV, TORCH_ISA_CAPS, choose_path, cpu_path, runnable_kernel_isas
+from ctxgate.backend.platform import cpu_features
+from ctxgate.backend.platform.cpu_features import (
+    ISA_CAP_ENV,
+    TORCH_ISA_CAPS,
+    choose_path,
+    cpu_path,
+    runnable_kernel_isas,
+)
 
 ZEN3 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
 SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -85,7 +91,7 @@ def test_engine_follows_the_cpu_path(make_engine):
 
 
 def _greedy(max_tokens: int):
-    from backend.api import SamplingParams
+    from ctxgate.backend.engine.api import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import cpu_kernels
-from backend.cpu_features import ISA_CAP_ENV, ISA_FEATURES, KERNEL_ISAS, runnable_kernel_isas
-from backend.kv_cache import KVCache, KVCacheSpec
+from ctxgate.backend.model import cpu_kernels
+from ctxgate.backend.model.kv_cache import KVCache, KVCacheSpec
+from ctxgate.backend.platform.cpu_features import ISA_CAP_ENV, ISA_FEATURES, KERNEL_ISAS, runnable_kernel_isas
 from tests.backend.capped_cpu import run_capped
 
 
@@ -103,7 +103,7 @@ def test_paged_decode_attention_rejects_bad_block_ids():
 
 def test_engine_greedy_same_with_and_without_kernels(make_engine, parity_prompts):
     """bfloat16 engine: the kernel paths (batch 1 GEMV, paged decode attention) change no token."""
-    from backend.api import SamplingParams
+    from ctxgate.backend.engine.api import SamplingParams
 
     engine = make_engine(dtype="bfloat16")
     assert engine.model.lm_head.gemv_max_rows >= 1 and engine.model.use_fused_layers and engine.attention.use_kernel
@@ -130,8 +130,8 @@ def test_elementwise_kernels_match_eager_bfloat16():
     """rms_norm, add_rms_norm, silu_and_mul and rotary_qk round where the eager bf16 code rounds."""
     import torch.nn.functional as F
 
-    from backend.model import RMSNorm
-    from backend.rope import apply_rotary
+    from ctxgate.backend.model.llama import RMSNorm
+    from ctxgate.backend.model.rope import apply_rotary
 
     generator = torch.Generator().manual_seed(11)
     rows, hidden = 5, 576
@@ -174,7 +174,7 @@ def test_kernel_path_with_chunked_prefill_prefix_cache_and_preemption(make_engin
     broken kernel produces tokens far from the argmax within a few steps."""
     from transformers import AutoModelForCausalLM
 
-    from backend.api import SamplingParams
+    from ctxgate.backend.engine.api import SamplingParams
 
     longest = max(len(p) for p in parity_prompts) + 12
     engine = make_engine(dtype="bfloat16", num_kv_blocks=-(-longest // 16) + 2, max_num_batched_tokens=16)
@@ -220,7 +220,7 @@ def test_built_kernels_load_without_a_compiler():
     import sys
 
     script = ("import logging; logging.basicConfig(level=logging.INFO); "
-              "from backend import cpu_kernels; import torch; assert cpu_kernels.load(); "
+              "from ctxgate.backend.model import cpu_kernels; import torch; assert cpu_kernels.load(); "
               "print(torch.ops.ctxgate_cpu.gemv_bf16 is not None)")
     env = os.environ | {"CXX": "/nonexistent/c++", "PATH": os.path.dirname(sys.executable)}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from backend.api import GenerationRequest, SamplingParams
+from ctxgate.backend.engine.api import GenerationRequest, SamplingParams
 from tests.backend.engine_fixtures import PARITY_MAX_TOKENS
 
 pytestmark = [
@@ -135,8 +135,8 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(make_engine, tokeniz
 
 
 def test_client_disconnect_frees_blocks(model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
     from tests.support.waiting import wait_until_engine_idle
 
     engine = AsyncEngine(EngineConfig(model=str(model_dir), device="cuda", kv_cache_memory_mb=64, max_model_len=1024))
@@ -171,10 +171,10 @@ def test_seeded_sampling_on_the_gpu_is_reproducible(make_engine, tokenizer):
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "int8"])
 def test_triton_kernel_on_gpu_matches_the_gathered_reference(name):
-    from backend import triton_paged_attention
-    from backend.attention import gathered_decode_attention
-    from backend.attention_cuda import padding_bias
-    from backend.kv_cache import KVCache
+    from ctxgate.backend.model import triton_paged_attention
+    from ctxgate.backend.model.attention import gathered_decode_attention
+    from ctxgate.backend.model.attention_cuda import padding_bias
+    from ctxgate.backend.model.kv_cache import KVCache
     from tests.backend.test_attention_cuda import TRITON_CASES, _paged_cache
 
     dtype, quantized, tolerance = TRITON_CASES[name]

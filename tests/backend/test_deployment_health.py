@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.deployment_health import DeploymentHealth, HealthPolicy
+from ctxgate.backend.routing.deployment_health import DeploymentHealth, HealthPolicy
 
 
 class Clock:

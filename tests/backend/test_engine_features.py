@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.api import EngineError, GenerationRequest, SamplingParams
+from ctxgate.backend.engine.api import EngineError, GenerationRequest, SamplingParams
 from tests.backend.engine_fixtures import PARITY_MAX_TOKENS
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from backend.api import GenerationRequest, SamplingParams
-from backend.guided import GuideSpec, compiler_for
+from ctxgate.backend.engine.api import GenerationRequest, SamplingParams
+from ctxgate.backend.engine.guided import GuideSpec, compiler_for
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
@@ -90,7 +90,7 @@ def test_json_schema_guide_makes_parseable_output(engine, tokenizer):
 
 
 def test_a_bad_grammar_is_a_guide_error_naming_the_field(tokenizer):
-    from backend.guided import GuideError
+    from ctxgate.backend.engine.guided import GuideError
 
     with pytest.raises(GuideError, match="guided_grammar could not be compiled") as caught:
         compiler_for(tokenizer).compile_now(GuideSpec("grammar", "root ::= (", "guided_grammar"))

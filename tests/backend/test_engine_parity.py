@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.api import SamplingParams
+from ctxgate.backend.engine.api import SamplingParams
 from tests.backend.engine_fixtures import PARITY_MAX_TOKENS
 
 GREEDY = SamplingParams(max_tokens=PARITY_MAX_TOKENS, temperature=0.0, ignore_eos=True)

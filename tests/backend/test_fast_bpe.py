@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from backend.fast_bpe import FastBPE
+from ctxgate.backend.model.fast_bpe import FastBPE
 
 EDGE_CASES = [
     "", " ", "\n\n", "  lead", "trail  ", "tab\tand\r\nCRLF", "'s 'S 'LL 're 've",
@@ -40,7 +40,7 @@ def test_edge_cases_have_hugging_faces_ids(tokenizer, text):
 
 
 def test_random_unicode_and_eval_passages_have_hugging_faces_ids(tokenizer):
-    from eval.datasets import load_dataset, resolve_dataset_path
+    from ctxgate.eval.datasets import load_dataset, resolve_dataset_path
 
     texts = _random_texts(500)
     for example in load_dataset(resolve_dataset_path("hotpotqa-distractor-dev.jsonl"), limit=20).examples:

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from backend.api import SamplingParams
-from backend.gguf_convert import UnsupportedModelError, undo_rope_permutation
-from backend.rope_fit import fit_llama3_scaling, llama3_factors
+from ctxgate.backend.engine.api import SamplingParams
+from ctxgate.backend.model.gguf_convert import UnsupportedModelError, undo_rope_permutation
+from ctxgate.backend.model.rope_fit import fit_llama3_scaling, llama3_factors
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, FFN = 64, 4, 2, 2, 96
 HEAD_DIM = HIDDEN // HEADS
@@ -40,8 +40,8 @@ def smollm_vocab(model_dir) -> dict:
     """The packaged SmolLM2 GGUF's tokenizer fields, to give the tiny models a real tokenizer."""
     from gguf import GGUFReader
 
-    from backend.gguf_convert import field_value
-    from backend.model_prepare import find_packaged_gguf
+    from ctxgate.backend.model.gguf_convert import field_value
+    from ctxgate.backend.model.model_prepare import find_packaged_gguf
 
     reader = GGUFReader(str(find_packaged_gguf()))
 
@@ -145,7 +145,7 @@ def write_gguf(path: Path, arch: str, vocab: dict, weights: dict[str, np.ndarray
 
 
 def _prepare(tmp_path: Path, monkeypatch, gguf_path: Path) -> Path:
-    from backend.model_prepare import prepare_gguf
+    from ctxgate.backend.model.model_prepare import prepare_gguf
 
     monkeypatch.setenv("CTXGATE_CACHE_DIR", str(tmp_path / "cache"))
     return prepare_gguf(gguf_path)
@@ -154,8 +154,8 @@ def _prepare(tmp_path: Path, monkeypatch, gguf_path: Path) -> Path:
 def _engine_matches_hf(model_dir: Path, prompts: list[list[int]]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from backend.config import EngineConfig
-    from backend.llm_engine import LLMEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.backend.engine.llm_engine import LLMEngine
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     expected = []
@@ -262,7 +262,7 @@ def test_cli_refuses_an_unsupported_gguf_with_one_line(tmp_path):
 
 
 def test_hf_directory_of_another_architecture_is_refused(tmp_path):
-    from backend.model_prepare import resolve_model_path
+    from ctxgate.backend.model.model_prepare import resolve_model_path
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"]}))
     with pytest.raises(ValueError, match="Gemma3ForCausalLM is not supported"):

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from backend.guided import (
+from ctxgate.backend.engine.guided import (
     MAX_OBJECT_PROPERTIES,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
@@ -17,9 +17,9 @@ from backend.guided import (
     GuideError,
     GuideSpec,
 )
-from backend.openai_api.errors import APIError
-from backend.openai_api.request_params import guide_spec, tools_of
-from backend.openai_api.schemas import ChatCompletionRequest
+from ctxgate.backend.openai_api.errors import APIError
+from ctxgate.backend.openai_api.request_params import guide_spec, tools_of
+from ctxgate.backend.openai_api.schemas import ChatCompletionRequest
 from tests.support.hostile_schemas import TRIVIAL, nested_arrays, slow_schema
 from tests.support.waiting import eventually
 

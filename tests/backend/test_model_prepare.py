@@ -1,6 +1,6 @@
 import json
 
-from backend.model_prepare import prepare_default_model
+from ctxgate.backend.model.model_prepare import prepare_default_model
 
 
 def test_default_model_directory_has_model_facts(model_dir):

@@ -1,4 +1,4 @@
-"""The OpenAI protocol rules both servers share (`backend.openai_api`), pinned without an engine."""
+"""The OpenAI protocol rules both servers share (`ctxgate.backend.openai_api`), pinned without an engine."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from backend.openai_api.errors import ERROR_TYPES, APIError, ClientDisconnected, install_error_handlers
-from backend.openai_api.http import BodySizeLimit, parse_body, unless_disconnected
-from backend.openai_api.responses import ResponseWriter, Usage
-from backend.openai_api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from backend.openai_api.sse import DONE, read_sse_payloads, sse_event
+from ctxgate.backend.openai_api.errors import (
+    ERROR_TYPES,
+    APIError,
+    ClientDisconnected,
+    install_error_handlers,
+)
+from ctxgate.backend.openai_api.http import BodySizeLimit, parse_body, unless_disconnected
+from ctxgate.backend.openai_api.responses import ResponseWriter, Usage
+from ctxgate.backend.openai_api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from ctxgate.backend.openai_api.sse import DONE, read_sse_payloads, sse_event
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 

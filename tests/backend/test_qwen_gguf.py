@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.api import SamplingParams
-from backend.cpu_features import ISA_CAP_ENV, TORCH_ISA_CAPS, cpu_path, runnable_kernel_isas
+from ctxgate.backend.engine.api import SamplingParams
+from ctxgate.backend.platform.cpu_features import ISA_CAP_ENV, TORCH_ISA_CAPS, cpu_path, runnable_kernel_isas
 
 pytestmark = pytest.mark.large_model
 
@@ -39,7 +39,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def qwen_tokenizer(qwen_dir):
-    from backend.tokenizer import load_tokenizer
+    from ctxgate.backend.model.tokenizer import load_tokenizer
 
     return load_tokenizer(str(qwen_dir))
 
@@ -74,8 +74,8 @@ def hf_greedy(hf_model, prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def make_qwen(qwen_dir):
-    from backend.config import EngineConfig
-    from backend.llm_engine import LLMEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.backend.engine.llm_engine import LLMEngine
 
     def build(**overrides):
         settings = {"model": str(qwen_dir), "dtype": "float32", "num_threads": 1}

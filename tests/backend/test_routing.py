@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from backend.routing import CacheAffinity, LeastOutstanding, WeightedRoundRobin, make_router
+from ctxgate.backend.routing.strategies import (
+    CacheAffinity,
+    LeastOutstanding,
+    WeightedRoundRobin,
+    make_router,
+)
 
 
 @dataclass
@@ -106,7 +111,7 @@ def test_affinity_follows_a_key_to_the_deployment_that_served_it_after_a_spill()
 
 
 def test_affinity_memory_is_bounded(monkeypatch):
-    monkeypatch.setattr("backend.routing.REMEMBERED_KEYS", 3)
+    monkeypatch.setattr("ctxgate.backend.routing.strategies.REMEMBERED_KEYS", 3)
     router, group = CacheAffinity(), slots("a", "b")
     keys = [key for key in (f"k{n}" for n in range(200)) if router.walk(group, key)[0] == 0][:5]
     for key in keys:

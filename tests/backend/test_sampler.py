@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from backend.api import SamplingParams
-from backend.sampler import GREEDY_TEMPERATURE, apply_top_k_top_p, sample
-from backend.sequence import Sequence
+from ctxgate.backend.engine.api import SamplingParams
+from ctxgate.backend.engine.sampler import GREEDY_TEMPERATURE, apply_top_k_top_p, sample
+from ctxgate.backend.engine.sequence import Sequence
 
 # Four tokens with probabilities 0.5, 0.3, 0.15, 0.05 (as logits), deliberately not in sorted order.
 PROBS = {2: 0.5, 0: 0.3, 3: 0.15, 1: 0.05}
@@ -112,7 +112,7 @@ def test_min_tokens_keeps_eos_and_stop_ids_out_until_reached():
 def test_penalties_batched_per_row():
     # Row 0: token 2 was generated twice; frequency 1 and presence 1 take 3 off its logit. Row 1 has
     # no penalties and is untouched. Row 2: repetition 2 halves the positive logit of prompt token 1.
-    from backend.sampler import apply_penalties
+    from ctxgate.backend.engine.sampler import apply_penalties
 
     penalised = make_seq(frequency_penalty=1.0, presence_penalty=1.0)
     penalised.token_ids += [2, 2]
@@ -134,7 +134,7 @@ def test_min_p_drops_tokens_below_its_share_of_the_top():
 
 
 def test_logprobs_are_the_raw_distribution_with_the_top_alternatives():
-    from backend.sampler import sample_tokens
+    from ctxgate.backend.engine.sampler import sample_tokens
 
     seq = make_seq(temperature=0, logprobs=2, logit_bias={1: 50.0})
     [token] = sample_tokens(LOGITS.unsqueeze(0), [seq])

@@ -11,10 +11,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from backend.api import Priority, SamplingParams
-from backend.block_manager import BlockManager
-from backend.scheduler import Scheduler, SchedulerOutput
-from backend.sequence import Sequence
+from ctxgate.backend.engine.api import Priority, SamplingParams
+from ctxgate.backend.engine.block_manager import BlockManager
+from ctxgate.backend.engine.scheduler import Scheduler, SchedulerOutput
+from ctxgate.backend.engine.sequence import Sequence
 
 BLOCK = 4
 

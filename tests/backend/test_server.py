@@ -17,8 +17,8 @@ MAX_MODEL_LEN = 256
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
 
     config = EngineConfig(
         model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=96,
@@ -45,7 +45,7 @@ def _unique(text: str) -> str:
 
 
 async def test_engine_implements_the_client_interface(engine):
-    from backend.api import EngineClient
+    from ctxgate.backend.engine.api import EngineClient
 
     assert isinstance(engine, EngineClient)
     assert engine.tokenizer is not None
@@ -59,7 +59,7 @@ def test_models_health_and_metrics(base_url, client, engine):
     models = client.models.list()
     assert [m.id for m in models.data] == [engine.model_name]
     # The compute path that serves is on /v1/models and in the engine_path_info metric.
-    from backend.cpu_features import cpu_path
+    from ctxgate.backend.platform.cpu_features import cpu_path
 
     engine_path = models.data[0].model_extra["engine_path"]
     assert engine_path["device"] == "cpu" and engine_path["cpu_flags"] == list(cpu_path().flags)
@@ -258,7 +258,7 @@ def test_unknown_model_is_404(client, base_url):
     ("/v1/completions", {"echo": True}, "echo"),
 ])
 def test_unsupported_fields_are_400_naming_them_or_dropped_with_the_flag(base_url, engine, path, fields, param):
-    from backend.server import create_app
+    from ctxgate.backend.serving.server import create_app
     from tests.support.servers import ServerThread
 
     body = {"max_tokens": 1} | fields | (
@@ -271,7 +271,7 @@ def test_unsupported_fields_are_400_naming_them_or_dropped_with_the_flag(base_ur
 
 
 def test_api_key_guards_v1_but_not_health(engine):
-    from backend.server import create_app
+    from ctxgate.backend.serving.server import create_app
     from tests.support.servers import ServerThread
 
     with ServerThread(create_app(engine, manage_engine=False, api_key="k1")) as keyed:

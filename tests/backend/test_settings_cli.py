@@ -9,9 +9,9 @@ from typing import Annotated, Literal
 import pytest
 from pydantic import AfterValidator, BaseModel, Field
 
-from backend.config import EngineConfig, EngineServerSettings
-from backend.settings_cli import Cli, add_model_flags, given_values
-from gateway.settings import GatewaySettings
+from ctxgate.backend.engine.config import EngineConfig, EngineServerSettings
+from ctxgate.backend.settings.flags import Cli, add_model_flags, given_values
+from ctxgate.gateway.settings import GatewaySettings
 
 
 def _even(value: int) -> int:

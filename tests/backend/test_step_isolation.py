@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from backend.api import EngineError, GenerationRequest, SamplingParams
+from ctxgate.backend.engine.api import EngineError, GenerationRequest, SamplingParams
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 VICTIMS = {
@@ -134,7 +134,7 @@ def test_a_request_whose_output_handling_raises_fails_alone(engine, alone):
 def test_the_async_engine_fails_only_the_culprits_stream(engine, alone):
     """Through the engine thread: the culprit's consumer gets its 400, the victim's stream runs on,
     and the engine stays ready for the next request."""
-    from backend.async_engine import AsyncEngine
+    from ctxgate.backend.engine.async_engine import AsyncEngine
 
     long_victim = replace(VICTIMS["greedy"], max_tokens=24, ignore_eos=True)
     [long_alone] = engine.generate([PROMPT], long_victim)

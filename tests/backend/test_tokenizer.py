@@ -1,4 +1,4 @@
-from backend.tokenizer import IncrementalDetokenizer
+from ctxgate.backend.model.tokenizer import IncrementalDetokenizer
 
 
 def test_chat_template_and_counts(tokenizer):

@@ -1,4 +1,4 @@
-"""CPU decode steps traced into TorchScript (`backend/decode_graphs.py`, `cpu_decode_graphs`): a
+"""CPU decode steps traced into TorchScript (`backend/model/decode_graphs.py`, `cpu_decode_graphs`): a
 traced step computes what the eager step computes, its padding rows never touch a real block, the
 engine generates through it, and a trace that cannot run is a clear start-up error; on this CPU's
 own kernel build and, in a child process, capped to AVX2 (the other build that traces)."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import cpu_kernels
-from backend.api import GenerationRequest, SamplingParams
-from backend.cpu_features import ISA_CAP_ENV, cpu_path, runnable_kernel_isas
-from backend.scheduler import ScheduledSequence
-from backend.sequence import Sequence
+from ctxgate.backend.engine.api import GenerationRequest, SamplingParams
+from ctxgate.backend.engine.scheduler import ScheduledSequence
+from ctxgate.backend.engine.sequence import Sequence
+from ctxgate.backend.model import cpu_kernels
+from ctxgate.backend.platform.cpu_features import ISA_CAP_ENV, cpu_path, runnable_kernel_isas
 from tests.backend.capped_cpu import run_capped
 
 # Traced steps run every matmul through the C++ GEMV over bfloat16 weights.
@@ -23,8 +23,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def traced_engine(model_dir):
-    from backend.config import EngineConfig
-    from backend.llm_engine import LLMEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.backend.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory_mb=32, num_threads=1,
                                   max_num_seqs=8, cpu_decode_graphs=True))
@@ -85,8 +85,8 @@ def test_a_traced_step_computes_the_eager_step_and_padding_stays_in_the_scratch_
 def test_the_engine_generates_through_traced_steps(traced_engine, model_dir):
     """One request alone runs the same kernels either way: the same tokens as an eager engine.
     Three at once run padded to four and free every block when done."""
-    from backend.config import EngineConfig
-    from backend.llm_engine import LLMEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.backend.engine.llm_engine import LLMEngine
 
     engine = traced_engine
     prompts = [engine.tokenizer.encode(text) for text in ("The capital of France is", "1, 2, 3,", "Hello, my")]
@@ -124,7 +124,7 @@ def test_a_required_trace_that_cannot_run_is_a_clear_error(make_engine):
 
 
 def test_a_trace_that_fails_leaves_the_engine_eager_unless_it_was_required(make_engine, monkeypatch):
-    from backend.decode_graphs import DecodeGraphs
+    from ctxgate.backend.model.decode_graphs import DecodeGraphs
 
     def refuse(self):
         raise RuntimeError("this tracer rejects an op")

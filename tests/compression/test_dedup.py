@@ -1,8 +1,8 @@
 import numpy as np
 
-from compression.dedup import duplicate_indices
-from compression.types import CompressionInput, Document
-from policies.schema import Policy
+from ctxgate.compression.dedup import duplicate_indices
+from ctxgate.compression.types import CompressionInput, Document
+from ctxgate.policies.schema import Policy
 
 BASE = "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France."
 

@@ -16,8 +16,8 @@ TEXTS = ["The river Vey runs north.", "Ida Holm is the mayor of Arlen.", "Photos
 
 @pytest.fixture
 def engine(model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
 
     config = EngineConfig(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=32, max_model_len=256)
     async_engine = AsyncEngine(config)
@@ -28,7 +28,7 @@ def engine(model_dir):
 @pytest.fixture
 def own_embedder(embedder):
     """A model of its own (not the session's shared one), so runners set here stay here."""
-    from compression.embeddings import Embedder
+    from ctxgate.compression.embedding.embeddings import Embedder
 
     return Embedder(embedder.model_path, precision=embedder.precision)
 
@@ -53,12 +53,12 @@ def test_an_engine_that_shut_down_sends_the_model_back_in_process(engine, own_em
 
 
 def test_pipelines_route_the_model_through_their_runner_and_release_it_on_close(engine, tokenizer, own_embedder):
-    from compression.cache import LRUBytesCache
-    from compression.pipeline import CompressionPipeline
+    from ctxgate.compression.pipeline import CompressionPipeline
+    from ctxgate.compression.store.cache import LRUBytesCache
 
     pipeline = CompressionPipeline(tokenizer, cache=LRUBytesCache(), embed_runner=engine.run_between_steps,
                                    embed_process=True)
-    import compression.embeddings as embeddings
+    import ctxgate.compression.embedding.embeddings as embeddings
 
     key = (str(own_embedder.model_path), 0)
     previous = embeddings._shared.get(key)
@@ -97,7 +97,7 @@ def test_only_the_forward_pass_runs_on_the_engine_thread(engine, own_embedder):
 
 
 def test_warm_up_runs_each_shape_as_an_engine_job(engine, own_embedder, monkeypatch):
-    import compression.packed_encoder as packed_encoder
+    import ctxgate.compression.embedding.packed_encoder as packed_encoder
 
     monkeypatch.setattr(packed_encoder, "WARM_UP_ROWS", 3 * own_embedder._packed.chunk_tokens)
     own_embedder._packed.builds_per_shape = True  # as on the oneDNN bf16 path, whatever this CPU has
@@ -125,7 +125,7 @@ def test_calls_that_wait_for_the_engine_together_share_one_forward_pass(engine, 
     engine_seconds: dict[str, float] = {}
 
     def call(text: str) -> None:
-        from compression.batching import ENGINE_TIME, EngineTime
+        from ctxgate.compression.embedding.batching import ENGINE_TIME, EngineTime
 
         charged = EngineTime()
         ENGINE_TIME.set(charged)  # as CompressionPipeline.run_here does for each compression
@@ -160,16 +160,16 @@ def test_a_compression_reports_the_time_its_embedding_held_the_engine(engine, to
     none when every vector came from the cache, none when the model runs in process."""
     import asyncio
 
-    from compression.pipeline import CompressionPipeline
-    from compression.types import CompressionInput, Document
-    from policies.loader import load_policy_file, packaged_policy_dir
+    from ctxgate.compression.pipeline import CompressionPipeline
+    from ctxgate.compression.types import CompressionInput, Document
+    from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
     policy = load_policy_file(packaged_policy_dir() / "rag-default.yaml")
     documents = [Document(text=f"{text} It was noted in {year}.", id=f"d{year}", title=f"Note {year}")
                  for year, text in zip((1901, 1902, 1903), TEXTS, strict=True)]
     request = CompressionInput(messages=[{"role": "user", "content": "Who is the mayor of Arlen?"}],
                                documents=documents)
-    import compression.embeddings as embeddings
+    import ctxgate.compression.embedding.embeddings as embeddings
 
     key = (str(own_embedder.model_path), 0)
     previous = embeddings._shared.get(key)

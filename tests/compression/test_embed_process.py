@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compression.embed_process import EmbedProcess, EmbedProcessError
+from ctxgate.compression.embedding.embed_process import EmbedProcess, EmbedProcessError
 
 TEXTS = ["The river Vey runs north.", "Ida Holm is the mayor of Arlen.", "Photosynthesis needs light."]
 
@@ -55,7 +55,7 @@ def test_a_child_that_cannot_load_the_model_says_why(tmp_path):
 
 
 def test_an_embedder_with_a_process_routes_its_model_calls_there(embedder):
-    from compression.embeddings import Embedder
+    from ctxgate.compression.embedding.embeddings import Embedder
 
     own = Embedder(embedder.model_path, precision=embedder.precision)
     child = own.use_process(threads=1)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backend.cpu_features import cpu_path
-from compression.cache import LRUBytesCache
-from compression.embeddings import Embedder, choose_precision
+from ctxgate.backend.platform.cpu_features import cpu_path
+from ctxgate.compression.embedding.embeddings import Embedder, choose_precision
+from ctxgate.compression.store.cache import LRUBytesCache
 
 NATIVE_BF16 = cpu_path().kernel_isa == "avx512_bf16"
 SENTENCES = [

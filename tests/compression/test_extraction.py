@@ -3,8 +3,8 @@ import re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compression.types import CompressionInput, Document
-from policies.schema import Policy
+from ctxgate.compression.types import CompressionInput, Document
+from ctxgate.policies.schema import Policy
 
 FACTS = [
     "The museum opened its doors in 1793.",
@@ -77,7 +77,7 @@ async def test_extraction_keeps_the_answer_sentence(make_pipeline):
 def test_lexical_overlap_does_not_depend_on_set_iteration_order(monkeypatch):
     """A set of strings iterates in a per-process order (the string-hash seed); float sums taken in
     another order can differ in the last bit and flip a tie, so the prompt would depend on the run."""
-    import compression.scoring as scoring
+    import ctxgate.compression.scoring as scoring
 
     # Words whose weights sum to another last bit in ascending and descending order.
     question = "painter lake province valley city treaty battle duke king island"

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from compression.fair import FairScheduler, yield_turn
+from ctxgate.compression.fair import FairScheduler, yield_turn
 from tests.support.waiting import eventually
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from compression.types import CompressionInput
-from policies.schema import Policy
+from ctxgate.compression.types import CompressionInput
+from ctxgate.policies.schema import Policy
 
 CONVERSATION = [
     {"role": "user", "content": "Hi, I am planning a trip to Lisbon in May with my sister Ana."},
@@ -40,8 +40,8 @@ class CountingEngine:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
 
     config = EngineConfig(
         model=str(model_dir), dtype="float32", num_kv_blocks=96, max_num_batched_tokens=256,
@@ -156,7 +156,7 @@ async def test_truncate_strategy_drops_oldest_turns(make_pipeline):
 async def test_a_compression_worker_summarizes_through_the_engine_on_the_callers_loop(make_pipeline, engine):
     """With workers the pipeline reaches the engine through `LoopBridge` (the declared SummaryEngine
     surface, nothing else): the engine's calls run on the caller's event loop, the summary comes back."""
-    from compression.pipeline import LoopBridge
+    from ctxgate.compression.pipeline import LoopBridge
 
     counting = CountingEngine(engine)
     pipeline = make_pipeline(engine=counting, workers=1)

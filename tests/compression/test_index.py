@@ -5,9 +5,9 @@ import sys
 import numpy as np
 import pytest
 
-from compression.index import IndexStore, UnknownIndexError, build_index, chunk_sentences
-from compression.types import CompressionInput, RetrievalSpec
-from policies.schema import Policy
+from ctxgate.compression.store.index import IndexStore, UnknownIndexError, build_index, chunk_sentences
+from ctxgate.compression.types import CompressionInput, RetrievalSpec
+from ctxgate.policies.schema import Policy
 
 CORPUS = [
     {"id": "volcano", "title": "Mount Etna", "text": "Mount Etna is an active stratovolcano on the east coast of Sicily. It is one of the tallest active volcanoes in Europe."},

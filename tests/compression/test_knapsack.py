@@ -3,7 +3,7 @@ from itertools import combinations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compression.knapsack import knapsack
+from ctxgate.compression.knapsack import knapsack
 
 
 def brute_force_best(values, costs, budget):

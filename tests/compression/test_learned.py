@@ -1,5 +1,5 @@
-"""The learned sentence scorer: its features (compression.sentence_features) and their combination
-(compression.learned)."""
+"""The learned sentence scorer: its features (ctxgate.compression.sentence_features) and their combination
+(ctxgate.compression.learned)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from compression.learned import HOP_WEIGHTS, WEIGHTS, learned_scores
-from compression.scoring import VALUE_TEMPERATURE
-from compression.sentence_features import (
+from ctxgate.compression.learned import HOP_WEIGHTS, WEIGHTS, learned_scores
+from ctxgate.compression.scoring import VALUE_TEMPERATURE
+from ctxgate.compression.sentence_features import (
     FEATURES,
     HOP_FEATURES,
     answer_type,
@@ -18,8 +18,8 @@ from compression.sentence_features import (
     sentence_features,
     type_match,
 )
-from compression.state import Passage
-from compression.types import Document
+from ctxgate.compression.state import Passage
+from ctxgate.compression.types import Document
 
 
 def _passage(title: str, text: str, position: int, score: float = 0.0) -> Passage:

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from compression.multihop.names import mentions, title_core
-from compression.types import CompressionInput, Document
-from policies.schema import ExtractionPolicy, Policy
+from ctxgate.compression.multihop.names import mentions, title_core
+from ctxgate.compression.types import CompressionInput, Document
+from ctxgate.policies.schema import ExtractionPolicy, Policy
 
 BRIDGE_QUESTION = "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
 KISS = Document(
@@ -49,7 +49,7 @@ def test_a_title_is_named_with_or_without_its_apostrophes():
 
 
 def test_rag_default_follows_hops_with_its_learned_scorer_and_rag_adaptive_extracts_alike():
-    from policies.loader import load_policy_file, packaged_policy_dir
+    from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
     default = load_policy_file(packaged_policy_dir() / "rag-default.yaml")
     assert default.extraction.scorer == "learned" and default.rerank.top_k is None

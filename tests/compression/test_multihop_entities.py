@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from compression.multihop.entities import entities, new_entities
+from ctxgate.compression.multihop.entities import entities, new_entities
 
 
 def test_names_are_capitalised_runs_with_particles_and_no_sentence_openers():

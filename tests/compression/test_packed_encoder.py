@@ -6,9 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backend.cpu_features import cpu_path
-from compression.embeddings import Embedder
-from compression.packed_encoder import SMALL_CALL_TOKENS, AttentionChunks, PackedEncoder, mean_pool, supports
+from ctxgate.backend.platform.cpu_features import cpu_path
+from ctxgate.compression.embedding.embeddings import Embedder
+from ctxgate.compression.embedding.packed_encoder import (
+    SMALL_CALL_TOKENS,
+    AttentionChunks,
+    PackedEncoder,
+    mean_pool,
+    supports,
+)
 
 NATIVE_BF16 = cpu_path().kernel_isa == "avx512_bf16"
 INT8_KERNELS = cpu_path().kernel_isa != "portable"

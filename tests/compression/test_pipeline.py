@@ -4,11 +4,11 @@ from contextlib import contextmanager
 
 import pytest
 
-from compression.pipeline import PrefillCostEstimator
-from compression.rendering import order_passages
-from compression.state import Passage
-from compression.types import BudgetExceededError, CompressionInput, Document
-from policies.schema import Policy
+from ctxgate.compression.pipeline import PrefillCostEstimator
+from ctxgate.compression.rendering import order_passages
+from ctxgate.compression.state import Passage
+from ctxgate.compression.types import BudgetExceededError, CompressionInput, Document
+from ctxgate.policies.schema import Policy
 
 DOCUMENTS = [
     Document(

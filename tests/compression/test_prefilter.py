@@ -1,7 +1,7 @@
-from compression.prefilter import estimated_tokens, mark_embedding_candidates
-from compression.state import Passage
-from compression.types import Document
-from policies.schema import DEFAULT_EMBED_BUDGET_MULTIPLE, DEFAULT_EMBED_MIN_SHARE
+from ctxgate.compression.prefilter import estimated_tokens, mark_embedding_candidates
+from ctxgate.compression.state import Passage
+from ctxgate.compression.types import Document
+from ctxgate.policies.schema import DEFAULT_EMBED_BUDGET_MULTIPLE, DEFAULT_EMBED_MIN_SHARE
 
 FILLER = [
     "The harbour was rebuilt in stone after the storm of the previous winter.",

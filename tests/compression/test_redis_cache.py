@@ -9,7 +9,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from compression.redis_cache import CircuitBreaker, RedisBytesCache
+from ctxgate.compression.store.redis_cache import CircuitBreaker, RedisBytesCache
 
 pytestmark = pytest.mark.redis
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compression.rerank import BM25Reranker, CrossEncoderReranker, FusedReranker
-from compression.state import Passage
-from compression.types import CompressionInput, Document
-from policies.schema import Policy
+from ctxgate.compression.rerank import BM25Reranker, CrossEncoderReranker, FusedReranker
+from ctxgate.compression.state import Passage
+from ctxgate.compression.types import CompressionInput, Document
+from ctxgate.policies.schema import Policy
 
 PASSAGES = [
     Document(text="Bananas are rich in potassium and grow in tropical climates.", title="Banana"),
@@ -45,7 +45,7 @@ def tiny_cross_encoder(tmp_path_factory):
     from sentence_transformers import CrossEncoder
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from compression.embeddings import default_model_path
+    from ctxgate.compression.embedding.embeddings import default_model_path
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
@@ -86,7 +86,7 @@ def test_cross_encoder_path_must_exist(tmp_path):
 
 
 def test_llm_reranker_scores_the_answering_passage_highest(tokenizer):
-    from compression.llm_score import LLMReranker
+    from ctxgate.compression.llm_score import LLMReranker
 
     reranker = LLMReranker.from_tokenizer(tokenizer)
     documents = [
@@ -113,9 +113,9 @@ UNTITLED = [
 
 
 def _untitled_state(tokenizer, embedder, titled: bool):
-    from compression.pipeline import CompressionPipeline
-    from compression.stages.base import StageContext
-    from compression.state import split_messages
+    from ctxgate.compression.pipeline import CompressionPipeline
+    from ctxgate.compression.stages.base import StageContext
+    from ctxgate.compression.state import split_messages
 
     documents = [Document(text=" ".join(sentences), title=f"Title {i}" if titled else None)
                  for i, sentences in enumerate(UNTITLED)]
@@ -132,7 +132,7 @@ def _untitled_state(tokenizer, embedder, titled: bool):
 
 
 async def test_untitled_passage_whose_topic_sentences_were_not_embedded_survives_the_cut(tokenizer, embedder):
-    from compression.stages.rerank import RerankStage
+    from ctxgate.compression.stages.rerank import RerankStage
 
     state, ctx = _untitled_state(tokenizer, embedder, titled=False)
     first_stage = FusedReranker(embedder, 0.3).score(UNTITLED_QUESTION, state.passages)
@@ -143,7 +143,7 @@ async def test_untitled_passage_whose_topic_sentences_were_not_embedded_survives
 
 
 def test_second_stage_leaves_titled_passages_as_scored(tokenizer, embedder):
-    from compression.rerank import refine_untitled
+    from ctxgate.compression.rerank import refine_untitled
 
     state, _ = _untitled_state(tokenizer, embedder, titled=True)
     reranker = FusedReranker(embedder, 0.3)
@@ -153,7 +153,7 @@ def test_second_stage_leaves_titled_passages_as_scored(tokenizer, embedder):
 
 
 def test_second_stage_ranks_candidates_above_the_rest(embedder):
-    from compression.rerank import refine_untitled
+    from ctxgate.compression.rerank import refine_untitled
 
     passages = as_passages([Document(text=" ".join(s)) for s in UNTITLED])
     for passage, sentences in zip(passages, UNTITLED, strict=True):
@@ -175,7 +175,7 @@ def test_second_stage_ranks_candidates_above_the_rest(embedder):
 def test_bm25_scores_equal_bm25s_own_scoring():
     import bm25s
 
-    from compression.rerank import bm25_scores
+    from ctxgate.compression.rerank import bm25_scores
 
     documents = [
         "Paris is the capital and most populous city of France.",

@@ -1,6 +1,6 @@
 import unicodedata
 
-from compression.text import normalize_for_dedup
+from ctxgate.compression.text import normalize_for_dedup
 
 
 def test_accents_case_punctuation_and_spacing_do_not_make_a_text_new():

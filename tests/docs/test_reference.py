@@ -80,7 +80,7 @@ def _missing(names, page: str) -> list[str]:
 
 
 def test_every_policy_field_is_in_the_policy_reference(pages):
-    from policies.schema import Policy
+    from ctxgate.policies.schema import Policy
 
     paths = schema_paths(Policy.model_json_schema())
     assert "documents.embed_min_share" in paths and "quota.on_store_error" in paths
@@ -88,9 +88,9 @@ def test_every_policy_field_is_in_the_policy_reference(pages):
 
 
 def test_every_config_key_and_setting_is_in_the_config_reference(pages):
-    from backend.config import EngineConfig
-    from gateway.config_file import CtxgateConfig
-    from gateway.settings import GatewaySettings
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.gateway.config_file import CtxgateConfig
+    from ctxgate.gateway.settings import GatewaySettings
 
     page = pages["reference/config.md"]
     keys = schema_paths(CtxgateConfig.model_json_schema())
@@ -103,7 +103,7 @@ def test_every_config_key_and_setting_is_in_the_config_reference(pages):
 
 
 def test_every_config_key_names_the_serve_flag_that_sets_it(pages):
-    from gateway.config_file import CtxgateConfig
+    from ctxgate.gateway.config_file import CtxgateConfig
 
     serve_flags = {option for action in _serve_parser()._actions for option in action.option_strings}
     # model_list is a list of groups: the file's alone, no flag sets it.
@@ -139,8 +139,8 @@ def test_config_reference_shows_the_flag_defaults_not_null(pages):
 
 
 def test_every_keys_file_and_request_field_is_documented(pages):
-    from gateway.keys import KeysFile
-    from gateway.schemas import CtxgateExtras
+    from ctxgate.gateway.keys import KeysFile
+    from ctxgate.gateway.schemas import CtxgateExtras
 
     keys = schema_paths(KeysFile.model_json_schema())
     assert "tenants.<name>.keys[].limits.budget_period" in keys
@@ -187,11 +187,11 @@ def _metric_names(registry) -> set[str]:
 
 
 def test_every_metric_is_in_the_metrics_reference(pages):
-    from backend.deployment_metrics import DeploymentMetrics, DeploymentState
-    from backend.metrics import EngineMetrics, export_vllm_names
-    from backend.upstream import UpstreamClient, UpstreamConfig
-    from gateway.admission import AdmissionCollector, AdmissionController
-    from gateway.metrics import GatewayMetrics
+    from ctxgate.backend.engine.metrics import EngineMetrics, export_vllm_names
+    from ctxgate.backend.routing.deployment_metrics import DeploymentMetrics, DeploymentState
+    from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig
+    from ctxgate.gateway.admission import AdmissionCollector, AdmissionController
+    from ctxgate.gateway.metrics import GatewayMetrics
 
     gateway = GatewayMetrics()
     gateway.registry.register(AdmissionCollector(AdmissionController(4, 4, 1.0)))
@@ -235,7 +235,7 @@ def _yaml_blocks(page: Path) -> list[str]:
 
 
 def test_the_policy_example_is_a_valid_policy():
-    from policies.schema import Policy
+    from ctxgate.policies.schema import Policy
 
     policy = Policy.model_validate(yaml.safe_load(_yaml_blocks(DOCS / "policies.md")[0]))
     assert policy.name == "support-bot"

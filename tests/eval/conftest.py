@@ -9,8 +9,8 @@ import pytest
 @pytest.fixture(scope="session")
 def eval_engine(model_dir):
     """The in-process engine, shared by every gateway these tests start."""
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
 
     engine = AsyncEngine(EngineConfig(model=str(model_dir)))
     yield engine

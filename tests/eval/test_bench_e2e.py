@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eval.bench_e2e import new_tag, tagged
-from eval.e2e_report import (
+from ctxgate.eval.bench_e2e import new_tag, tagged
+from ctxgate.eval.e2e_report import (
     acceptance,
     compression_payback,
     render_markdown,
@@ -19,7 +19,7 @@ from eval.e2e_report import (
     summarize_arm,
     ttft_by_position,
 )
-from eval.e2e_samples import OPEN_LOOP, TAG_PLACEHOLDER, ArmRun, E2EOptions, Sample
+from ctxgate.eval.e2e_samples import OPEN_LOOP, TAG_PLACEHOLDER, ArmRun, E2EOptions, Sample
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ctxgate.cli import main
-from eval.bench_engine import WORKLOADS, make_prompt_messages, scaled_workload
+from ctxgate.eval.bench_engine import WORKLOADS, make_prompt_messages, scaled_workload
 from tests.support.servers import serve_engine
 
 TINY = ["--num-requests", "2", "--prompt-tokens", "40", "--output-tokens", "3", "--max-attempts", "1"]
@@ -38,8 +38,8 @@ def test_bench_engine_in_process_with_baseline(tmp_path, model_dir):
 
 
 def test_bench_engine_url_mode(tmp_path, model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
 
     engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, max_model_len=128))
     out_dir = tmp_path / "bench"
@@ -61,7 +61,7 @@ def test_bench_engine_url_mode(tmp_path, model_dir):
 def test_bench_engine_rejects_bad_peer_specs():
     import pytest
 
-    from eval.bench_engine_cli import parse_peers
+    from ctxgate.eval.bench_engine_cli import parse_peers
 
     assert parse_peers(["vllm=http://h:1", "llama=http://h:2"], "server") == [
         ("vllm", "http://h:1"), ("llama", "http://h:2"),
@@ -76,7 +76,7 @@ def test_cpu_meter_counts_a_servers_children_as_its_own():
     import subprocess
     import sys
 
-    from eval.bench_engine import CpuMeter
+    from ctxgate.eval.bench_engine import CpuMeter
 
     already_own = CpuMeter()._own_pids()  # this test process's other descendants (test servers)
     grandchild = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
@@ -113,11 +113,11 @@ def test_bench_engine_url_mode_with_api_key(tmp_path, model_dir, capsys):
     """`--api-key` reaches a gateway that has a keys file; without it the gateway's 401 is a clear error."""
     import yaml
 
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
-    from gateway.app import create_app
-    from gateway.keys import hash_key
-    from gateway.settings import GatewaySettings
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.gateway.app import create_app
+    from ctxgate.gateway.keys import hash_key
+    from ctxgate.gateway.settings import GatewaySettings
     from tests.support.servers import ServerThread
 
     keys = tmp_path / "keys.yaml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval.bench_prefill import fit_linear, summarize_pairs
+from ctxgate.eval.bench_prefill import fit_linear, summarize_pairs
 
 
 def test_fit_recovers_a_line_and_reports_r2():
@@ -32,7 +32,7 @@ def test_saving_per_1k_tokens_removed():
 
 
 def test_quadratic_fit_is_reported_when_lengths_allow():
-    from eval.bench_prefill import fit_quadratic
+    from ctxgate.eval.bench_prefill import fit_quadratic
 
     tokens = [100.0, 500.0, 1000.0, 2000.0]
     fit = fit_quadratic(tokens, [2 + 0.1 * t + 0.001 * t * t for t in tokens])

@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import asyncio
 
-from eval.bench_route import Outcome, bars, hits_gained, previous_turn_hits, render_markdown, summarize
-from eval.route_gateway import GatewayFront, gateway_config
-from eval.route_workloads import multi_turn, rag
-from gateway.affinity import affinity_key
-from gateway.settings import GatewaySettings
+from ctxgate.eval.bench_route import (
+    Outcome,
+    bars,
+    hits_gained,
+    previous_turn_hits,
+    render_markdown,
+    summarize,
+)
+from ctxgate.eval.route_gateway import GatewayFront, gateway_config
+from ctxgate.eval.route_workloads import multi_turn, rag
+from ctxgate.gateway.affinity import affinity_key
+from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import engine_processes
 
 

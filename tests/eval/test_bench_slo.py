@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from eval.bench_slo import PASSTHROUGH, arm_order, schedule_seed
-from eval.cli import _rates
-from eval.datasets import load_dataset
-from eval.slo_report import (
+from ctxgate.eval.bench_slo import PASSTHROUGH, arm_order, schedule_seed
+from ctxgate.eval.cli import _rates
+from ctxgate.eval.datasets import load_dataset
+from ctxgate.eval.slo_report import (
     SloSample,
     acceptance,
     goodput,
@@ -25,7 +25,7 @@ from eval.slo_report import (
     summarize_rate,
     ttft_percentiles,
 )
-from eval.splits import split_examples
+from ctxgate.eval.splits import split_examples
 from tests.town_facts import TOWN_FACTS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

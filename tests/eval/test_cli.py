@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from eval.cli import EVAL_EXTRA_HINT, require_eval_extra
+from ctxgate.eval.cli import EVAL_EXTRA_HINT, require_eval_extra
 
 # Runs with the eval packages made unimportable, as in an install without the extra.
 WITHOUT_EXTRA = """
@@ -16,7 +16,7 @@ import sys
 for name in ("matplotlib", "openai", "pysbd", "langchain_core", "langchain_openai"):
     sys.modules[name] = None
 from ctxgate.cli import build_parser, main
-import gateway.app, backend.server, compression.pipeline  # the serving path imports without them
+import ctxgate.gateway.app, ctxgate.backend.serving.server, ctxgate.compression.pipeline  # the serving path imports without them
 build_parser().parse_args(["serve", "--port", "1"])
 sys.exit(main(sys.argv[1:]))
 """

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.datasets import DatasetError, load_dataset, resolve_dataset_path
+from ctxgate.eval.datasets import DatasetError, load_dataset, resolve_dataset_path
 
 
 def _write(path: Path, records: list) -> Path:

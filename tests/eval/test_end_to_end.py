@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.datasets import resolve_dataset_path
+from ctxgate.eval.datasets import resolve_dataset_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLOTS = ("quality_vs_compression.png", "ttft_distribution.png", "tokens_saved_by_stage.png")
@@ -36,7 +36,7 @@ def small_dataset(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def gateway_url(eval_engine, eval_policy_dir):
     """The real gateway app on a free port (uvicorn in a thread): packaged policies plus eval-tight."""
-    from eval.server import InProcessGateway
+    from ctxgate.eval.server import InProcessGateway
 
     with InProcessGateway(policy_dir=eval_policy_dir, engine=eval_engine) as url:
         yield url
@@ -104,9 +104,9 @@ def test_gate_passes_identical_and_fails_planted_drop(two_policy_run, tmp_path):
 def test_sweep_produces_one_row_per_value(small_dataset, eval_engine, eval_policy_dir, tmp_path):
     """Without --url the runner serves a gateway itself, on a policy dir holding one derived policy
     per value (here in this process, sharing the loaded engine)."""
-    from eval.runner import RunConfig, run_eval
-    from eval.server import InProcessGateway
-    from eval.sweep import parse_sweep
+    from ctxgate.eval.runner import RunConfig, run_eval
+    from ctxgate.eval.server import InProcessGateway
+    from ctxgate.eval.sweep import parse_sweep
 
     served_policy_dirs = []
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from eval.datasets import EvalExample, Passage
-from eval.evidence import evidence_retention, messages_text
+from ctxgate.eval.datasets import EvalExample, Passage
+from ctxgate.eval.evidence import evidence_retention, messages_text
 
 GOLD = Passage(
     title="Hippo song",

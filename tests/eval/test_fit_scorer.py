@@ -1,4 +1,4 @@
-"""eval.fit_scorer: what a sentence is labelled with, and the held-out check that picks the L2
+"""ctxgate.eval.fit_scorer: what a sentence is labelled with, and the held-out check that picks the L2
 strength, on real pipeline stages (embedder, tokenizer, rerank)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eval.datasets import load_dataset
-from eval.fit_scorer import kept_answer, main, question_rows
-from eval.retention import RetentionHarness, policy_with_overrides
-from policies.loader import load_policy_file, packaged_policy_dir
+from ctxgate.eval.datasets import load_dataset
+from ctxgate.eval.fit_scorer import kept_answer, main, question_rows
+from ctxgate.eval.retention import RetentionHarness, policy_with_overrides
+from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
 FILLER = " ".join(f"Line {k} says little about the weather in town {k}." for k in range(5))
 

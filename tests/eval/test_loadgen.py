@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from eval.loadgen import closed_loop, open_loop, poisson_offsets, uniform_offsets
+from ctxgate.eval.loadgen import closed_loop, open_loop, poisson_offsets, uniform_offsets
 
 
 def test_poisson_offsets_are_poisson_and_the_same_for_a_seed():

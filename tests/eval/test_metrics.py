@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval.metrics import answer_in_text, exact_match, normalize_answer, token_f1
+from ctxgate.eval.metrics import answer_in_text, exact_match, normalize_answer, token_f1
 
 
 def test_normalization_drops_case_punctuation_articles():

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from eval.datasets import load_dataset, resolve_dataset_path
-from eval.gate import run_gate
-from eval.plots import write_plots
-from eval.report import build_report, load_report, render_markdown, write_report_files
-from eval.runner import score_record
-from eval.sweep import plain_variants
+from ctxgate.eval.datasets import load_dataset, resolve_dataset_path
+from ctxgate.eval.gate import run_gate
+from ctxgate.eval.plots import write_plots
+from ctxgate.eval.report import build_report, load_report, render_markdown, write_report_files
+from ctxgate.eval.runner import score_record
+from ctxgate.eval.sweep import plain_variants
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eval.retention import parse_overrides, run_retention
+from ctxgate.eval.retention import parse_overrides, run_retention
 
 
 def _tiny_dataset(tmp_path: Path) -> Path:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from eval.stats import (
+from ctxgate.eval.stats import (
     bootstrap_mean,
     p95_ratio_interval,
     paired_bootstrap_difference,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from eval.sweep import build_sweep_variants, load_policy_files, parse_sweep
+from ctxgate.eval.sweep import build_sweep_variants, load_policy_files, parse_sweep
 
 BASE = {
     "name": "rag-test",

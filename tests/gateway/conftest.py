@@ -8,8 +8,8 @@ import pytest
 @pytest.fixture(scope="session")
 def engine(model_dir):
     """The real in-process engine, shared by every gateway test server in this session."""
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
 
     engine = AsyncEngine(EngineConfig(model=str(model_dir), kv_cache_memory_mb=64, max_model_len=2048))
     yield engine

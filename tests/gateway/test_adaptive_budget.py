@@ -11,10 +11,10 @@ import uuid
 import httpx
 import pytest
 
-from backend.api import GenerationRequest, SamplingParams
-from gateway.app import create_app
-from gateway.budget_control import CEILING, FLOOR_MISSES_SLO, KV_PRESSURE, RISE_LIMITED, SLO
-from gateway.settings import GatewaySettings
+from ctxgate.backend.engine.api import GenerationRequest, SamplingParams
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.budget_control import CEILING, FLOOR_MISSES_SLO, KV_PRESSURE, RISE_LIMITED, SLO
+from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import write_policy
 from tests.town_facts import TOWN_FACTS, TOWN_QUESTION
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.admission import AdmissionController, KeyOverLimit, Overloaded, overloaded_response
+from ctxgate.gateway.admission import AdmissionController, KeyOverLimit, Overloaded, overloaded_response
 
 
 async def test_a_key_at_its_queue_cap_is_refused_while_another_key_queues():

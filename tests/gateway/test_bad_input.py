@@ -6,9 +6,9 @@ import httpx
 import pytest
 import yaml
 
-from gateway.app import create_app
-from gateway.keys import add_key, hash_key
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.keys import add_key, hash_key
+from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import ServerThread, write_policy
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gateway.budget_control import (
+from ctxgate.gateway.budget_control import (
     CEILING,
     FLOOR_MISSES_SLO,
     KV_PRESSURE,
@@ -24,8 +24,8 @@ from gateway.budget_control import (
     damp,
     predicted_ttft_s,
 )
-from gateway.engine_load import EngineReading
-from policies.schema import AdaptivePolicy
+from ctxgate.gateway.engine_load import EngineReading
+from ctxgate.policies.schema import AdaptivePolicy
 
 CANDIDATES = (160, 240, 320, 400, 480, 560, 640, 720, 800, 880, 960, 1040, 1120, 1200)
 SPEED = 1000.0  # prefill tokens/s

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from ctxgate.cli import parse_args
-from gateway.cli import resolve_serve_args
-from gateway.settings import GatewaySettings, default_compression_workers
+from ctxgate.gateway.cli import resolve_serve_args
+from ctxgate.gateway.settings import GatewaySettings, default_compression_workers
 
 
 def _serve_args(argv: list[str]) -> GatewaySettings:
@@ -50,7 +50,7 @@ def test_bench_e2e_refuses_zero_workers_before_starting_anything(capsys):
 
 
 def test_the_config_file_refuses_zero_workers(tmp_path):
-    from gateway.config_file import ConfigError, load_config
+    from ctxgate.gateway.config_file import ConfigError, load_config
 
     path = tmp_path / "ctxgate.yaml"
     path.write_text("server:\n  compression_workers: 0\n")
@@ -59,7 +59,7 @@ def test_the_config_file_refuses_zero_workers(tmp_path):
 
 
 def test_the_pipeline_compresses_in_that_many_threads(tokenizer):
-    from gateway.app import default_pipeline
+    from ctxgate.gateway.app import default_pipeline
 
     # No engine: the embedder runs in its own process (embed_on "engine" needs one).
     settings = GatewaySettings(compression_workers=3, embed_cache_url=None, embed_on="process")
@@ -71,8 +71,13 @@ def test_the_pipeline_compresses_in_that_many_threads(tokenizer):
 
 
 def test_the_cache_budget_setting_sizes_the_compressors_caches(tokenizer):
-    from compression.cache import DEFAULT_CACHE_BYTES, budget_bytes, cache_budget, set_cache_budget
-    from gateway.app import default_pipeline
+    from ctxgate.compression.store.cache import (
+        DEFAULT_CACHE_BYTES,
+        budget_bytes,
+        cache_budget,
+        set_cache_budget,
+    )
+    from ctxgate.gateway.app import default_pipeline
 
     assert GatewaySettings().compression_cache_mb * 1024 * 1024 == DEFAULT_CACHE_BYTES
     settings = GatewaySettings(compression_cache_mb=32, embed_cache_url=None, embed_on="process")
@@ -87,7 +92,7 @@ def test_the_cache_budget_setting_sizes_the_compressors_caches(tokenizer):
 
 
 def test_the_workers_run_at_the_engines_cpu_priority_by_default_and_refuse_a_bad_nice():
-    from gateway.settings import DEFAULT_COMPRESSION_NICE
+    from ctxgate.gateway.settings import DEFAULT_COMPRESSION_NICE
 
     assert GatewaySettings().compression_nice == DEFAULT_COMPRESSION_NICE == 0
     for bad in (-1, 20):
@@ -111,7 +116,7 @@ def test_the_nice_flag_and_config_key_set_it(tmp_path, capsys):
 
 
 def test_the_config_file_refuses_a_nice_beyond_19(tmp_path):
-    from gateway.config_file import ConfigError, load_config
+    from ctxgate.gateway.config_file import ConfigError, load_config
 
     path = tmp_path / "ctxgate.yaml"
     path.write_text("server:\n  compression_nice: 25\n")
@@ -129,7 +134,7 @@ def _own_priority() -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
 @pytest.mark.parametrize("nice", [0, 7, 19])
 def test_a_worker_thread_runs_that_much_lower_and_the_caller_keeps_its_priority(tokenizer, nice):
-    from gateway.app import default_pipeline
+    from ctxgate.gateway.app import default_pipeline
 
     caller = _own_priority()
     settings = GatewaySettings(compression_workers=1, compression_nice=nice, embed_cache_url=None, embed_on="process")

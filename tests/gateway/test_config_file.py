@@ -12,18 +12,18 @@ import httpx
 import pytest
 import yaml
 
-from backend.config import EngineConfig
+from ctxgate.backend.engine.config import EngineConfig
 from ctxgate.cli import build_parser, parse_args
-from gateway.cli import resolve_serve_args
-from gateway.config_file import (
+from ctxgate.gateway.cli import resolve_serve_args
+from ctxgate.gateway.config_file import (
     DEPRECATED_KEYS,
     ConfigError,
     interpolate,
     key_flags,
     load_config,
 )
-from gateway.keys import hash_key
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.keys import hash_key
+from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import free_port, wait_http
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,13 +12,14 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
 from ctxgate.cli import build_parser
-from gateway.config_file import key_flags, load_config
+from ctxgate.gateway.config_file import key_flags, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -100,7 +101,7 @@ def test_dockerfile_inputs_exist_and_it_prepares_the_model():
     for sources in from_context:
         for source in sources:
             assert (REPO / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
-    packages = {p.split("*")[0] for p in re.findall(r'"(\w+)\*"', (REPO / "pyproject.toml").read_text())}
+    packages = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
     # Every product package is installed; eval (benchmarks, quality runs) stays out of the image.
     assert packages - {"eval"} <= {Path(source).name for sources in from_context for source in sources}
     assert "eval" not in {Path(source).name for sources in from_context for source in sources}

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.app import default_pipeline
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.app import default_pipeline
+from ctxgate.gateway.settings import GatewaySettings
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
 
     async_engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=16, max_model_len=128))
     yield async_engine
@@ -31,7 +31,7 @@ def test_embed_on_process_keeps_the_child_process(engine, tokenizer):
 
 
 def test_an_engine_without_jobs_gets_the_child_process(tokenizer):
-    from backend.upstream import UpstreamClient, UpstreamConfig
+    from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig
 
     upstream = UpstreamClient(UpstreamConfig(urls=["http://127.0.0.1:9"]))
     services = default_pipeline(tokenizer, upstream, settings=GatewaySettings()).services
@@ -44,7 +44,7 @@ def test_an_unknown_place_is_refused_with_its_name():
 
 
 def test_the_config_file_refuses_an_unknown_place(tmp_path):
-    from gateway.config_file import ConfigError, load_config
+    from ctxgate.gateway.config_file import ConfigError, load_config
 
     path = tmp_path / "ctxgate.yaml"
     path.write_text("engine:\n  embed_on: gpu\n")

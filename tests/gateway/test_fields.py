@@ -13,8 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from openai import OpenAI
 
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import ServerThread, write_policy
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -111,7 +111,7 @@ def test_builtin_reserves_every_choice(builtin):
 
 
 def gateway_body(**fields: Any):
-    from gateway.schemas import ChatCompletionRequest
+    from ctxgate.gateway.schemas import ChatCompletionRequest
 
     return ChatCompletionRequest.model_validate({"model": MODEL, "messages": QUESTION} | fields)
 

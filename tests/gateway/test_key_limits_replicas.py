@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.keys import hash_key
+from ctxgate.gateway.keys import hash_key
 from tests.gateway.clock import in_one_minute
 from tests.support.redis import RedisServer
 from tests.support.servers import (

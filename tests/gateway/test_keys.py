@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.keys import ANONYMOUS, KeyRejected, KeyStore, hash_key
+from ctxgate.gateway.keys import ANONYMOUS, KeyRejected, KeyStore, hash_key
 
 REPO = Path(__file__).resolve().parents[2]
 

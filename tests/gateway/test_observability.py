@@ -2,7 +2,7 @@
 Grafana dashboard and Prometheus alerts checked against what running gateways really export.
 
 Two gateways share the session's real engine: one runs it in-process (with vLLM names on), the other
-reaches it over HTTP through `backend.server` as an upstream, as deploy/compose.yaml does.
+reaches it over HTTP through `ctxgate.backend.serving.server` as an upstream, as deploy/compose.yaml does.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from backend.metrics import export_vllm_names
-from backend.server import create_app as create_engine_app
-from gateway.app import create_app
-from gateway.keys import hash_key
-from gateway.settings import GatewaySettings
+from ctxgate.backend.engine.metrics import export_vllm_names
+from ctxgate.backend.serving.server import create_app as create_engine_app
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.keys import hash_key
+from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import ServerThread, write_policy
 
 REPO = Path(__file__).resolve().parents[2]

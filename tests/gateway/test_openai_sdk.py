@@ -8,8 +8,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import ServerThread, write_policy
 
 SMALL_POLICY = """

@@ -7,8 +7,8 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.clock import FakeClock
 from tests.support.servers import ServerThread, write_policy
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gateway.quota import (
+from ctxgate.gateway.quota import (
     DEFAULT_SLOT_TTL_S,
     InProcessQuotaStore,
     QuotaExceeded,

@@ -15,7 +15,7 @@ import pytest
 import redis
 import yaml
 
-from gateway.keys import hash_key
+from ctxgate.gateway.keys import hash_key
 from tests.gateway.clock import in_one_minute
 from tests.support.redis import RedisServer
 from tests.support.servers import ctxgate_env, ctxgate_replicas, free_port, write_policy

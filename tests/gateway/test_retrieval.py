@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import ServerThread
 
 
 def test_retrieval_from_an_index_and_unknown_index(engine, tmp_path):
     import json
 
-    from compression.index import build_index
+    from ctxgate.compression.store.index import build_index
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps(row) for row in [

@@ -10,11 +10,11 @@ import re
 
 import pytest
 
-from compression.rendering import LINE_MARKERS, render_context, render_messages
-from compression.state import Passage, PipelineState
-from compression.types import Document
-from gateway.sanitize import Neutraliser
-from policies.schema import AssemblyPolicy
+from ctxgate.compression.rendering import LINE_MARKERS, render_context, render_messages
+from ctxgate.compression.state import Passage, PipelineState
+from ctxgate.compression.types import Document
+from ctxgate.gateway.sanitize import Neutraliser
+from ctxgate.policies.schema import AssemblyPolicy
 
 # Client text: every line of a rendered prompt that is not one of these is the renderer's layout.
 # The history summary is client-derived and goes in quoted ("> ...").

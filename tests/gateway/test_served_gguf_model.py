@@ -15,7 +15,7 @@ PASSAGE = "The Eiffel Tower in Paris was completed in 1889 for the World's Fair.
 
 
 def test_serve_gguf_counts_with_the_served_tokenizer(qwen_gguf, qwen_dir, tmp_path):
-    from backend.tokenizer import load_tokenizer
+    from ctxgate.backend.model.tokenizer import load_tokenizer
 
     qwen = load_tokenizer(str(qwen_dir))
     port = free_port()

@@ -9,8 +9,8 @@ import time
 
 import httpx
 
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.conftest import RecordingEngine
 from tests.support.servers import ServerThread
 from tests.support.waiting import eventually, wait_until_engine_idle

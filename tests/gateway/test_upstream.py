@@ -9,10 +9,10 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from backend.api import EngineClient, GenerationRequest, SamplingParams
-from backend.upstream import UpstreamClient, UpstreamConfig, UpstreamUnavailable
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from ctxgate.backend.engine.api import EngineClient, GenerationRequest, SamplingParams
+from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig, UpstreamUnavailable
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.conftest import RecordingEngine
 from tests.support.servers import ServerThread, free_port
 from tests.support.waiting import eventually

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from gateway.tokenizers import TiktokenTokenizer, load_counting_tokenizer
+from ctxgate.gateway.tokenizer_spec import TiktokenTokenizer, load_counting_tokenizer
 from tests.support.servers import ctxgate_env, ctxgate_process, free_port, wait_http
 
 KEY = "engine-secret"

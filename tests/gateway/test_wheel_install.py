@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -39,10 +40,17 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_carries_every_runtime_file(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for package in ("ctxgate", "gateway", "backend", "compression", "policies", "eval"):
-        assert f"{package}/__init__.py" in names
-    assert {"gateway/config_file.py", "gateway/request_id.py", "backend/upstream_metrics.py",
-            "backend/csrc/cpu_kernels.cpp", "policies/rag-default.yaml"} <= names
+    # One namespace: nothing but ctxgate/ and the dist-info at the top of site-packages.
+    top = {name.split("/")[0] for name in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"ctxgate"}, top
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in packages.items():  # every package of every mapped folder, nested ones too
+        for init in (REPO / folder).rglob("__init__.py"):
+            inside = init.relative_to(REPO / folder).as_posix()
+            assert f"{package.replace('.', '/')}/{inside}" in names, inside
+    assert {"ctxgate/gateway/config_file.py", "ctxgate/gateway/request_id.py",
+            "ctxgate/backend/routing/upstream_metrics.py", "ctxgate/backend/model/csrc/cpu_kernels.cpp",
+            "ctxgate/policies/rag-default.yaml"} <= names
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "ctxgate = ctxgate.cli:main" in entry_points
@@ -66,7 +74,7 @@ def test_installed_wheel_prepares_the_model_and_serves(wheel, tmp_path):
         return subprocess.run([sys.executable, "-m", "ctxgate", *argv], cwd=tmp_path, env=env, capture_output=True,
                               text=True, **kwargs)
 
-    where = subprocess.run([sys.executable, "-c", "import gateway.config_file as m; print(m.__file__)"],
+    where = subprocess.run([sys.executable, "-c", "import ctxgate.gateway.config_file as m; print(m.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(site))  # the installed copy runs, not the source tree
     prepared = ctxgate("model", "prepare", timeout=600)

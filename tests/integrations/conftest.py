@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.conftest import engine  # noqa: F401 (the session's real engine)
 from tests.support.servers import ServerThread
 from tests.town_facts import TOWN_FACTS, TOWN_QUESTION

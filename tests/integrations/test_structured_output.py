@@ -9,7 +9,7 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from eval.structured_nq import MAX_TOKENS, CitedAnswer, messages_for, questions
+from ctxgate.eval.structured_nq import MAX_TOKENS, CitedAnswer, messages_for, questions
 from tests.integrations.conftest import MODEL
 
 NUM_QUESTIONS = 2  # the eval script runs 50 (eval/structured_nq.py)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from policies.loader import (
+from ctxgate.policies.loader import (
     PolicyFileError,
     PolicyRegistry,
     apply_overrides,

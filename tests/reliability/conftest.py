@@ -27,7 +27,7 @@ RELIABILITY_POLICY = (
 
 
 def small_engine_config(model_dir, **overrides):
-    from backend.config import EngineConfig
+    from ctxgate.backend.engine.config import EngineConfig
 
     fields = dict(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
                   max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_num_batched_tokens=256, num_threads=1)
@@ -37,7 +37,7 @@ def small_engine_config(model_dir, **overrides):
 
 @pytest.fixture(scope="session")
 def small_engine(model_dir):
-    from backend.async_engine import AsyncEngine
+    from ctxgate.backend.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(small_engine_config(model_dir), max_waiting_requests=4)
     yield engine
@@ -52,7 +52,7 @@ def policy_dir(root: Path, text: str = RELIABILITY_POLICY) -> Path:
 
 
 def gateway_settings(root: Path, **overrides):
-    from gateway.settings import GatewaySettings
+    from ctxgate.gateway.settings import GatewaySettings
 
     fields = dict(policy_dir=policy_dir(root), default_policy="rel", include_packaged_policies=False,
                   reload_interval_s=0.3, max_in_flight=4, max_queued=4, queue_timeout_s=2.0,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from eval.stats import percentiles
+from ctxgate.eval.stats import percentiles
 from tests.reliability.hostile_mix import AttackStats
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gateway.keys import hash_key
+from ctxgate.gateway.keys import hash_key
 from tests.reliability.hostile_mix import MODEL, AttackStats, attack, trickle
 from tests.reliability.hostile_report import (
     Acceptance,
@@ -145,7 +145,7 @@ async def victim_request(
     client: httpx.AsyncClient, url: str, key: str, body: dict, timeout_s: float
 ) -> float:
     """One streamed request; its TTFT (first content chunk). Anything but a complete answer raises."""
-    from backend.openai_api.sse import read_sse_payloads
+    from ctxgate.backend.openai_api.sse import read_sse_payloads
 
     started = time.perf_counter()
     first: float | None = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from eval.loadgen import closed_loop, open_loop, uniform_offsets
+from ctxgate.eval.loadgen import closed_loop, open_loop, uniform_offsets
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 OVERLOAD_STATUSES = (429, 503)

@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from backend.async_engine import AsyncEngine
-    from backend.model_prepare import prepare_default_model
-    from gateway.app import create_app
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.model.model_prepare import prepare_default_model
+    from ctxgate.gateway.app import create_app
     from tests.reliability.conftest import gateway_settings, small_engine_config
     from tests.reliability.loadgen import measure_capacity, merge_reports, rss_bytes, run_load
     from tests.support.servers import ServerThread

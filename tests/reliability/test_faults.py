@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from backend.api import GenerationRequest, Priority, SamplingParams
-from gateway.app import create_app
+from ctxgate.backend.engine.api import GenerationRequest, Priority, SamplingParams
+from ctxgate.gateway.app import create_app
 from tests.reliability.conftest import MODEL_NAME, RELIABILITY_POLICY, chat_body, gateway_settings
 from tests.reliability.loadgen import run_load
 from tests.support.redis import RedisServer

@@ -11,7 +11,7 @@ import socket
 import httpx
 import pytest
 
-from gateway.app import create_app
+from ctxgate.gateway.app import create_app
 from tests.reliability.conftest import MODEL_NAME, chat_body, gateway_settings
 from tests.support.servers import ServerThread
 from tests.support.waiting import wait_until_engine_idle

@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from gateway.admission import AdmissionController, Overloaded
-from gateway.app import create_app
-from gateway.keys import add_key
+from ctxgate.gateway.admission import AdmissionController, Overloaded
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.keys import add_key
 from tests.reliability.conftest import chat_body, gateway_settings
 from tests.support.servers import ServerThread
 from tests.support.waiting import wait_until_engine_idle
@@ -52,7 +52,7 @@ def test_prefix_cache_never_crosses_tenants(tenants_gateway, small_engine):
 
 
 def test_history_summaries_are_keyed_per_tenant():
-    from compression.history import turns_key
+    from ctxgate.compression.history import turns_key
 
     turns = [{"role": "user", "content": "my account number is 12345"}, {"role": "assistant", "content": "noted"}]
     assert turns_key("alpha", turns) != turns_key("beta", turns)
@@ -61,7 +61,7 @@ def test_history_summaries_are_keyed_per_tenant():
 
 
 def test_keys_are_stored_hashed(tmp_path):
-    from gateway.keys import hash_key
+    from ctxgate.gateway.keys import hash_key
 
     keys_file = tmp_path / "keys.yaml"
     key = add_key(keys_file, "gamma")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.app import create_app
+from ctxgate.gateway.app import create_app
 from tests.reliability.conftest import gateway_settings
 from tests.reliability.loadgen import measure_capacity, rss_bytes, run_load
 from tests.support.servers import ServerThread

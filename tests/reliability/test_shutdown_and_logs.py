@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from gateway.keys import add_key
+from ctxgate.gateway.keys import add_key
 from tests.reliability.conftest import MODEL_NAME
 from tests.support.servers import free_port, wait_http, write_policy
 

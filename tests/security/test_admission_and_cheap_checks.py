@@ -18,9 +18,9 @@ import httpx
 import pytest
 import yaml
 
-from gateway.app import create_app
-from gateway.keys import hash_key
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.keys import hash_key
+from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.conftest import engine  # noqa: F401
 from tests.support.servers import ServerThread
 

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from backend.api import EngineError, GenerationRequest, SamplingParams
-from backend.guided import GuideSpec, compiler_for
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from ctxgate.backend.engine.api import EngineError, GenerationRequest, SamplingParams
+from ctxgate.backend.engine.guided import GuideSpec, compiler_for
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.conftest import engine  # noqa: F401 (the gateway's real engine)
 from tests.support.servers import ServerThread, write_policy
 
@@ -39,8 +39,8 @@ GUIDES = {
 @pytest.fixture(scope="module")
 def llm(model_dir):
     """A float32 engine with a short context: a fuzzed max_tokens is clamped to a few dozen tokens."""
-    from backend.config import EngineConfig
-    from backend.llm_engine import LLMEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.backend.engine.llm_engine import LLMEngine
 
     return LLMEngine(
         EngineConfig(

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.keys import hash_key
+from ctxgate.gateway.keys import hash_key
 from tests.support.servers import ctxgate_process, free_port, wait_http
 
 MODEL = "SmolLM2-135M-Instruct"

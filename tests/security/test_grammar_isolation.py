@@ -12,8 +12,8 @@ import httpx
 import pytest
 import yaml
 
-from gateway.keys import hash_key
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.keys import hash_key
+from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.conftest import engine  # noqa: F401
 from tests.support.hostile_schemas import TRIVIAL, nested_arrays, slow_schema
 from tests.support.servers import ServerThread
@@ -24,7 +24,7 @@ KEYS = {"b": "cg-b-secret", "c": "cg-c-secret"}
 
 @pytest.fixture(scope="module")
 def gateway(engine, tmp_path_factory):  # noqa: F811 (the engine fixture)
-    from gateway.app import create_app
+    from ctxgate.gateway.app import create_app
 
     keys = tmp_path_factory.mktemp("grammar") / "keys.yaml"
     tenants = {name: {"keys": [{"sha256": hash_key(secret)}]} for name, secret in KEYS.items()}

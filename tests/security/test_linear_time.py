@@ -24,11 +24,12 @@ from collections.abc import Callable
 
 import pytest
 
-from compression import dedup, message_context, rerank, text
-from compression.index_names import check_index_name
-from compression.multihop import names
-from gateway import request_id
-from gateway.sanitize import _STRUCTURE_LINE, Neutraliser
+from ctxgate.compression import context_lifting as message_context
+from ctxgate.compression import dedup, rerank, text
+from ctxgate.compression.multihop import names
+from ctxgate.compression.store.index_names import check_index_name
+from ctxgate.gateway import request_id
+from ctxgate.gateway.sanitize import _STRUCTURE_LINE, Neutraliser
 
 SMALL = 10_000
 LARGE = 10 * SMALL

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.conftest import RecordingEngine
 from tests.security.test_upstream_ownership import BodyRecorder
 from tests.support.servers import ServerThread
@@ -97,9 +97,9 @@ class PromptRecorder(RecordingEngine):
 
 @pytest.fixture(scope="module")
 def servers(model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
-    from gateway.app import create_app
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.gateway.app import create_app
 
     engine = PromptRecorder(
         AsyncEngine(EngineConfig(model=str(model_dir), kv_cache_memory_mb=48, max_model_len=2048))

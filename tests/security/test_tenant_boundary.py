@@ -18,11 +18,11 @@ import httpx
 import pytest
 import yaml
 
-from gateway.keys import KeysFile, KeyStore, add_key, hash_key, read_keys_file
-from gateway.quota import InProcessQuotaStore, QuotaExceeded, QuotaLimits, RedisQuotaStore
-from gateway.service import quota_cap, tenant_prices
-from gateway.settings import GatewaySettings
-from policies.loader import packaged_policy_dir, parse_policy
+from ctxgate.gateway.keys import KeysFile, KeyStore, add_key, hash_key, read_keys_file
+from ctxgate.gateway.quota import InProcessQuotaStore, QuotaExceeded, QuotaLimits, RedisQuotaStore
+from ctxgate.gateway.service import quota_cap, tenant_prices
+from ctxgate.gateway.settings import GatewaySettings
+from ctxgate.policies.loader import packaged_policy_dir, parse_policy
 from tests.gateway.clock import FakeClock, in_one_minute
 from tests.gateway.conftest import engine  # noqa: F401
 from tests.support.servers import (
@@ -181,7 +181,7 @@ async def test_the_ledger_is_the_tenants_whatever_the_policy(store_kind, request
 # -- in-process -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gateway(engine, files):  # noqa: F811 (the engine fixture)
-    from gateway.app import create_app
+    from ctxgate.gateway.app import create_app
 
     settings = GatewaySettings(policy_dir=files / "policies", keys_file=files / "keys.yaml",
                                index_dir=files / "indexes")
@@ -256,14 +256,14 @@ def test_models_listing_and_requests_follow_the_keys_models(gateway):
 @pytest.fixture(scope="module")
 def backend(engine):  # noqa: F811 (the engine fixture)
     """The model behind the gateways under test: an open ctxgate gateway on the real engine."""
-    from gateway.app import create_app
+    from ctxgate.gateway.app import create_app
 
     with ServerThread(create_app(GatewaySettings(default_policy="passthrough"), engine=engine)) as running:
         yield running
 
 
 def test_upstream_mode_holds_the_quota(backend, files, quota_tokens):
-    from gateway.app import create_app
+    from ctxgate.gateway.app import create_app
 
     settings = GatewaySettings(upstreams=[f"{backend.url}/v1"], served_model_name="front",
                                policy_dir=files / "policies", keys_file=files / "keys.yaml")
@@ -322,8 +322,8 @@ def test_two_replicas_on_redis_hold_the_quota(replicas, quota_tokens):
 # -- indexes -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def indexed(engine, tmp_path_factory):  # noqa: F811 (the engine fixture)
-    from compression.index import build_index
-    from gateway.app import create_app
+    from ctxgate.compression.store.index import build_index
+    from ctxgate.gateway.app import create_app
 
     root = tmp_path_factory.mktemp("indexed")
     corpus = root / "corpus.jsonl"
@@ -381,7 +381,7 @@ def test_index_names_are_validated(indexed, name):
 # -- the keys file ---------------------------------------------------------------------------------
 _ADD_KEYS = """
 import sys
-from gateway.keys import add_key
+from ctxgate.gateway.keys import add_key
 path, tenant, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 print(" ".join(add_key(path, tenant, policy="rag-strict", policies=["passthrough"]) for _ in range(count)))
 """

@@ -13,8 +13,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from gateway.keys import Limits, add_key
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.keys import Limits, add_key
+from ctxgate.gateway.settings import GatewaySettings
 from tests.security.test_upstream_ownership import BodyRecorder
 from tests.support.servers import ServerThread, free_port
 
@@ -28,9 +28,9 @@ LEAK = (
 
 @pytest.fixture(scope="module")
 def upstream(model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
-    from backend.server import create_app as engine_app
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.backend.serving.server import create_app as engine_app
 
     engine = AsyncEngine(EngineConfig(model=str(model_dir), kv_cache_memory_mb=32, max_model_len=2048))
     recorder = BodyRecorder(engine_app(engine, api_key=UPSTREAM_KEY, drop_params=True))
@@ -77,7 +77,7 @@ def _leaky_upstream() -> FastAPI:
 def gateway(upstream, model_dir, tmp_path_factory):
     """A model list: `cheap` (its one deployment is down) falls back to `premium`; a key allowed
     [SmolLM2-135M-Instruct, cheap], a key allowed everything, and a key with a tight token rate."""
-    from gateway.app import create_app
+    from ctxgate.gateway.app import create_app
 
     keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
     running_keys = {
@@ -114,7 +114,7 @@ def gateway(upstream, model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def leaky_gateway(model_dir):
-    from gateway.app import create_app
+    from ctxgate.gateway.app import create_app
 
     with ServerThread(_leaky_upstream()) as leaky:
         settings = GatewaySettings(
@@ -160,7 +160,7 @@ def test_a_fallback_outside_the_keys_models_never_serves_it(gateway, upstream):
 
 # -- item 5: upstream 4xx text stays in the log ----------------------------------------------------
 def test_upstream_4xx_text_is_replaced_by_a_generic_message(leaky_gateway, caplog):
-    with caplog.at_level(logging.WARNING, logger="gateway.service"):
+    with caplog.at_level(logging.WARNING, logger="ctxgate.gateway.service"):
         response = httpx.post(
             f"{leaky_gateway.url}/v1/chat/completions",
             timeout=60,

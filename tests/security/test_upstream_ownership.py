@@ -11,8 +11,8 @@ import json
 import httpx
 import pytest
 
-from gateway.keys import Limits, add_key
-from gateway.settings import GatewaySettings
+from ctxgate.gateway.keys import Limits, add_key
+from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import ServerThread
 
 SALT_SECRET = "test-salt-secret"
@@ -44,9 +44,9 @@ class BodyRecorder:
 
 @pytest.fixture(scope="module")
 def upstream(model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.config import EngineConfig
-    from backend.server import create_app as engine_app
+    from ctxgate.backend.engine.async_engine import AsyncEngine
+    from ctxgate.backend.engine.config import EngineConfig
+    from ctxgate.backend.serving.server import create_app as engine_app
 
     engine = AsyncEngine(EngineConfig(model=str(model_dir), kv_cache_memory_mb=32, max_model_len=512))
     # drop_params: the built-in engine makes one choice; `n` still reaches it, which is what is checked.
@@ -58,7 +58,7 @@ def upstream(model_dir):
 
 @pytest.fixture(scope="module")
 def gateway(upstream, model_dir, tmp_path_factory):
-    from gateway.app import create_app
+    from ctxgate.gateway.app import create_app
 
     keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
     running_keys = {

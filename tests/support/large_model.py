@@ -23,7 +23,7 @@ PATH_ENV = "CTXGATE_QWEN_GGUF"
 
 
 def downloads_dir() -> Path:
-    from backend.model_prepare import cache_dir
+    from ctxgate.backend.model.model_prepare import cache_dir
 
     return cache_dir() / "downloads"
 

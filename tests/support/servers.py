@@ -57,7 +57,7 @@ class ServerThread:
 @contextmanager
 def serve_engine(engine: Any) -> Iterator[str]:
     """The engine's own OpenAI server (`ctxgate engine serve`'s app) in a thread; yields its base URL."""
-    from backend.server import create_app
+    from ctxgate.backend.serving.server import create_app
 
     with ServerThread(create_app(engine)) as running:
         yield running.url

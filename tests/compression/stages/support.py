@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from compression.pipeline import CompressionPipeline
-from compression.stages.base import StageContext
-from compression.state import PipelineState, split_messages
-from compression.types import CompressionInput, Document
-from policies.schema import Policy
+from ctxgate.compression.pipeline import CompressionPipeline
+from ctxgate.compression.stages.base import StageContext
+from ctxgate.compression.state import PipelineState, split_messages
+from ctxgate.compression.types import CompressionInput, Document
+from ctxgate.policies.schema import Policy
 
 SYSTEM = {"role": "system", "content": "Answer from the documents."}
 QUESTION = {"role": "user", "content": "Which river runs through Lyon?"}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from compression.stages.assembly import AssemblyStage
-from policies.schema import Policy
+from ctxgate.compression.stages.assembly import AssemblyStage
+from ctxgate.policies.schema import Policy
 from tests.compression.stages.support import DOCUMENTS, setup_state
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from policies.schema import Policy
+from ctxgate.policies.schema import Policy
 from tests.compression.stages.support import DOCUMENTS, setup_state
 
 
 def test_split_passages_are_priced_by_sentence_and_a_changed_body_is_not_tokenized_again(tokenizer):
-    from compression.counting import CachedCounter
-    from compression.stages.budget import passages_tokens
-    from compression.stages.prepare import ensure_sentences
+    from ctxgate.compression.counting import CachedCounter
+    from ctxgate.compression.stages.budget import passages_tokens
+    from ctxgate.compression.stages.prepare import ensure_sentences
 
     class Recording:
         def __init__(self):

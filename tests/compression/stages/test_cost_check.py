@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from compression.stages.cost_check import CostCheckStage
-from compression.types import BudgetExceededError
-from policies.schema import Policy
+from ctxgate.compression.stages.cost_check import CostCheckStage
+from ctxgate.compression.types import BudgetExceededError
+from ctxgate.policies.schema import Policy
 from tests.compression.stages.support import DOCUMENTS, QUESTION, SYSTEM, setup_state
 
 

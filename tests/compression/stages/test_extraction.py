@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from compression.rendering import render_context
-from compression.stages.extraction import ExtractionStage
-from policies.schema import Policy
+from ctxgate.compression.rendering import render_context
+from ctxgate.compression.stages.extraction import ExtractionStage
+from ctxgate.policies.schema import Policy
 from tests.compression.stages.support import DOCUMENTS, setup_state
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from compression.stages.budget import history_tokens
-from compression.stages.history import HistoryStage, oldest_kept_turn
-from policies.schema import Policy
+from ctxgate.compression.stages.budget import history_tokens
+from ctxgate.compression.stages.history import HistoryStage, oldest_kept_turn
+from ctxgate.policies.schema import Policy
 from tests.compression.stages.support import (
     QUESTION,
     SYSTEM,
@@ -37,7 +37,7 @@ async def test_history_truncate_keeps_the_newest_turns_within_budget(tokenizer):
 
 
 def test_turn_units_keep_a_tool_call_with_its_replies():
-    from compression.history import is_tool_unit, turn_units
+    from ctxgate.compression.history import is_tool_unit, turn_units
 
     history = [history_turns(1)[0], *tool_exchange(0), history_turns(1)[1]]
     history.insert(3, {"role": "tool", "tool_call_id": "call_0", "content": "A second reply."})

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from compression.stages import STAGES
-from compression.types import RetrievalSpec
-from policies.schema import Policy
+from ctxgate.compression.stages import STAGES
+from ctxgate.compression.types import RetrievalSpec
+from ctxgate.policies.schema import Policy
 from tests.compression.stages.support import setup_state
 
 

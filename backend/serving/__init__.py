@@ -1,0 +1,3 @@
+"""The engine behind its own OpenAI-compatible HTTP server (`ctxgate engine serve`) and
+the `ctxgate model` / `ctxgate engine` commands.
+"""

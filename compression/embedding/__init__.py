@@ -1,0 +1,3 @@
+"""Sentence embeddings: the model, its padding-free encoder, micro-batching of concurrent
+requests, and the child-process placement.
+"""

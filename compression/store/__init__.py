@@ -1,0 +1,2 @@
+"""What the compressor keeps: caches (in process, in Redis) and retrieval indexes.
+"""
