@@ -97,7 +97,8 @@ def _keys_file(path: Path) -> dict[str, str]:
         name: f"cg-soak-{name}-{secrets.token_hex(8)}" for name in ("victim", "attacker", "attacker-spent")
     }
     # Generous tenant quotas: the home policy's would refuse the attack (429) before it reaches anything;
-    # the over-quota probe is a second key of the attacker's tenant with a small key limit.
+    # the over-quota probe is a second key of the attacker's tenant whose key limit (32 tokens a
+    # minute) is below any request's reservation, so every request of it is a 429.
     generous = {"tokens_per_minute": 10**9, "requests_per_minute": 10**6}
     tenants = {
         "victim": {"quota": generous, "keys": [{"sha256": hash_key(keys["victim"])}]},
@@ -105,7 +106,7 @@ def _keys_file(path: Path) -> dict[str, str]:
             "quota": generous,
             "keys": [
                 {"sha256": hash_key(keys["attacker"])},
-                {"sha256": hash_key(keys["attacker-spent"]), "limits": {"tokens_per_minute": 1000}},
+                {"sha256": hash_key(keys["attacker-spent"]), "limits": {"tokens_per_minute": 32}},
             ],
         },
     }
