@@ -157,14 +157,22 @@ def _serve(args: argparse.Namespace) -> int:
     resolved = resolve_serve_args(args)
     settings = resolved.settings
 
-    from ctxgate.gateway.app import create_app
     from ctxgate.gateway.settings import exposure_problem
 
     problem = exposure_problem(settings)
     if problem is not None:
         print(f"ctxgate serve: {problem}", file=sys.stderr)
         return 2
+    from ctxgate.gateway.preflight import preflight_problems
+
+    # Before the model loads (seconds to minutes): a wrong path fails now, every problem listed.
+    problems = preflight_problems(settings, resolved.engine)
+    if problems:
+        for line in problems:
+            print(f"ctxgate serve: {line}", file=sys.stderr)
+        return 2
     _log_request_ids()
+    from ctxgate.gateway.app import create_app
     from ctxgate.gateway.model_list_config import builtin_needed
     from ctxgate.gateway.shutdown import DrainingServer
 
@@ -223,21 +231,14 @@ def _config_check(args: argparse.Namespace) -> int:
 
 
 def _file_references_problems(config) -> list[str]:
-    """The files a config names: they exist, and a keys file parses (a broken one would stop `serve` too)."""
-    from ctxgate.gateway.keys import read_keys_file
+    """The files and folders a config names exist and parse (what `serve` checks before the model loads)."""
+    from ctxgate.gateway.preflight import preflight_problems
 
-    problems = []
-    for name in ("keys_file", "policy_dir"):
-        value = getattr(config.server, name)
-        if value is not None and not os.path.exists(value):
-            problems.append(f"field 'server.{name}': {value} does not exist")
-    keys_file = config.server.keys_file
-    if keys_file is not None and os.path.exists(keys_file):
-        try:
-            read_keys_file(keys_file)
-        except ValueError as exc:
-            problems.append(f"field 'server.keys_file': {exc}")
-    return problems
+    try:
+        settings = GatewaySettings(**config.server_values(), model=config.engine.model, model_list=config.model_list)
+    except ValidationError as exc:
+        return describe_errors(exc, lambda name: f"field 'server.{name}'", "server")
+    return preflight_problems(settings, config.engine)
 
 
 def _config_schema(_args: argparse.Namespace) -> int:

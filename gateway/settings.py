@@ -158,8 +158,9 @@ class GatewaySettings(BaseModel):
         "default $CTXGATE_EMBED_CACHE_URL, else $REDIS_URL; unset: in-process only")
     drain_timeout_s: Annotated[float, Cli(old=("--drain-timeout",))] = Field(
         30.0, ge=0, description="on SIGTERM, refuse new requests with 503 and wait this long for in-flight ones")
-    access_log: bool = Field(False, description="log one line per request on the ctxgate.access logger (method, "
-                             "path, status, duration, request id, tenant; never keys or prompts)")
+    access_log: bool = Field(True, description="log one line per request on the ctxgate.access logger (request "
+                             "id, method, path, status, tenant, policy, prompt tokens before/after, TTFT, total ms; "
+                             "never keys or prompts); --no-access-log turns it off")
     allow_unauthenticated: bool = Field(False, description="serve on a non-loopback host without a keys file "
                                         "(only behind a proxy that authenticates)")
     metrics_key: Annotated[str | None, EmptyIsNone] = Field(

@@ -189,12 +189,16 @@ def test_config_cli_check_and_schema(tmp_path):
     assert result.stderr.strip().splitlines() == [  # every problem, not only the first
         f"{bad}: field 'server.redis_url': environment variable CG_UNSET is not set",
         f"{bad}: field 'server.port': Input should be a valid integer, unable to parse string as an integer"]
-    refs = _write(tmp_path / "refs.yaml", {"server": {"keys_file": "nope.yaml", "policy_dir": "nowhere"}})
+    refs = _write(tmp_path / "refs.yaml", {"server": {"keys_file": "nope.yaml", "policy_dir": "nowhere"},
+                                           "engine": {"model": str(tmp_path / "absent.gguf")}})
     result = subprocess.run([sys.executable, "-m", "ctxgate", "config", "check", str(refs)],
                             capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    keys = tmp_path / "nope.yaml"
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
-        f"{refs}: field 'server.keys_file': {tmp_path / 'nope.yaml'} does not exist",
-        f"{refs}: field 'server.policy_dir': {tmp_path / 'nowhere'} does not exist"]
+        f"{refs}: field 'server.keys_file' (--keys-file): keys file not found: {keys} "
+        f"(create it with `ctxgate keys add TENANT --keys-file {keys}`)",
+        f"{refs}: field 'server.policy_dir' (--policy-dir): policy folder not found: {tmp_path / 'nowhere'}",
+        f"{refs}: field 'engine.model' (--model): GGUF file not found: {tmp_path / 'absent.gguf'}"]
     serve = subprocess.run([sys.executable, "-m", "ctxgate", "serve", "--config", str(bad)],
                            capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert serve.returncode == 2 and "Traceback" not in serve.stderr
