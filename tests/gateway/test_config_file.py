@@ -231,3 +231,17 @@ def test_serve_runs_from_the_config_file_alone(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=15)
+
+
+def test_an_unknown_key_names_the_close_match(tmp_path):
+    path = _write(tmp_path / "typo.yaml", {"server": {"acces_log": False}, "engine": {"max_num_seq": 3},
+                                           "model_list": [{"model_name": "m", "deployments": [{"engine": "builtin"}],
+                                                           "tokeniser": "cl100k_base"}],
+                                           "loging": {"level": "INFO"}})
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    problems = caught.value.problems
+    assert "field 'server.acces_log': Extra inputs are not permitted; did you mean 'access_log'?" in problems
+    assert "field 'engine.max_num_seq': Extra inputs are not permitted; did you mean 'max_num_seqs'?" in problems
+    assert "field 'model_list.0.tokeniser': Extra inputs are not permitted; did you mean 'tokenizer'?" in problems
+    assert "field 'loging': Extra inputs are not permitted; did you mean 'logging'?" in problems
