@@ -201,7 +201,7 @@ def exposure_problem(settings: GatewaySettings) -> str | None:
     return (
         f"refusing to serve on {settings.host!r} without a keys file: anyone who can reach that address "
         "could spend every tenant's budget and read /metrics. Create keys (`ctxgate keys add TENANT "
-        "--keys keys.yaml`) and pass --keys-file keys.yaml (config file: server.keys_file), bind to "
+        "--keys-file keys.yaml`) and pass --keys-file keys.yaml (config file: server.keys_file), bind to "
         "127.0.0.1, or, if a proxy in front authenticates, pass --allow-unauthenticated (config file: "
         "server.allow_unauthenticated: true)."
     )
