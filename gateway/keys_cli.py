@@ -6,11 +6,20 @@ import argparse
 import os
 import sys
 
+from ctxgate.backend.settings.cli_actions import warn_deprecated
+
+
+class _KeysFile(argparse._StoreAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == "--keys":
+            warn_deprecated("--keys", "--keys-file")
+        super().__call__(parser, namespace, values, option_string)
+
 
 def _add_keys_file_flag(parser: argparse.ArgumentParser) -> None:
-    """`--keys-file`, as `serve` spells it; `--keys`, the earlier spelling here, still works (hidden)."""
-    parser.add_argument("--keys-file", default="keys.yaml", metavar="FILE", help="keys file (default keys.yaml)")
-    parser.add_argument("--keys", dest="keys_file", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    """`--keys-file`, as `serve` spells it; `--keys`, the earlier spelling here, still works (with a notice)."""
+    parser.add_argument("--keys-file", "--keys", action=_KeysFile, default="keys.yaml", metavar="FILE",
+                        help="keys file (default keys.yaml; --keys: deprecated spelling)")
 
 
 def register_keys(subparsers: argparse._SubParsersAction) -> None:

@@ -139,4 +139,7 @@ def test_keys_add_warns_about_a_model_not_served_and_a_budget_without_prices(tmp
 
 def test_keys_file_flag_is_spelt_as_in_serve():
     help_text = _ctxgate("keys", "add", "--help").stdout
-    assert "--keys-file FILE" in help_text and "--keys " not in help_text  # the old spelling works, unlisted
+    assert "--keys-file FILE, --keys FILE" in help_text and "--keys: deprecated" in help_text
+    listed = _ctxgate("keys", "list", "--keys", "missing.yaml")  # the old spelling still works, with a notice
+    assert "ctxgate: warning: --keys is deprecated; use --keys-file" in listed.stderr
+    assert "keys file not found: missing.yaml" in listed.stderr
