@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # Every other flag is a settings field (gateway/settings.py, backend/engine/config.py), with no argparse
     # default: what is not given comes from the config file, then from the field's default.
     add_model_flags(serve, GatewaySettings, skip=SERVER_SKIP)
-    add_model_flags(serve, EngineConfig)  # --model and the in-process engine's knobs, as in `engine serve`
+    # --model and the in-process engine's knobs, as in `engine serve`
+    add_model_flags(serve, EngineConfig, title="engine (the built-in engine; unused with upstreams)")
     # For the reference docs: the defaults that apply when neither a flag nor the file sets a value.
     serve.set_defaults(func=_serve, flag_defaults={**static_defaults(GatewaySettings, SERVER_SKIP),
                                                    **static_defaults(EngineConfig)})

@@ -6,7 +6,7 @@ import ipaddress
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -68,6 +68,21 @@ class GatewaySettings(BaseModel):
     code and tests pass to `create_app`."""
 
     model_config = ConfigDict(extra="forbid")
+    # `ctxgate serve --help` sections (title -> fields); tests/gateway/test_serve_help.py checks that
+    # every field is in exactly one.
+    CLI_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "server": ("host", "port", "served_model_name", "model", "max_body_bytes", "body_read_timeout_s",
+                   "drain_timeout_s", "access_log", "allow_unauthenticated", "metrics_key", "vllm_metric_names"),
+        "tenants and policies": ("keys_file", "policy_dir", "include_packaged_policies", "default_policy",
+                                 "reload_interval_s", "index_dir"),
+        "quotas and admission": ("redis_url", "max_in_flight", "max_queued", "max_open_per_key", "max_queued_per_key",
+                                 "queue_timeout_s", "request_timeout_s", "engine_max_waiting_requests"),
+        "compression": ("compression_workers", "compression_nice", "compression_cache_mb", "embed_threads",
+                        "embed_batch_window_ms", "embed_on", "embed_cache_url"),
+        "upstreams": ("upstreams", "model_list", "upstream_model", "upstream_connect_timeout_s",
+                      "upstream_read_timeout_s", "upstream_retries", "upstream_api_key", "tokenizer", "drop_params",
+                      "cache_salt_secret"),
+    }
 
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")

@@ -57,7 +57,7 @@ def test_interpolation_replaces_references_anywhere_and_names_missing_variables(
 
 
 @pytest.mark.parametrize(("data", "message"), [
-    ({"server": {"prot": 1}}, "field 'server.prot': Extra inputs are not permitted"),
+    ({"server": {"prot": 1}}, "field 'server.prot': Extra inputs are not permitted; did you mean 'port'?"),
     ({"server": {"port": 0}}, "field 'server.port': Input should be greater than or equal to 1"),
     ({"engine": {"dtype": "fp8"}}, "field 'engine.dtype': Input should be 'auto', 'float32'"),
     ({"server": {"upstreams": "http://one"}}, "field 'server.upstreams': Input should be a valid list"),
@@ -89,7 +89,7 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
         "field 'server.redis_url': environment variable CG_UNSET_1 is not set",
         "field 'server.port': Input should be greater than or equal to 1",
         "field 'server.upstream_retries': Input should be greater than or equal to 0",  # written upstreams.retries
-        "field 'server.prot': Extra inputs are not permitted",
+        "field 'server.prot': Extra inputs are not permitted; did you mean 'port'?",
         "field 'engine.dtype': Input should be 'auto', 'float32', 'bfloat16' or 'float16'",
         "field 'engine.max_num_seqs': Input should be greater than or equal to 1",
         "field 'engine.num_threads': Input should be greater than or equal to 1",
