@@ -29,11 +29,12 @@ model: install
 large-model: install
 	$(PY) -m tests.support.large_model
 
+# Flags through ARGS, e.g. make serve ARGS="--port 8080 --keys-file keys.yaml".
 serve: model
-	$(VENV)/bin/ctxgate serve
+	$(VENV)/bin/ctxgate serve $(ARGS)
 
 engine-serve: model
-	$(VENV)/bin/ctxgate engine serve
+	$(VENV)/bin/ctxgate engine serve $(ARGS)
 
 test: model large-model
 	$(PY) -m pytest -q

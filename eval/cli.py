@@ -180,10 +180,12 @@ def _eval_run(args: argparse.Namespace) -> int:
             "not measured" if accuracy["value"] is None
             else f"{accuracy['value']:.3f} [{accuracy['ci_low']:.3f}, {accuracy['ci_high']:.3f}]"
         )
+        ttft = arm["ttft_ms"]["p95"]
+        ttft_text = "" if ttft is None else f", TTFT P95 {ttft} ms"  # --compress-only generates nothing
         print(
             f"{label}: accuracy {accuracy_text}, "
             f"answer retained {_value(arm['answer_retention'])}, prompt tokens {arm['prompt_tokens_mean']}, "
-            f"ratio {arm['compression_ratio']}, TTFT P95 {arm['ttft_ms']['p95']} ms, errors {arm['errors']}"
+            f"ratio {arm['compression_ratio']}{ttft_text}, errors {arm['errors']}"
         )
     print(f"report: {args.out}/report.md")
     return 0

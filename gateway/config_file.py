@@ -29,6 +29,7 @@ from ctxgate.backend.engine.config import EngineConfig
 from ctxgate.backend.settings.flags import error_text, kebab
 from ctxgate.gateway.model_list_config import ModelConfig, check_model_list
 from ctxgate.gateway.settings import GatewaySettings
+from ctxgate.policies.suggest import field_suggestion
 
 ENV_PREFIX = "os.environ/"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -216,12 +217,15 @@ def _resolve_model_tokenizers(data: dict[str, Any], base: Path) -> None:
             model["tokenizer"] = str(base / spec)
 
 
-def validation_problems(exc: ValidationError) -> list[str]:
-    """Every error of a validation, as `field 'dotted.location': reason`."""
+def validation_problems(exc: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
+    """Every error of a validation, as `field 'dotted.location': reason`; an unknown field of
+    `model` names its close matches ("did you mean ...?")."""
     problems = []
     for error in exc.errors(include_url=False):
         loc = ".".join(str(part) for part in error["loc"])
-        problems.append(f"field '{loc}': {error_text(error)}")
+        reason = error_text(error)
+        hint = field_suggestion(model, error["loc"]) if model and error["type"] == "extra_forbidden" else None
+        problems.append(f"field '{loc}': {reason}; {hint}" if hint else f"field '{loc}': {reason}")
     return problems
 
 
@@ -251,7 +255,7 @@ def load_config(path: str | Path, environ: dict[str, str] | None = None,
     try:
         config = CtxgateConfig.model_validate(data)
     except ValidationError as exc:
-        problems += validation_problems(exc)
+        problems += validation_problems(exc, CtxgateConfig)
     if problems:
         raise ConfigError(path, problems)
     return config

@@ -376,6 +376,12 @@ class KeyStore:
             self.last_error = None
         return True
 
+    def counts(self) -> tuple[int, int]:
+        """(tenants, keys) currently loaded: what the startup banner reports."""
+        with self._lock:
+            tenants = {tenant.name for tenant in self._by_hash.values()}
+            return len(tenants), len(self._by_hash)
+
     def resolve(self, api_key: str | None) -> Tenant | None:
         """The tenant for this key, ANONYMOUS in open mode, or None for a missing/unknown key."""
         if self.path is None:

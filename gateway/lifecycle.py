@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from ctxgate.backend.engine.guided import compiler_for
+from ctxgate.gateway.banner import log_banner
 from ctxgate.gateway.service import Gateway
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             await asyncio.to_thread(compiler_for(gateway.tokenizer).warm_up)
         except Exception:  # the first structured-output request retries (and reports) it
             logger.exception("starting the grammar workers failed")
+    log_banner(gateway)
     watcher = asyncio.create_task(watch_files(gateway), name="ctxgate-reload")
     embedder_load = app.state.embedder_load = EmbedderLoad(gateway)
     warm_up = asyncio.create_task(embedder_load.run(), name="ctxgate-embedder-load")

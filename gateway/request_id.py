@@ -2,9 +2,11 @@
 
 A client's `x-request-id` is kept when it is a sane token (so a request can be followed from the
 client's own logs), otherwise one is generated; either way it is echoed on the response. With the
-access log on, one line per request carries method, path (never the query string), status,
-duration, request id and tenant: never a key, a header value or any part of the body, so the log
-stays safe to ship off the machine.
+access log on (the default), one line per request carries request id, method, path (never the
+query string), status, tenant, policy, prompt tokens before and after compression, time to first
+token and total duration: never a key, a header value or any part of the body, so the log stays
+safe to ship off the machine. The service notes the per-request figures (`note_tenant`,
+`note_usage`) into the request's context; a figure not noted (a 401, a /health) is written `-`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class RequestContext:
     # When the request reached the gateway (perf_counter): TTFT and the request timeout count from
     # here, so the time spent reading, compressing and tokenizing the request is in them.
     received_at: float = field(default_factory=time.perf_counter)
+    policy: str | None = None
+    original_prompt_tokens: int | None = None  # before compression
+    prompt_tokens: int | None = None  # sent to the model
+    ttft_ms: float | None = None  # from `received_at` to the first token, as the client sees it
 
 
 _current: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("ctxgate_request", default=None)
@@ -54,6 +60,33 @@ def note_tenant(name: str) -> None:
     context = _current.get()
     if context is not None:
         context.tenant = name
+
+
+def note_usage(policy: str, original_prompt_tokens: int, prompt_tokens: int, ttft_ms: float | None) -> None:
+    """Record a generation's figures for the access log (called once its usage is settled)."""
+    context = _current.get()
+    if context is not None:
+        context.policy = policy
+        context.original_prompt_tokens = original_prompt_tokens
+        context.prompt_tokens = prompt_tokens
+        context.ttft_ms = ttft_ms
+
+
+def _or_dash(value: object) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def access_line(context: RequestContext, method: str, path: str, status: int, duration_ms: float) -> str:
+    """One request's access-log line: `name=value` pairs, values free of spaces (grep- and parser-friendly)."""
+    return (
+        f"request_id={context.request_id} method={method} path={loggable_path(path)} status={status} "
+        f"tenant={_or_dash(context.tenant)} policy={_or_dash(context.policy)} "
+        f"prompt_tokens_before={_or_dash(context.original_prompt_tokens)} "
+        f"prompt_tokens_after={_or_dash(context.prompt_tokens)} ttft_ms={_or_dash(context.ttft_ms)} "
+        f"duration_ms={duration_ms:.1f}"
+    )
 
 
 def loggable_path(path: str) -> str:
@@ -80,10 +113,10 @@ class RequestIdFilter(logging.Filter):
 
 
 class RequestId:
-    def __init__(self, app, access_log: bool = False):
+    def __init__(self, app, access_log: bool = True):
         self.app = app
         self.access_log = access_log
-        if access_log:  # asked for explicitly: not silenced by a WARNING root level
+        if access_log:  # on unless turned off: not silenced by a WARNING root level (--no-access-log is)
             access_logger.setLevel(logging.INFO)
 
     async def __call__(self, scope, receive, send):
@@ -109,8 +142,6 @@ class RequestId:
         finally:
             _current.reset(token)
             if self.access_log:
-                access_logger.info(
-                    "method=%s path=%s status=%d duration_ms=%.1f request_id=%s tenant=%s",
-                    scope.get("method", "-"), loggable_path(scope.get("path", "-")), status,
-                    (time.perf_counter() - started) * 1000, context.request_id, context.tenant or "-",
-                )
+                duration_ms = (time.perf_counter() - started) * 1000
+                access_logger.info("%s", access_line(context, scope.get("method", "-"), scope.get("path", "-"),
+                                                     status, duration_ms))

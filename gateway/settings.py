@@ -6,7 +6,7 @@ import ipaddress
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -68,6 +68,21 @@ class GatewaySettings(BaseModel):
     code and tests pass to `create_app`."""
 
     model_config = ConfigDict(extra="forbid")
+    # `ctxgate serve --help` sections (title -> fields); tests/gateway/test_serve_help.py checks that
+    # every field is in exactly one.
+    CLI_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "server": ("host", "port", "served_model_name", "model", "max_body_bytes", "body_read_timeout_s",
+                   "drain_timeout_s", "access_log", "allow_unauthenticated", "metrics_key", "vllm_metric_names"),
+        "tenants and policies": ("keys_file", "policy_dir", "include_packaged_policies", "default_policy",
+                                 "reload_interval_s", "index_dir"),
+        "quotas and admission": ("redis_url", "max_in_flight", "max_queued", "max_open_per_key", "max_queued_per_key",
+                                 "queue_timeout_s", "request_timeout_s", "engine_max_waiting_requests"),
+        "compression": ("compression_workers", "compression_nice", "compression_cache_mb", "embed_threads",
+                        "embed_batch_window_ms", "embed_on", "embed_cache_url"),
+        "upstreams": ("upstreams", "model_list", "upstream_model", "upstream_connect_timeout_s",
+                      "upstream_read_timeout_s", "upstream_retries", "upstream_api_key", "tokenizer", "drop_params",
+                      "cache_salt_secret"),
+    }
 
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
@@ -158,8 +173,9 @@ class GatewaySettings(BaseModel):
         "default $CTXGATE_EMBED_CACHE_URL, else $REDIS_URL; unset: in-process only")
     drain_timeout_s: Annotated[float, Cli(old=("--drain-timeout",))] = Field(
         30.0, ge=0, description="on SIGTERM, refuse new requests with 503 and wait this long for in-flight ones")
-    access_log: bool = Field(False, description="log one line per request on the ctxgate.access logger (method, "
-                             "path, status, duration, request id, tenant; never keys or prompts)")
+    access_log: bool = Field(True, description="log one line per request on the ctxgate.access logger (request "
+                             "id, method, path, status, tenant, policy, prompt tokens before/after, TTFT, total ms; "
+                             "never keys or prompts); --no-access-log turns it off")
     allow_unauthenticated: bool = Field(False, description="serve on a non-loopback host without a keys file "
                                         "(only behind a proxy that authenticates)")
     metrics_key: Annotated[str | None, EmptyIsNone] = Field(
@@ -200,7 +216,7 @@ def exposure_problem(settings: GatewaySettings) -> str | None:
     return (
         f"refusing to serve on {settings.host!r} without a keys file: anyone who can reach that address "
         "could spend every tenant's budget and read /metrics. Create keys (`ctxgate keys add TENANT "
-        "--keys keys.yaml`) and pass --keys-file keys.yaml (config file: server.keys_file), bind to "
+        "--keys-file keys.yaml`) and pass --keys-file keys.yaml (config file: server.keys_file), bind to "
         "127.0.0.1, or, if a proxy in front authenticates, pass --allow-unauthenticated (config file: "
         "server.allow_unauthenticated: true)."
     )

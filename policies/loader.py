@@ -21,6 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from ctxgate.policies.schema import Policy
+from ctxgate.policies.suggest import field_suggestion
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ def _problems_from_validation(exc: ValidationError) -> list[tuple[str, str]]:
         message = error.get("msg", "invalid value")
         if "input" in error and error.get("type") not in ("missing",):
             message = f"{message} (got {json.dumps(error['input'], default=str)[:80]})"
+        if error.get("type") == "extra_forbidden":
+            hint = field_suggestion(Policy, error.get("loc", ()))
+            message = f"{message}; {hint}" if hint else message
         problems.append((loc, message))
     return problems
 

@@ -185,18 +185,31 @@ def add_field_flag(parser: argparse.ArgumentParser | argparse._ActionsContainer,
     return action
 
 
+def _help_groups(parser: argparse.ArgumentParser, model: type[BaseModel],
+                 title: str | None) -> dict[str, argparse._ActionsContainer]:
+    """Field name -> the `--help` section its flag is listed in: the model's `CLI_GROUPS` (section
+    title -> field names), else the section `title` (else the parser's own options)."""
+    sections: dict[str, argparse._ActionsContainer] = {}
+    for section, names in getattr(model, "CLI_GROUPS", {}).items():
+        group = parser.add_argument_group(section)
+        sections.update(dict.fromkeys(names, group))
+    fallback = parser.add_argument_group(title) if title else parser
+    return {name: sections.get(name, fallback) for name in model.model_fields}
+
+
 def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *, skip: Iterable[str] = (),
-                    defaults: bool = False) -> dict[str, argparse.Action]:
+                    defaults: bool = False, title: str | None = None) -> dict[str, argparse.Action]:
     """Add a flag for every field of `model` (but `skip`); returns them by field name.
 
     `defaults=False`: no argparse defaults (a dest absent after parsing was not given).
     `defaults=True`: each dest defaults to the model's static default (None where it is computed).
     Fields named together in the model's `EXCLUSIVE` groups become mutually exclusive flags.
+    `--help` lists the flags in the sections of the model's `CLI_GROUPS`; the others under `title`.
     """
     skip = set(skip)
-    groups: dict[str, argparse._ActionsContainer] = {}
+    groups = _help_groups(parser, model, title)
     for names in getattr(model, "EXCLUSIVE", ()):
-        group = parser.add_mutually_exclusive_group()
+        group = groups[names[0]].add_mutually_exclusive_group()
         groups.update(dict.fromkeys(names, group))
     actions = {}
     for name, info in model.model_fields.items():
@@ -206,7 +219,7 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *, 
             default = None if info.default is PydanticUndefined else info.default
         else:
             default = argparse.SUPPRESS
-        actions[name] = add_field_flag(groups.get(name, parser), name, info, default)
+        actions[name] = add_field_flag(groups[name], name, info, default)
     return actions
 
 

@@ -175,5 +175,6 @@ def test_compress_only_run_measures_retention_without_generating(small_dataset, 
     assert passthrough["answer_retention"]["value"] == 1.0 and passthrough["n"] == 5
     assert tight["prompt_tokens_mean"] < passthrough["prompt_tokens_mean"]
     assert tight["accuracy"]["value"] is None and tight["ttft_ms"]["p95"] is None
+    assert "eval-tight: accuracy not measured" in result.stdout and "TTFT" not in result.stdout
     for name in PLOTS:
         assert (tmp_path / name).stat().st_size > 0

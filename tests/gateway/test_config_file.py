@@ -57,7 +57,7 @@ def test_interpolation_replaces_references_anywhere_and_names_missing_variables(
 
 
 @pytest.mark.parametrize(("data", "message"), [
-    ({"server": {"prot": 1}}, "field 'server.prot': Extra inputs are not permitted"),
+    ({"server": {"prot": 1}}, "field 'server.prot': Extra inputs are not permitted; did you mean 'port'?"),
     ({"server": {"port": 0}}, "field 'server.port': Input should be greater than or equal to 1"),
     ({"engine": {"dtype": "fp8"}}, "field 'engine.dtype': Input should be 'auto', 'float32'"),
     ({"server": {"upstreams": "http://one"}}, "field 'server.upstreams': Input should be a valid list"),
@@ -89,7 +89,7 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path):
         "field 'server.redis_url': environment variable CG_UNSET_1 is not set",
         "field 'server.port': Input should be greater than or equal to 1",
         "field 'server.upstream_retries': Input should be greater than or equal to 0",  # written upstreams.retries
-        "field 'server.prot': Extra inputs are not permitted",
+        "field 'server.prot': Extra inputs are not permitted; did you mean 'port'?",
         "field 'engine.dtype': Input should be 'auto', 'float32', 'bfloat16' or 'float16'",
         "field 'engine.max_num_seqs': Input should be greater than or equal to 1",
         "field 'engine.num_threads': Input should be greater than or equal to 1",
@@ -189,12 +189,16 @@ def test_config_cli_check_and_schema(tmp_path):
     assert result.stderr.strip().splitlines() == [  # every problem, not only the first
         f"{bad}: field 'server.redis_url': environment variable CG_UNSET is not set",
         f"{bad}: field 'server.port': Input should be a valid integer, unable to parse string as an integer"]
-    refs = _write(tmp_path / "refs.yaml", {"server": {"keys_file": "nope.yaml", "policy_dir": "nowhere"}})
+    refs = _write(tmp_path / "refs.yaml", {"server": {"keys_file": "nope.yaml", "policy_dir": "nowhere"},
+                                           "engine": {"model": str(tmp_path / "absent.gguf")}})
     result = subprocess.run([sys.executable, "-m", "ctxgate", "config", "check", str(refs)],
                             capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    keys = tmp_path / "nope.yaml"
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
-        f"{refs}: field 'server.keys_file': {tmp_path / 'nope.yaml'} does not exist",
-        f"{refs}: field 'server.policy_dir': {tmp_path / 'nowhere'} does not exist"]
+        f"{refs}: field 'server.keys_file' (--keys-file): keys file not found: {keys} "
+        f"(create it with `ctxgate keys add TENANT --keys-file {keys}`)",
+        f"{refs}: field 'server.policy_dir' (--policy-dir): policy folder not found: {tmp_path / 'nowhere'}",
+        f"{refs}: field 'engine.model' (--model): GGUF file not found: {tmp_path / 'absent.gguf'}"]
     serve = subprocess.run([sys.executable, "-m", "ctxgate", "serve", "--config", str(bad)],
                            capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert serve.returncode == 2 and "Traceback" not in serve.stderr
@@ -227,3 +231,17 @@ def test_serve_runs_from_the_config_file_alone(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=15)
+
+
+def test_an_unknown_key_names_the_close_match(tmp_path):
+    path = _write(tmp_path / "typo.yaml", {"server": {"acces_log": False}, "engine": {"max_num_seq": 3},
+                                           "model_list": [{"model_name": "m", "deployments": [{"engine": "builtin"}],
+                                                           "tokeniser": "cl100k_base"}],
+                                           "loging": {"level": "INFO"}})
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    problems = caught.value.problems
+    assert "field 'server.acces_log': Extra inputs are not permitted; did you mean 'access_log'?" in problems
+    assert "field 'engine.max_num_seq': Extra inputs are not permitted; did you mean 'max_num_seqs'?" in problems
+    assert "field 'model_list.0.tokeniser': Extra inputs are not permitted; did you mean 'tokenizer'?" in problems
+    assert "field 'loging': Extra inputs are not permitted; did you mean 'logging'?" in problems

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_keys_add_cli(tmp_path):
     keys_file = tmp_path / "keys.yaml"
     result = subprocess.run(
-        [sys.executable, "-m", "ctxgate", "keys", "add", "acme", "--keys", str(keys_file), "--policy", "rag-strict"],
+        [sys.executable, "-m", "ctxgate", "keys", "add", "acme", "--keys-file", str(keys_file), "--policy", "rag-strict"],
         capture_output=True, text=True, cwd=REPO, timeout=60,
     )
     assert result.returncode == 0, result.stderr
@@ -58,7 +58,7 @@ def _ctxgate(*argv: str) -> subprocess.CompletedProcess:
 
 def test_key_lifecycle_cli(tmp_path):
     keys = str(tmp_path / "keys.yaml")
-    added = _ctxgate("keys", "add", "acme", "--keys", keys, "--label", "team=search", "--label", "old note",
+    added = _ctxgate("keys", "add", "acme", "--keys-file", keys, "--label", "team=search", "--label", "old note",
                      "--expires", "30d", "--model", "smol", "--requests-per-minute", "60",
                      "--max-parallel-requests", "4", "--budget", "20", "--budget-period", "weekly")
     assert added.returncode == 0, added.stderr
@@ -70,7 +70,7 @@ def test_key_lifecycle_cli(tmp_path):
     assert tenant.name == "acme" and tenant.key.models == ("smol",) and tenant.key.labels == {"team": "search"}
     assert tenant.key.limits == {"requests_per_minute": 60, "max_parallel_requests": 4, "budget": 20.0,
                                  "budget_period": "weekly"}
-    listed = [json.loads(line) for line in _ctxgate("keys", "list", "--keys", keys, "--json").stdout.splitlines()]
+    listed = [json.loads(line) for line in _ctxgate("keys", "list", "--keys-file", keys, "--json").stdout.splitlines()]
     assert [row["id"] for row in listed] == [key_id, other_id]
     assert listed[0]["note"] == "old note" and listed[0]["status"] == "active"
     assert 29 <= (datetime.fromisoformat(listed[0]["expires_at"]) - datetime.now(UTC)).days <= 30
@@ -78,7 +78,7 @@ def test_key_lifecycle_cli(tmp_path):
     assert key_id in by_label and other_id not in by_label and "requests_per_minute=60" in by_label
     assert other_id not in _ctxgate("keys", "list", "--keys", keys, "--tenant", "acme").stdout
 
-    rotated = _ctxgate("keys", "rotate", key_id, "--keys", keys)
+    rotated = _ctxgate("keys", "rotate", key_id, "--keys-file", keys)
     assert rotated.returncode == 0, rotated.stderr
     new_key = rotated.stdout.strip()
     new_tenant = KeyStore(keys).authenticate(new_key)
@@ -107,12 +107,39 @@ def test_key_lifecycle_cli(tmp_path):
     (["keys", "revoke", "abc"], "give the key id from `ctxgate keys list`"),
     (["keys", "revoke", "abcdef0123"], "no key 'abcdef0123' in the keys file"),
     (["keys", "rotate", "abcdef0123", "--grace", "1x"], "'1x' is not a duration"),
-    (["keys", "list", "--keys", "missing.yaml"], "keys file not found: missing.yaml"),
+    (["keys", "list", "--keys-file", "missing.yaml"], "keys file not found: missing.yaml"),
 ])
 def test_key_cli_errors_are_clear(tmp_path, argv, message):
     keys = tmp_path / "keys.yaml"
     keys.write_text("tenants: {}\n")
-    if "--keys" not in argv:
-        argv = [*argv, "--keys", str(keys)]
+    if "--keys-file" not in argv:
+        argv = [*argv, "--keys-file", str(keys)]
     result = _ctxgate(*argv)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_keys_add_warns_about_a_model_not_served_and_a_budget_without_prices(tmp_path):
+    keys = str(tmp_path / "keys.yaml")
+    added = _ctxgate("keys", "add", "acme", "--keys-file", keys, "--model", "smollm2-135m", "--budget", "5")
+    assert added.returncode == 0 and added.stdout.startswith("cg-")  # warned, still written
+    assert ("ctxgate: warning: --model smollm2-135m: a `ctxgate serve` without --config (pass --config FILE) "
+            "serves SmolLM2-135M-Instruct") in added.stderr
+    assert "--budget 5: policy 'rag-default' has no prices" in added.stderr
+    priced = tmp_path / "policies"
+    priced.mkdir()
+    (priced / "paid.yaml").write_text("name: paid\ncost: {prompt_per_1k: 0.5}\n")
+    config = tmp_path / "ctxgate.yaml"
+    config.write_text(json.dumps({"server": {"served_model_name": "smol", "policy_dir": str(priced)}}))
+    clean = _ctxgate("keys", "add", "globex", "--keys-file", keys, "--config", str(config), "--model", "smol",
+                     "--policy", "paid", "--budget", "5")
+    assert clean.returncode == 0 and "warning" not in clean.stderr, clean.stderr
+    unknown = _ctxgate("keys", "add", "initech", "--keys-file", keys, "--config", str(config), "--policy", "payd")
+    assert "ctxgate: warning: --policy payd: no such policy in the server config" in unknown.stderr
+
+
+def test_keys_file_flag_is_spelt_as_in_serve():
+    help_text = _ctxgate("keys", "add", "--help").stdout
+    assert "--keys-file FILE, --keys FILE" in help_text and "--keys: deprecated" in help_text
+    listed = _ctxgate("keys", "list", "--keys", "missing.yaml")  # the old spelling still works, with a notice
+    assert "ctxgate: warning: --keys is deprecated; use --keys-file" in listed.stderr
+    assert "keys file not found: missing.yaml" in listed.stderr

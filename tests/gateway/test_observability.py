@@ -74,8 +74,9 @@ def test_request_id_round_trip_and_access_log(servers, caplog):
     assert any("path=/no/such%0Apath=forged%20status=200 status=404" in line for line in lines)
     assert not any("\n" in line for line in lines)
     completion = next(line for line in lines if "request_id=client-req.42:a" in line)
-    assert re.fullmatch(r"method=POST path=/v1/completions status=200 duration_ms=\d+\.\d "
-                        r"request_id=client-req.42:a tenant=acme", completion)
+    assert re.fullmatch(r"request_id=client-req.42:a method=POST path=/v1/completions status=200 tenant=acme "
+                        r"policy=\S+ prompt_tokens_before=\S+ prompt_tokens_after=\S+ ttft_ms=\S+ "
+                        r"duration_ms=\d+\.\d", completion)
     assert any("path=/v1/completions status=401" in line and "tenant=-" in line for line in lines)
     everything = "\n".join(lines)
     assert KEY not in everything and "cg-wrong-secret" not in everything and PROMPT not in everything
@@ -169,3 +170,33 @@ def test_dashboard_and_alert_queries_use_exported_metrics(servers):
         assert not missing, f"{where} queries {sorted(missing)}, which no gateway exports"
         used |= names
     assert {"ctxgate:admission_in_flight", "ctxgate:upstream_up", "process_resident_memory_bytes"} <= used
+
+
+def test_the_access_log_carries_what_the_service_noted(caplog):
+    """The figures `note_usage` records inside a request (the service calls it when usage is
+    settled) reach that request's line, through the real middleware and a real HTTP server."""
+    from fastapi import FastAPI
+
+    from ctxgate.gateway.request_id import RequestId, note_tenant, note_usage
+
+    app = FastAPI()
+
+    @app.get("/noted")
+    async def noted() -> dict[str, str]:
+        note_tenant("acme")
+        note_usage(policy="rag-default", original_prompt_tokens=1840, prompt_tokens=412, ttft_ms=388.14)
+        return {}
+
+    app.add_middleware(RequestId)  # the default: access log on
+    caplog.set_level(logging.INFO, logger="ctxgate.access")
+    with ServerThread(app) as server:
+        assert httpx.get(f"{server.url}/noted", headers={"x-request-id": "n-1"}).status_code == 200
+        assert httpx.get(f"{server.url}/health", headers={"x-request-id": "n-2"}).status_code == 404
+    lines = {record.getMessage().split()[0]: record.getMessage() for record in caplog.records
+             if record.name == "ctxgate.access"}
+    assert re.fullmatch(r"request_id=n-1 method=GET path=/noted status=200 tenant=acme policy=rag-default "
+                        r"prompt_tokens_before=1840 prompt_tokens_after=412 ttft_ms=388\.1 duration_ms=\d+\.\d",
+                        lines["request_id=n-1"])
+    assert re.fullmatch(r"request_id=n-2 method=GET path=/health status=404 tenant=- policy=- "
+                        r"prompt_tokens_before=- prompt_tokens_after=- ttft_ms=- duration_ms=\d+\.\d",
+                        lines["request_id=n-2"])

@@ -55,7 +55,10 @@ def test_passthrough_disables_compression_but_keeps_a_budget():
     [
         ("name: x\nmax_input_tokens: -5\n", "max_input_tokens", "greater than or equal"),
         ("name: x\ndocuments: {max_tokens: 9000}\n", "", "documents.max_tokens cannot exceed"),
-        ("name: x\nrerank: {methd: bm25}\n", "rerank.methd", "Extra inputs"),
+        ("name: x\nrerank: {methd: bm25}\n", "rerank.methd", "Extra inputs are not permitted (got \"bm25\"); "
+         "did you mean 'method'?"),
+        ("name: x\nextraction: {neighbors: 1}\n", "extraction.neighbors", "did you mean 'neighbours'?"),
+        ("name: x\nmax_input_token: 100\n", "max_input_token", "did you mean 'max_input_tokens'?"),
         ("name: x\nquota: {on_store_error: maybe}\n", "quota.on_store_error", "'allow' or 'deny'"),
         ("max_input_tokens: 100\n", "name", "Field required"),
         ("name: x\ndocuments: {embed_budget_multiple: 0}\n", "documents.embed_budget_multiple", "greater than 0"),
@@ -81,6 +84,14 @@ def test_errors_name_file_field_and_reason(tmp_path, text, field, reason):
     if field:
         assert f"field '{field}'" in message
     assert reason in message
+
+
+def test_an_unknown_field_without_a_close_match_suggests_nothing(tmp_path):
+    path = tmp_path / "far.yaml"
+    path.write_text("name: x\nrerank: {zzzz: 1}\n")
+    with pytest.raises(PolicyFileError) as info:
+        load_policy_file(path)
+    assert str(info.value) == f"{path}: field 'rerank.zzzz': Extra inputs are not permitted (got 1)"
 
 
 def test_policy_check_cli(tmp_path):
