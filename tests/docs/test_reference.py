@@ -281,3 +281,17 @@ def test_mkdocs_builds_strict(tmp_path):
     assert broken == [] and checked > 1000
     for chart in ("e2e-144q.png", "retention-vs-longllmlingua.png", "slo-goodput.png"):
         assert chart in (site / "benchmarks.html").read_text() and (site / "assets" / "benchmarks" / chart).is_file()
+
+
+def test_every_policy_keys_file_and_request_field_has_a_description(gen):
+    """The reference's Description column is never empty: a field without `Field(description=...)`
+    (or a comment the generator reads) fails here, naming it."""
+    from ctxgate.gateway.keys import KeysFile
+    from ctxgate.gateway.schemas import CtxgateExtras
+    from ctxgate.policies.schema import Policy
+
+    empty = [f"{root.__name__}: {row.name}" for root in (Policy, KeysFile, CtxgateExtras)
+             for _, _, rows in gen.model_sections(root) for row in rows if not row.description.strip()]
+    rows = sum(len(rows) for root in (Policy, KeysFile, CtxgateExtras) for _, _, rows in gen.model_sections(root))
+    assert rows > 90
+    assert empty == []
