@@ -51,6 +51,8 @@ bench: model
 	$(VENV)/bin/ctxgate bench engine --out bench-out
 	$(VENV)/bin/ctxgate bench e2e --concurrency 4 --out bench-out/e2e
 
+# The eval data sets are not in the package: in this repository's layout they sit beside the checkout in
+# ../shared/data/eval (docs/benchmarks.md#data-sets says where they come from and how to use your own).
 eval: model
 	$(VENV)/bin/ctxgate eval run --input ../shared/data/eval/nq-multidoc-dev.jsonl \
 		--policy passthrough --policy rag-default --concurrency 4 --out eval-out
