@@ -67,17 +67,17 @@ KEY_ID_LENGTH = 12
 class Limits(_Strict):
     """Limits of a tenant (overriding its policy's quota) or of one key (on top of the tenant's)."""
 
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    tokens_per_day: int | None = Field(None, ge=1)
-    spend_per_day: float | None = Field(None, gt=0)
-    max_parallel_requests: int | None = Field(None, ge=1, description="requests in flight at once")
-    budget: float | None = Field(None, gt=0, description="spend allowed per budget_period (policy cost units)")
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_day: int | None = Field(default=None, ge=1)
+    spend_per_day: float | None = Field(default=None, gt=0)
+    max_parallel_requests: int | None = Field(default=None, ge=1, description="requests in flight at once")
+    budget: float | None = Field(default=None, gt=0, description="spend allowed per budget_period (policy cost units)")
     budget_period: Literal["daily", "weekly", "monthly"] | None = None
 
 
 class QuotaOverride(Limits):
-    on_store_error: str | None = Field(None, pattern="^(allow|deny)$")
+    on_store_error: str | None = Field(default=None, pattern="^(allow|deny)$")
 
 
 class KeyEntry(_Strict):
@@ -88,8 +88,8 @@ class KeyEntry(_Strict):
     expires_at: datetime | None = None
     revoked_at: datetime | None = None
     limits: Limits = Limits()
-    models: list[str] | None = Field(None, min_length=1, description="served model names this key may use")
-    quota_id: str | None = Field(None, pattern=r"^[0-9a-f]{12}$")
+    models: list[str] | None = Field(default=None, min_length=1, description="served model names this key may use")
+    quota_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{12}$")
 
     @property
     def key_id(self) -> str:
@@ -107,11 +107,11 @@ NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"  # a policy name (policies/schema.py)
 
 
 class TenantEntry(_Strict):
-    policy: str | None = Field(None, pattern=NAME_PATTERN)
+    policy: str | None = Field(default=None, pattern=NAME_PATTERN)
     policies: list[Annotated[str, Field(pattern=NAME_PATTERN)]] | None = Field(
-        None, description="policies this tenant's requests may name (its home policy always)")
+        default=None, description="policies this tenant's requests may name (its home policy always)")
     indexes: list[Annotated[str, Field(pattern=INDEX_NAME_PATTERN)]] | None = Field(
-        None, description="retrieval indexes this tenant may search (default: none)")
+        default=None, description="retrieval indexes this tenant may search (default: none)")
     quota: QuotaOverride = QuotaOverride()
     keys: list[KeyEntry] = Field(default_factory=list)
 

@@ -22,7 +22,7 @@ MAX_DOCUMENT_TITLE_CHARS = 1000
 class CtxgateDocument(_Strict):
     text: str
     id: str | int | None = None
-    title: str | None = Field(None, max_length=MAX_DOCUMENT_TITLE_CHARS)
+    title: str | None = Field(default=None, max_length=MAX_DOCUMENT_TITLE_CHARS)
     score: float | None = None
 
     @field_validator("id")
@@ -36,16 +36,16 @@ class CtxgateDocument(_Strict):
 
 class CtxgateRetrieval(_Strict):
     index: str = Field(..., min_length=1)
-    top_n: int = Field(5, ge=1, le=100)
+    top_n: int = Field(default=5, ge=1, le=100)
 
 
 class CtxgateExtras(_Strict):
     documents: list[CtxgateDocument] | None = None
     retrieval: CtxgateRetrieval | None = None
-    policy: str | None = Field(None, min_length=1)
+    policy: str | None = Field(default=None, min_length=1)
     priority: Literal["user", "background"] | None = None
     overrides: dict[str, Any] | None = Field(
-        None, description="dotted policy fields to override, only those the policy allows"
+        default=None, description="dotted policy fields to override, only those the policy allows"
     )
 
 

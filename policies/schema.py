@@ -22,16 +22,16 @@ class _Section(BaseModel):
 
 class HistoryPolicy(_Section):
     enabled: bool = True
-    max_tokens: int = Field(512, ge=0, description="budget for conversation turns before the question")
-    keep_last_turns: int = Field(2, ge=0, description="most recent turns always kept verbatim")
+    max_tokens: int = Field(default=512, ge=0, description="budget for conversation turns before the question")
+    keep_last_turns: int = Field(default=2, ge=0, description="most recent turns always kept verbatim")
     strategy: Literal["summarize", "extractive", "truncate"] = "summarize"
-    summary_max_tokens: int = Field(128, ge=8)
-    summary_timeout_s: float = Field(10.0, gt=0, description="fall back to extractive after this")
+    summary_max_tokens: int = Field(default=128, ge=8)
+    summary_timeout_s: float = Field(default=10.0, gt=0, description="fall back to extractive after this")
 
 
 class DocumentsPolicy(_Section):
-    max_tokens: int = Field(1200, ge=0, description="budget for the retrieved-passages block")
-    max_documents: int | None = Field(None, ge=1)
+    max_tokens: int = Field(default=1200, ge=0, description="budget for the retrieved-passages block")
+    max_documents: int | None = Field(default=None, ge=1)
     # Find retrieved context that frameworks render inside the system/user messages (LangChain's
     # stuff-documents prompt, LlamaIndex's context chat, numbered or tagged documents, "Context:"
     # sections) and cut it like `documents`; the instructions and the question stay as they are.
@@ -41,33 +41,33 @@ class DocumentsPolicy(_Section):
     # more (compression/prefilter.py). Lower embeds less (a cheaper first sight, less CPU taken from
     # the engine) at some answer retention (docs/decisions/prefilter-share.md).
     embed_budget_multiple: float = Field(
-        DEFAULT_EMBED_BUDGET_MULTIPLE, gt=0, description="first-sight embedding allowance, as a multiple of max_tokens"
+        default=DEFAULT_EMBED_BUDGET_MULTIPLE, gt=0, description="first-sight embedding allowance, as a multiple of max_tokens"
     )
     embed_min_share: float = Field(
-        DEFAULT_EMBED_MIN_SHARE, ge=0, le=1, description="first-sight embedding allowance, at least this share of the input"
+        default=DEFAULT_EMBED_MIN_SHARE, ge=0, le=1, description="first-sight embedding allowance, at least this share of the input"
     )
 
 
 class DedupPolicy(_Section):
     enabled: bool = True
     exact: bool = True
-    near_duplicate_cosine: float | None = Field(0.92, gt=0, le=1)
+    near_duplicate_cosine: float | None = Field(default=0.92, gt=0, le=1)
     sentence_level: bool = True
 
 
 class RerankPolicy(_Section):
     enabled: bool = True
     method: Literal["embedding-bm25", "embedding", "bm25", "cross-encoder", "llm"] = "embedding-bm25"
-    top_k: int | None = Field(5, ge=1)
+    top_k: int | None = Field(default=5, ge=1)
     min_score: float | None = None
-    bm25_weight: float = Field(0.3, ge=0, le=1)
+    bm25_weight: float = Field(default=0.3, ge=0, le=1)
     cross_encoder_path: str | None = None
 
 
 class ExtractionPolicy(_Section):
     enabled: bool = True
     unit: Literal["sentence", "passage"] = "sentence"
-    neighbours: int = Field(0, ge=0)
+    neighbours: int = Field(default=0, ge=0)
     keep_titles: bool = True
     # Multi-hop questions: score sentences again against the question plus the best sentence
     # found so far (pseudo-relevance feedback), so the bridge passage is found too.
@@ -86,16 +86,16 @@ class AssemblyPolicy(_Section):
 
 
 class CostPolicy(_Section):
-    prompt_per_1k: float = Field(0.0, ge=0)
-    completion_per_1k: float = Field(0.0, ge=0)
+    prompt_per_1k: float = Field(default=0.0, ge=0)
+    completion_per_1k: float = Field(default=0.0, ge=0)
     currency: str = "USD"
 
 
 class QuotaPolicy(_Section):
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    tokens_per_day: int | None = Field(None, ge=1)
-    spend_per_day: float | None = Field(None, gt=0)
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_day: int | None = Field(default=None, ge=1)
+    spend_per_day: float | None = Field(default=None, gt=0)
     on_store_error: Literal["allow", "deny"] = "allow"
 
 
@@ -105,15 +105,15 @@ class AdaptivePolicy(_Section):
     never below the floor; when even the floor misses, admission decides, not a deeper cut."""
 
     enabled: bool = False
-    ttft_slo_s: float = Field(2.0, gt=0, le=600, description="TTFT objective (P95, seconds) the budget is chosen for")
-    floor_tokens: int = Field(160, ge=0, description="the tightest documents budget the controller may choose")
-    ceiling_tokens: int = Field(1200, ge=1, description="the loosest documents budget the controller may choose")
-    step_tokens: int = Field(80, ge=1, description="candidate budgets are the floor plus multiples of this")
+    ttft_slo_s: float = Field(default=2.0, gt=0, le=600, description="TTFT objective (P95, seconds) the budget is chosen for")
+    floor_tokens: int = Field(default=160, ge=0, description="the tightest documents budget the controller may choose")
+    ceiling_tokens: int = Field(default=1200, ge=1, description="the loosest documents budget the controller may choose")
+    step_tokens: int = Field(default=80, ge=1, description="candidate budgets are the floor plus multiples of this")
     # A prediction is a typical TTFT and the SLO a P95: aim this fraction of the SLO.
-    headroom: float = Field(0.7, gt=0, le=1, description="predicted TTFT must stay under headroom x ttft_slo_s")
-    max_kv_usage: float = Field(0.95, gt=0, le=1, description="KV cache use above which the floor is taken")
+    headroom: float = Field(default=0.7, gt=0, le=1, description="predicted TTFT must stay under headroom x ttft_slo_s")
+    max_kv_usage: float = Field(default=0.95, gt=0, le=1, description="KV cache use above which the floor is taken")
     # Damping: budgets fall at once when the load rises, but rise one step at most this often.
-    relax_interval_s: float = Field(0.5, ge=0, le=60, description="least seconds between two one-step rises")
+    relax_interval_s: float = Field(default=0.5, ge=0, le=60, description="least seconds between two one-step rises")
 
     @model_validator(mode="after")
     def _range(self) -> AdaptivePolicy:
@@ -127,14 +127,14 @@ class AdaptivePolicy(_Section):
 class Policy(_Section):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
-    max_input_tokens: int = Field(2048, ge=16, description="hard cap on the prompt sent to the model")
-    reserve_output_tokens: int = Field(256, ge=1, description="max_tokens is clamped to this")
+    max_input_tokens: int = Field(default=2048, ge=16, description="hard cap on the prompt sent to the model")
+    reserve_output_tokens: int = Field(default=256, ge=1, description="max_tokens is clamped to this")
     compression_enabled: bool = True
     # LiteLLM's convention: request fields the built-in engine cannot honour (tools, logprobs, ...)
     # are a 400 naming the field, unless this drops them (listed in usage.ctxgate.dropped_params).
     drop_params: bool = False
     # Skip compression when the estimated prefill saving is below this many ms (0: always compress).
-    min_saving_ms: float = Field(0.0, ge=0)
+    min_saving_ms: float = Field(default=0.0, ge=0)
     allow_request_overrides: list[str] = Field(
         default_factory=list, description="dotted fields a request may override, e.g. documents.max_tokens"
     )
