@@ -247,11 +247,10 @@ def load_config(path: str | Path, environ: dict[str, str] | None = None,
     _rename_deprecated(data, problems, warn, str(path))
     _drop_nulls(data)
     _resolve_paths(data, path.parent)
-    config = None
     try:
         config = CtxgateConfig.model_validate(data)
     except ValidationError as exc:
-        problems += validation_problems(exc)
+        raise ConfigError(path, problems + validation_problems(exc)) from None
     if problems:
         raise ConfigError(path, problems)
     return config
