@@ -39,8 +39,14 @@ engine-serve: model
 test: model large-model
 	$(PY) -m pytest -q
 
+# House style and types, before the tests in CI (.ci/run). pyright (basedpyright, from PyPI with its own
+# node; nothing downloaded at run time) checks the product packages in basic mode, settings in
+# pyproject.toml. pyright cannot follow the package-dir mapping (gateway/ is ctxgate.gateway), so
+# tools/typecheck.py links the installed layout into build/pyright/ and checks that.
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) tools/typecheck.py
 
 # The docs site into site/; strict: a broken link, a missing page or any warning fails the build.
 # The reference pages are generated from the code during the build (docs/gen_reference.py).

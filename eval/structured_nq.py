@@ -17,7 +17,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-NQ_DEV = Path("/work/shared/data/eval/nq-multidoc-dev.jsonl")
+from ctxgate.eval.datasets import resolve_dataset_path
+
+NQ_DEV = "nq-multidoc-dev.jsonl"  # a bare name: found in shared/data/eval beside the checkout
 PASSAGES_PER_QUESTION = 4  # the gold passage and the first distractors: prompts stay a few hundred tokens
 MAX_TOKENS = 300  # > 200 answer characters (one token each at worst) plus the JSON around them
 
@@ -29,8 +31,8 @@ class CitedAnswer(BaseModel):
     passage_ids: list[Annotated[int, Field(ge=1, le=PASSAGES_PER_QUESTION)]] = Field(max_length=3)
 
 
-def questions(path: Path = NQ_DEV, limit: int = 50) -> list[dict]:
-    with path.open(encoding="utf-8") as lines:
+def questions(path: str | Path = NQ_DEV, limit: int = 50) -> list[dict]:
+    with resolve_dataset_path(path).open(encoding="utf-8") as lines:
         return [json.loads(line) for _, line in zip(range(limit), lines, strict=False)]
 
 
@@ -47,14 +49,14 @@ def messages_for(example: dict) -> tuple[list[dict[str, str]], set[int]]:
     ], gold
 
 
-def run(base_url: str, model: str, limit: int) -> dict[str, float]:
+def run(base_url: str, model: str, limit: int, data: str | Path = NQ_DEV) -> dict[str, float]:
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     parsed = cited_gold = 0
     failed: list[str] = []
     started = time.perf_counter()
-    examples = questions(limit=limit)
+    examples = questions(data, limit=limit)
     for example in examples:
         messages, gold = messages_for(example)
         try:
@@ -79,14 +81,16 @@ def main() -> None:
     parser.add_argument("--url", help="a running gateway (default: start `ctxgate serve` on a free port)")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--limit", type=int, default=50)
+    parser.add_argument("--input", default=NQ_DEV, help="NQ multi-document JSONL: a path, or a file name in "
+                        "shared/data/eval beside the checkout (default: %(default)s)")
     args = parser.parse_args()
     if args.url:
-        print(json.dumps(run(args.url.rstrip("/") + "/v1", args.model, args.limit)))
+        print(json.dumps(run(args.url.rstrip("/") + "/v1", args.model, args.limit, args.input)))
         return
     from ctxgate.eval.server import GatewayProcess
 
     with GatewayProcess() as url:
-        print(json.dumps(run(url + "/v1", args.model, args.limit)))
+        print(json.dumps(run(url + "/v1", args.model, args.limit, args.input)))
 
 
 if __name__ == "__main__":

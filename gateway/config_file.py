@@ -91,7 +91,7 @@ class LoggingSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None = Field(
-        None, description="logging level (--log-level); default INFO")
+        default=None, description="logging level (--log-level); default INFO")
 
 
 class CtxgateConfig(BaseModel):

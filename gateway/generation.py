@@ -79,6 +79,7 @@ class Generation:
         """The engine's deltas, each added to `totals` first (finish reasons, counts, metrics)."""
         if self._iterator is None:
             await self.start()
+        assert self._iterator is not None  # start() opened the engine stream
         try:
             if self._first is not None:
                 first, self._first = self._first, None

@@ -67,33 +67,33 @@ KEY_ID_LENGTH = 12
 class Limits(_Strict):
     """Limits of a tenant (overriding its policy's quota) or of one key (on top of the tenant's)."""
 
-    requests_per_minute: int | None = Field(None, ge=1, description="requests per minute; beyond: 429")
-    tokens_per_minute: int | None = Field(None, ge=1, description="prompt + completion tokens per minute")
-    tokens_per_day: int | None = Field(None, ge=1, description="prompt + completion tokens per day")
-    spend_per_day: float | None = Field(None, gt=0, description="spend per day, at the home policy's prices")
-    max_parallel_requests: int | None = Field(None, ge=1, description="requests in flight at once")
-    budget: float | None = Field(None, gt=0, description="spend allowed per budget_period (policy cost units)")
+    requests_per_minute: int | None = Field(default=None, ge=1, description="requests per minute; beyond: 429")
+    tokens_per_minute: int | None = Field(default=None, ge=1, description="prompt + completion tokens per minute")
+    tokens_per_day: int | None = Field(default=None, ge=1, description="prompt + completion tokens per day")
+    spend_per_day: float | None = Field(default=None, gt=0, description="spend per day, at the home policy's prices")
+    max_parallel_requests: int | None = Field(default=None, ge=1, description="requests in flight at once")
+    budget: float | None = Field(default=None, gt=0, description="spend allowed per budget_period (policy cost units)")
     budget_period: Literal["daily", "weekly", "monthly"] | None = Field(
-        None, description="when the budget starts again (calendar days, weeks and months, UTC)")
+        default=None, description="when the budget starts again (calendar days, weeks and months, UTC)")
 
 
 class QuotaOverride(Limits):
-    on_store_error: str | None = Field(None, pattern="^(allow|deny)$", description="allow or deny requests while "
+    on_store_error: str | None = Field(default=None, pattern="^(allow|deny)$", description="allow or deny requests while "
                                        "the quota ledger cannot be reached; deny wins over the policy's allow")
 
 
 class KeyEntry(_Strict):
-    sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$", description="the key's sha256 (hex): the key itself is "
+    sha256: str = Field(default=..., pattern=r"^[0-9a-f]{64}$", description="the key's sha256 (hex): the key itself is "
                         "never stored; its first 12 digits are the key id")
-    created: str | None = Field(None, description="when `keys add` created the key (ISO 8601)")
+    created: str | None = Field(default=None, description="when `keys add` created the key (ISO 8601)")
     label: str | None = None  # a free-text note (older files); `labels` are searchable key/value pairs
     labels: dict[str, str] = Field(default_factory=dict, description="key/value pairs `keys list --label` "
                                    "filters by")
-    expires_at: datetime | None = Field(None, description="from then on the key gets 401")
-    revoked_at: datetime | None = Field(None, description="set by `keys revoke`: the key gets 401")
-    limits: Limits = Field(Limits(), description="this key's own limits, on top of its tenant's")
-    models: list[str] | None = Field(None, min_length=1, description="served model names this key may use")
-    quota_id: str | None = Field(None, pattern=r"^[0-9a-f]{12}$", description="the ledger identity of the key's "
+    expires_at: datetime | None = Field(default=None, description="from then on the key gets 401")
+    revoked_at: datetime | None = Field(default=None, description="set by `keys revoke`: the key gets 401")
+    limits: Limits = Field(default=Limits(), description="this key's own limits, on top of its tenant's")
+    models: list[str] | None = Field(default=None, min_length=1, description="served model names this key may use")
+    quota_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{12}$", description="the ledger identity of the key's "
                                  "limits: a rotated key keeps its predecessor's, and so its counters")
 
     @property
@@ -112,13 +112,13 @@ NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"  # a policy name (policies/schema.py)
 
 
 class TenantEntry(_Strict):
-    policy: str | None = Field(None, pattern=NAME_PATTERN, description="the tenant's home policy; null: the "
+    policy: str | None = Field(default=None, pattern=NAME_PATTERN, description="the tenant's home policy; null: the "
                                "server's default_policy")
     policies: list[Annotated[str, Field(pattern=NAME_PATTERN)]] | None = Field(
-        None, description="policies this tenant's requests may name (its home policy always)")
+        default=None, description="policies this tenant's requests may name (its home policy always)")
     indexes: list[Annotated[str, Field(pattern=INDEX_NAME_PATTERN)]] | None = Field(
-        None, description="retrieval indexes this tenant may search (default: none)")
-    quota: QuotaOverride = Field(QuotaOverride(), description="the tenant's limits, overriding its policy's quota "
+        default=None, description="retrieval indexes this tenant may search (default: none)")
+    quota: QuotaOverride = Field(default=QuotaOverride(), description="the tenant's limits, overriding its policy's quota "
                                  "field by field (the smaller limit wins)")
     keys: list[KeyEntry] = Field(default_factory=list, description="the tenant's API keys, as their hashes")
 

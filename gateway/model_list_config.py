@@ -37,16 +37,16 @@ class _Strict(BaseModel):
 class DeploymentConfig(_Strict):
     """One place the model is served: an OpenAI-compatible URL, or the built-in engine."""
 
-    url: str | None = Field(None, description="the server's base URL (http:// or https://, with or without /v1)")
-    engine: Literal["builtin"] | None = Field(None, description="`builtin`: the in-process engine configured by "
+    url: str | None = Field(default=None, description="the server's base URL (http:// or https://, with or without /v1)")
+    engine: Literal["builtin"] | None = Field(default=None, description="`builtin`: the in-process engine configured by "
                                               "the `engine:` section (at most one in the whole list)")
-    model: str | None = Field(None, description="the model name sent upstream; default: the first model of the "
+    model: str | None = Field(default=None, description="the model name sent upstream; default: the first model of the "
                               "upstream's /v1/models")
-    api_key: str | None = Field(None, repr=False, description="Bearer key for this upstream (write it as "
+    api_key: str | None = Field(default=None, repr=False, description="Bearer key for this upstream (write it as "
                                 "os.environ/NAME); default: server.upstream_api_key")
-    weight: float = Field(1.0, gt=0, le=1000, description="share of the group's traffic (weighted round robin), "
+    weight: float = Field(default=1.0, gt=0, le=1000, description="share of the group's traffic (weighted round robin), "
                           "of its load (least outstanding) and of the ring (cache affinity)")
-    max_parallel_requests: int | None = Field(None, ge=1, description="requests this gateway sends it at once; "
+    max_parallel_requests: int | None = Field(default=None, ge=1, description="requests this gateway sends it at once; "
                                               "beyond that it is skipped (all full: 503 overloaded or a fallback)")
 
     @model_validator(mode="after")
@@ -68,11 +68,11 @@ class DeploymentConfig(_Strict):
 class HealthConfig(_Strict):
     """Passive ejection and active probes of a group's deployments (backend/routing/deployment_health.py)."""
 
-    failures_to_eject: int = Field(3, ge=1, description="failed requests in a row that eject a deployment")
-    eject_s: float = Field(5.0, gt=0, description="seconds of the first ejection; doubled on each ejection in a "
+    failures_to_eject: int = Field(default=3, ge=1, description="failed requests in a row that eject a deployment")
+    eject_s: float = Field(default=5.0, gt=0, description="seconds of the first ejection; doubled on each ejection in a "
                            "row")
-    max_eject_s: float = Field(60.0, gt=0, description="longest ejection")
-    probe_interval_s: float = Field(5.0, ge=0, description="seconds between GETs of each deployment's /health "
+    max_eject_s: float = Field(default=60.0, gt=0, description="longest ejection")
+    probe_interval_s: float = Field(default=5.0, ge=0, description="seconds between GETs of each deployment's /health "
                                     "(a failure ejects, a success ends an ejection); 0: no probes")
 
 
@@ -82,14 +82,14 @@ class ModelConfig(_Strict):
     model_name: str = Field(..., pattern=MODEL_NAME_PATTERN, description="the name clients send as `model` and "
                             "keys' `models` lists name")
     deployments: list[DeploymentConfig] = Field(..., min_length=1, description="where the model is served")
-    routing: Strategy = Field("least_outstanding", description="least_outstanding, weighted_round_robin or "
+    routing: Strategy = Field(default="least_outstanding", description="least_outstanding, weighted_round_robin or "
                               "cache_affinity")
-    load_factor: float = Field(1.25, ge=1, le=10, description="cache_affinity: a deployment takes a request "
+    load_factor: float = Field(default=1.25, ge=1, le=10, description="cache_affinity: a deployment takes a request "
                                "only while under this times its share of the group's requests in flight")
-    affinity_prefix_chars: int = Field(2048, ge=16, le=1_000_000, description="cache_affinity: characters of the "
+    affinity_prefix_chars: int = Field(default=2048, ge=16, le=1_000_000, description="cache_affinity: characters of the "
                                        "prompt's stable prefix (system prompt and first user turn, after "
                                        "compression) that key the ring")
-    tokenizer: str | None = Field(None, description="what this model's budgets are counted, its prompt rendered "
+    tokenizer: str | None = Field(default=None, description="what this model's budgets are counted, its prompt rendered "
                                   "and its special tokens neutralised with: a GGUF file, a local HF tokenizer "
                                   "directory or a tiktoken encoding name (e.g. cl100k_base); default: the "
                                   "gateway's (`server.tokenizer`, else the built-in engine's). Not for the "

@@ -52,20 +52,20 @@ class SamplingFields(_Lenient):
     """What both endpoints share: the model, sampling and streaming options."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description="0 or -1 (vLLM's convention) disables top-k")
-    n: int = Field(1, ge=1, description="choices per request (the built-in engine makes one)")
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=-1, description="0 or -1 (vLLM's convention) disables top-k")
+    n: int = Field(default=1, ge=1, description="choices per request (the built-in engine makes one)")
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, description="vLLM's: no EOS or stop token id before this many tokens")
+    min_tokens: int = Field(default=0, ge=0, description="vLLM's: no EOS or stop token id before this many tokens")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = Field(None, description="requests with different salts share no cached KV blocks")
-    priority: int = Field(0, description="vLLM convention: above 0 is background work")
+    cache_salt: str | None = Field(default=None, description="requests with different salts share no cached KV blocks")
+    priority: int = Field(default=0, description="vLLM convention: above 0 is background work")
     user: str | None = None
 
     @field_validator("top_k")
@@ -92,7 +92,7 @@ class SamplingFields(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
 
     def requested_max_tokens(self) -> int | None:

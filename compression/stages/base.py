@@ -31,9 +31,10 @@ class StageContext:
     services: Services
 
     def question_vector(self, state: PipelineState) -> np.ndarray:
-        if state.question_vector is None:
-            state.question_vector = self.services.embedder.embed([state.question_text])[0]
-        return state.question_vector
+        vector = state.question_vector
+        if vector is None:
+            vector = state.question_vector = self.services.embedder.embed([state.question_text])[0]
+        return vector
 
 
 class Stage(ABC):
