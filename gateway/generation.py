@@ -21,7 +21,8 @@ from ctxgate.backend.openai_api.errors import ClientDisconnected
 from ctxgate.backend.openai_api.http import unless_disconnected
 from ctxgate.backend.openai_api.responses import ResponseWriter, Usage, fold_chunks
 from ctxgate.backend.openai_api.sse import DONE, event_stream_response, sse_event
-from ctxgate.gateway.service import Gateway, Prepared
+from ctxgate.gateway.prepared import Prepared
+from ctxgate.gateway.service import Gateway
 
 
 class Generation:
@@ -150,15 +151,15 @@ async def complete(request: Request, run: Generation, writer: ResponseWriter) ->
     try:
         await unless_disconnected(request, run.drain())
     except ClientDisconnected:  # generation was cancelled (which aborted it upstream): bill what ran
-        await gateway.settle(prepared, run.totals, count_metrics=False)
+        await gateway.accounting.settle(prepared, run.totals, count_metrics=False)
         raise
     except Exception as exc:
         if run.first_token_at is None:
-            await gateway.release(prepared)  # the backend did no work: give the quota back
+            await gateway.accounting.release(prepared)  # the backend did no work: give the quota back
         else:
-            await gateway.settle(prepared, run.totals, count_metrics=False)
+            await gateway.accounting.settle(prepared, run.totals, count_metrics=False)
         raise gateway.engine_error(exc) from None
-    usage = await gateway.settle(prepared, run.totals)
+    usage = await gateway.accounting.settle(prepared, run.totals)
     run.observe_latency(request.url.path)
     if run.relayed:  # the upstream's answer as it is; only the model name (rewritten going up) and usage
         whole = fold_chunks(run.chunks, writer.chat) | {"model": writer.model, "usage": run.usage_body(usage)}
@@ -175,10 +176,10 @@ async def stream(request: Request, run: Generation, writer: ResponseWriter, endp
         # the engine's queue would otherwise keep its place there and have its prompt prefilled.
         await unless_disconnected(request, run.start())
     except ClientDisconnected:  # start() was cancelled, which aborted the request in the engine
-        await run.gateway.release(run.prepared)
+        await run.gateway.accounting.release(run.prepared)
         raise
     except Exception as exc:
-        await run.gateway.release(run.prepared)  # refused before any work: give the quota back
+        await run.gateway.accounting.release(run.prepared)  # refused before any work: give the quota back
         raise run.gateway.engine_error(exc) from None
     return event_stream_response(_events(run, writer, endpoint, include_usage, num_choices))
 
@@ -200,7 +201,7 @@ async def _events(run: Generation, writer: ResponseWriter, endpoint: str, includ
             yield sse_event(gateway.engine_error(exc).body())
             yield DONE
             return
-        usage = await gateway.settle(prepared, run.totals)
+        usage = await gateway.accounting.settle(prepared, run.totals)
         settled = True
         run.observe_latency(endpoint)
         for chunk in run.relayed_chunks():  # chunks after the last text (tool calls, the finish reason)
@@ -219,7 +220,7 @@ async def _events(run: Generation, writer: ResponseWriter, endpoint: str, includ
         yield DONE
     finally:
         if not settled:
-            await asyncio.shield(gateway.settle(prepared, run.totals, count_metrics=False))
+            await asyncio.shield(gateway.accounting.settle(prepared, run.totals, count_metrics=False))
 
 
 def _relay(chunk: dict[str, Any], writer: ResponseWriter) -> str:

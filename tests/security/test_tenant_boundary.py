@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from ctxgate.gateway.keys import KeysFile, KeyStore, add_key, hash_key, read_keys_file
+from ctxgate.gateway.policy_resolution import quota_cap, tenant_prices
 from ctxgate.gateway.quota import InProcessQuotaStore, QuotaExceeded, QuotaLimits, RedisQuotaStore
-from ctxgate.gateway.service import quota_cap, tenant_prices
 from ctxgate.gateway.settings import GatewaySettings
 from ctxgate.policies.loader import packaged_policy_dir, parse_policy
 from tests.gateway.clock import FakeClock, in_one_minute
