@@ -14,7 +14,6 @@ from typing import Any
 
 from ctxgate.backend.engine.api import EngineClient
 from ctxgate.backend.openai_api.errors import APIError
-from ctxgate.backend.routing.model_router import ModelRouter
 from ctxgate.compression.store.index_names import InvalidIndexName, check_index_name
 from ctxgate.gateway.affinity import affinity_key
 from ctxgate.gateway.keys import KeyRejected, KeyStore, Tenant
@@ -36,7 +35,7 @@ class Access:
         self.engine = engine
         self.keys = keys
         # A model list: each served name's own group (its context length, whether it forwards fields).
-        self.models: dict[str, EngineClient] = dict(engine.groups) if isinstance(engine, ModelRouter) else {}
+        self.models: dict[str, EngineClient] = dict(engine.groups)
         self._prefix_chars = {model.model_name: model.affinity_prefix_chars for model in settings.model_list}
         # Keys each tenant's prefix-cache salt; random per process unless configured (replicas that
         # share an upstream should share it, or they never share cached prefixes).

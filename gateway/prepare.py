@@ -1,7 +1,8 @@
 """Everything decided about a request before the model is called (`Prepared`): the model and the
 policy, the fields, the quota check before any expensive work, the prompt, sampling, the reservation.
 
-Chat and completions run these steps in this order.
+Chat, completions and `/v1/ctxgate/compress` run these steps in this order (compress stops at the
+prompt); each route only parses the body and answers.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from ctxgate.gateway.adaptive_budget import AdaptiveBudget
 from ctxgate.gateway.keys import Tenant
 from ctxgate.gateway.metrics import GatewayMetrics
 from ctxgate.gateway.policy_resolution import PolicyResolver
-from ctxgate.gateway.prepared import Prepared
+from ctxgate.gateway.prepared import Compressed, Prepared
 from ctxgate.gateway.prompt_building import PromptBuilder
 from ctxgate.gateway.request_fields import RequestFields
 from ctxgate.gateway.request_id import received_at
 from ctxgate.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from ctxgate.policies.schema import Policy
 
 
 class Preparation:
@@ -48,12 +50,39 @@ class Preparation:
         self.tokenizer = tokenizer
         self.metrics = metrics
 
+    def _policy(self, body: ChatCompletionRequest, tenant: Tenant) -> Policy:
+        """The first steps of a preparation: the model this tenant may use, the policy it runs under."""
+        self.access.check_model(body.model, tenant)
+        return self.resolver.resolve(tenant, body.ctxgate, body.model)
+
+    async def _prompt(
+        self,
+        body: ChatCompletionRequest,
+        tenant: Tenant,
+        policy: Policy,
+        tools: list[dict[str, Any]] | None = None,
+        forward: dict[str, Any] | None = None,
+    ) -> tuple[CompressionResult, list[int], str]:
+        """The messages compressed to the policy's budget, then rendered and counted as they will be sent."""
+        result = await self.prompts.compress(body, tenant, policy)
+        token_ids, prompt_text = self.prompts.encode_checked(result, policy, tools, body.model, forward)
+        return result, token_ids, prompt_text
+
+    async def compress(self, body: ChatCompletionRequest, tenant: Tenant) -> Compressed:
+        """`/v1/ctxgate/compress`: chat's steps up to its prompt. Nothing is generated, so the fields and
+        sampling do not apply, and neither the quota check nor the reservation counts any output."""
+        policy = self._policy(body, tenant)
+        await self.accounting.check_quota_first(tenant, policy, body, choices=0)
+        result, _, _ = await self._prompt(body, tenant, policy)
+        # Metered like a request that generates nothing: one request, its prompt tokens.
+        await self.accounting.reserve(tenant, policy, result.prompt_tokens, 0)
+        return Compressed(policy, result)
+
     async def chat(
         self, body: ChatCompletionRequest, tenant: Tenant, raw: dict[str, Any] | None = None
     ) -> Prepared:
         arrived = received_at()
-        self.access.check_model(body.model, tenant)
-        policy = self.resolver.resolve(tenant, body.ctxgate, body.model)
+        policy = self._policy(body, tenant)
         dropped, forward = self.fields.check_fields(body, policy, raw)
         choices = self.fields.choices_for(body, forward)
         # Before the grammar and the compression: a request the quota cannot take costs nothing.
@@ -62,9 +91,8 @@ class Preparation:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         policy, budget = self.budget.adapt(policy, request_id)
         try:
-            result = await self.prompts.compress(body, tenant, policy)
             tools = asks.output.tools.template_tools() if asks and asks.output.tools else None
-            token_ids, prompt_text = self.prompts.encode_checked(result, policy, tools, body.model, forward)
+            result, token_ids, prompt_text = await self._prompt(body, tenant, policy, tools, forward)
             sampling = self.fields.sampling_for(body, policy, result.prompt_tokens, asks)
             priority = (
                 Priority.BACKGROUND

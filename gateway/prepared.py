@@ -1,5 +1,6 @@
 """What the gateway decided about one request before the model is called (`Prepared`), handed from
-preparation to generation and to the settlement of its usage."""
+preparation to generation and to the settlement of its usage; for `/v1/ctxgate/compress`, which
+calls no model, `Compressed`."""
 
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ class Prepared:
     received_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """A `/v1/ctxgate/compress` request, prepared: the policy it ran under and what compression made."""
+
+    policy: Policy
+    result: CompressionResult
 
 
 def compression_figures(result: CompressionResult) -> dict[str, Any]:

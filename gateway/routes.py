@@ -126,16 +126,11 @@ async def compress(request: Request) -> dict[str, Any]:
     tenant = _tenant(request)
     gateway = _gateway(request)
     body = await parse_body(request, ChatCompletionRequest)
-    gateway.access.check_model(body.model, tenant)
-    policy = gateway.resolver.resolve(tenant, body.ctxgate, body.model)
-    await gateway.accounting.check_quota_first(tenant, policy, body, choices=0)  # nothing is generated: no output
-    result = await gateway.prompts.compress(body, tenant, policy)
-    gateway.prompts.encode_checked(result, policy, model=body.model)
-    # Compression is metered like a request that generates nothing: one request, its prompt tokens.
-    await gateway.accounting.reserve(tenant, policy, result.prompt_tokens, 0)
+    compressed = await gateway.preparation.compress(body, tenant)
+    result = compressed.result
     return {
         "messages": result.messages,
-        "policy": policy.name,
+        "policy": compressed.policy.name,
         "report": {
             **compression_figures(result),
             "message_context": result.message_context,
@@ -175,7 +170,7 @@ async def _answer(
     writer = ResponseWriter(prepared.request_id, body.model, prepared.created,
                             chat=isinstance(body, ChatCompletionRequest),
                             output=prepared.asks.output if prepared.asks else OutputOptions())
-    run = Generation(gateway, prepared, generation)
+    run = Generation(gateway.generation_services, prepared, generation)
     if body.stream:
         return await stream(request, run, writer, request.url.path, body.usage_wanted(), prepared.choices)
     return await complete(request, run, writer)

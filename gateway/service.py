@@ -10,21 +10,23 @@ it, in the order a request meets them:
   (`ctxgate.gateway.request_fields`), its compressed and counted prompt (`prompts`,
   `ctxgate.gateway.prompt_building`), the quota check and reservation;
 - `accounting`: limits, cost, reserve, reconcile, settle (`ctxgate.gateway.accounting`);
-- `engine_error`: what a client is told when generation fails (`ctxgate.gateway.engine_errors`).
+- `generation_services`: what running a prepared request needs (`ctxgate.gateway.generation`), with
+  what a client is told when generation fails (`ctxgate.gateway.engine_errors`).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from ctxgate.backend.engine.api import EngineClient
-from ctxgate.backend.openai_api.errors import APIError
 from ctxgate.gateway.access import Access
 from ctxgate.gateway.accounting import Accounting
 from ctxgate.gateway.adaptive_budget import AdaptiveBudget
 from ctxgate.gateway.budget_control import BudgetController
 from ctxgate.gateway.engine_errors import engine_error
 from ctxgate.gateway.engine_load import reader_for
+from ctxgate.gateway.generation import GenerationServices
 from ctxgate.gateway.keys import KeyStore
 from ctxgate.gateway.metrics import GatewayMetrics
 from ctxgate.gateway.policy_resolution import PolicyResolver
@@ -78,11 +80,16 @@ class Gateway:
             tokenizer,
             metrics,
         )
+        self.generation_services = GenerationServices(
+            engine=engine,
+            timeout_s=settings.request_timeout_s,
+            settlement=self.accounting,
+            first_token=self.budgets.first_token,
+            metrics=metrics,
+            engine_error=partial(engine_error, metrics=metrics),
+        )
 
     @property
     def forwards_fields(self) -> bool:
         """Upstream mode: the engine sends the client's fields on instead of honouring them itself."""
         return self.engine.forwards_fields
-
-    def engine_error(self, exc: Exception) -> APIError:
-        return engine_error(exc, self.metrics)

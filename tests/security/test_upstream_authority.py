@@ -13,7 +13,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from ctxgate.gateway.keys import Limits, add_key
+from ctxgate.gateway.key_admin import add_key
+from ctxgate.gateway.keys import Limits
 from ctxgate.gateway.settings import GatewaySettings
 from tests.security.test_upstream_ownership import BodyRecorder
 from tests.support.servers import ServerThread, free_port
