@@ -97,7 +97,7 @@ class GoldenRunner:
         self.policy = load_policy_file(packaged_policy_dir() / f"{policy_name}.yaml")
 
     def request(self, messages: list[dict[str, str]], documents: list[dict[str, str]]) -> Any:
-        """The pipeline's input as the gateway builds it from a request (ctxgate.gateway.service)."""
+        """The pipeline's input as the gateway builds it from a request (ctxgate.gateway.prompt_building)."""
         from ctxgate.compression.types import CompressionInput, Document
 
         neutral = self.neutraliser

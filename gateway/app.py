@@ -26,11 +26,12 @@ from ctxgate.gateway.keys import KeyStore
 from ctxgate.gateway.lifecycle import lifespan
 from ctxgate.gateway.metrics import GatewayMetrics
 from ctxgate.gateway.middleware import RequestCounter
+from ctxgate.gateway.prompt_building import Pipeline
 from ctxgate.gateway.quota import Clock, create_store
 from ctxgate.gateway.request_id import RequestId
 from ctxgate.gateway.routes import add_routes
 from ctxgate.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from ctxgate.gateway.service import Gateway, Pipeline
+from ctxgate.gateway.service import Gateway
 from ctxgate.gateway.settings import GatewaySettings
 from ctxgate.policies.loader import PolicyRegistry, ReloadError, packaged_policy_dir
 
@@ -148,7 +149,7 @@ def _key_of(gateway: Gateway) -> KeyOf:
             value = headers.get(name)
             return None if value is None else value.decode("latin-1")
 
-        tenant = gateway.authenticate(header(b"authorization"), header(b"x-api-key"))
+        tenant = gateway.access.authenticate(header(b"authorization"), header(b"x-api-key"))
         return tenant.key.key_id if tenant.key is not None else None
 
     return key_of

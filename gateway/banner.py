@@ -27,7 +27,7 @@ def banner_lines(gateway: Gateway) -> list[str]:
     settings = gateway.settings
     lines = [
         f"ctxgate gateway listening on http://{settings.host}:{settings.port}",
-        f"  models:   {', '.join(gateway.model_names)}",
+        f"  models:   {', '.join(gateway.access.model_names)}",
         f"  mode:     {_mode(gateway)}",
     ]
     if settings.keys_file is None:

@@ -1,7 +1,7 @@
 """What a request can cost at most, known before any of its expensive work.
 
 Compression, grammar compilation and tokenization of a large prompt are the costly parts of a
-request; the quota is checked before all of them (`Gateway.check_quota_first`), so a tenant whose
+request; the quota is checked before all of them (`Accounting.check_quota_first`), so a tenant whose
 quota is spent costs a dictionary or Redis lookup, not a second of shared CPU. The amount checked is
 what the request can be charged at its largest: its prompt never exceeds the policy's
 `max_input_tokens` (it is refused with 413 otherwise), nor, but for the chat template's framing, the
@@ -42,6 +42,6 @@ def prompt_token_bound(body: GatewayRequest, policy: Policy) -> int:
 
 
 def output_token_bound(body: GatewayRequest, policy: Policy, choices: int) -> int:
-    """The most output tokens the request can reserve: what `Gateway.sampling_for` can grant, per choice."""
+    """The most output tokens the request can reserve: what `RequestFields.sampling_for` can grant, per choice."""
     requested = body.requested_max_tokens()
     return min(requested or policy.reserve_output_tokens, policy.reserve_output_tokens) * choices

@@ -9,26 +9,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ctxgate.backend.engine.api import GenerationDelta, GenerationRequest
+from ctxgate.backend.engine.api import EngineClient, GenerationDelta, GenerationRequest
 from ctxgate.backend.engine.deltas import DeltaTotals
-from ctxgate.backend.openai_api.errors import ClientDisconnected
+from ctxgate.backend.openai_api.errors import APIError, ClientDisconnected
 from ctxgate.backend.openai_api.http import unless_disconnected
 from ctxgate.backend.openai_api.responses import ResponseWriter, Usage, fold_chunks
 from ctxgate.backend.openai_api.sse import DONE, event_stream_response, sse_event
-from ctxgate.gateway.service import Gateway, Prepared
+from ctxgate.gateway.metrics import GatewayMetrics
+from ctxgate.gateway.prepared import Prepared
+
+
+class Settlement(Protocol):
+    """The quota's end of a request (`ctxgate.gateway.accounting.Accounting`)."""
+
+    async def settle(self, prepared: Prepared, totals: DeltaTotals, count_metrics: bool = True) -> Usage:
+        """Reconcile with what ran and return `usage`."""
+        ...
+
+    async def release(self, prepared: Prepared) -> None:
+        """Give the whole reservation back: the engine never started the request."""
+        ...
+
+
+@dataclass(frozen=True)
+class GenerationServices:
+    """What running a prepared request needs of the gateway, and nothing more."""
+
+    engine: EngineClient
+    # A request's whole life, from its arrival at the gateway; None: unbounded.
+    timeout_s: float | None
+    settlement: Settlement
+    # Tells the budget controller that a request is no longer queued for prefill (by request id).
+    first_token: Callable[[str], None]
+    metrics: GatewayMetrics
+    # The client's answer for a failed generation (`ctxgate.gateway.engine_errors`).
+    engine_error: Callable[[Exception], APIError]
 
 
 class Generation:
     """Consumes the engine's deltas for one request and keeps what usage needs."""
 
-    def __init__(self, gateway: Gateway, prepared: Prepared, generation: GenerationRequest):
-        self.gateway = gateway
+    def __init__(self, services: GenerationServices, prepared: Prepared, generation: GenerationRequest):
+        self.services = services
         self.prepared = prepared
         self.generation = generation
         self.totals = DeltaTotals()
@@ -43,8 +72,8 @@ class Generation:
 
     async def start(self) -> None:
         """Open the engine stream and wait for its first delta, so a refusal becomes an HTTP status."""
-        self._iterator = _bounded(self.gateway.engine.generate(self.generation),
-                                  self.gateway.settings.request_timeout_s, self.prepared.received_at)
+        self._iterator = _bounded(self.services.engine.generate(self.generation),
+                                  self.services.timeout_s, self.prepared.received_at)
         try:
             self._first = await self._iterator.__anext__()
         except StopAsyncIteration:
@@ -54,14 +83,14 @@ class Generation:
             raise
         finally:
             # Its prefill is done (or never will be): no longer queued in the budget controller's eyes.
-            self.gateway.budgets.first_token(self.prepared.request_id)
+            self.services.first_token(self.prepared.request_id)
 
     async def _stop_engine(self) -> None:
         # The client went away or the backend failed: stop the work upstream.
         with contextlib.suppress(Exception):
             await self._iterator.aclose()
         with contextlib.suppress(Exception):
-            await self.gateway.engine.abort(self.generation.request_id)
+            await self.services.engine.abort(self.generation.request_id)
 
     def _take(self, delta: GenerationDelta) -> GenerationDelta:
         if delta.raw is not None:
@@ -108,7 +137,7 @@ class Generation:
             pass
 
     def observe_latency(self, endpoint: str) -> None:
-        metrics = self.gateway.metrics
+        metrics = self.services.metrics
         started = self.prepared.received_at
         if self.first_token_at is not None:
             metrics.ttft_seconds.observe(self.first_token_at - started)
@@ -147,19 +176,19 @@ async def _bounded(iterator: AsyncIterator[Any], timeout_s: float | None, starte
 
 
 async def complete(request: Request, run: Generation, writer: ResponseWriter) -> JSONResponse:
-    gateway, prepared = run.gateway, run.prepared
+    services, prepared = run.services, run.prepared
     try:
         await unless_disconnected(request, run.drain())
     except ClientDisconnected:  # generation was cancelled (which aborted it upstream): bill what ran
-        await gateway.settle(prepared, run.totals, count_metrics=False)
+        await services.settlement.settle(prepared, run.totals, count_metrics=False)
         raise
     except Exception as exc:
         if run.first_token_at is None:
-            await gateway.release(prepared)  # the backend did no work: give the quota back
+            await services.settlement.release(prepared)  # the backend did no work: give the quota back
         else:
-            await gateway.settle(prepared, run.totals, count_metrics=False)
-        raise gateway.engine_error(exc) from None
-    usage = await gateway.settle(prepared, run.totals)
+            await services.settlement.settle(prepared, run.totals, count_metrics=False)
+        raise services.engine_error(exc) from None
+    usage = await services.settlement.settle(prepared, run.totals)
     run.observe_latency(request.url.path)
     if run.relayed:  # the upstream's answer as it is; only the model name (rewritten going up) and usage
         whole = fold_chunks(run.chunks, writer.chat) | {"model": writer.model, "usage": run.usage_body(usage)}
@@ -176,17 +205,17 @@ async def stream(request: Request, run: Generation, writer: ResponseWriter, endp
         # the engine's queue would otherwise keep its place there and have its prompt prefilled.
         await unless_disconnected(request, run.start())
     except ClientDisconnected:  # start() was cancelled, which aborted the request in the engine
-        await run.gateway.release(run.prepared)
+        await run.services.settlement.release(run.prepared)
         raise
     except Exception as exc:
-        await run.gateway.release(run.prepared)  # refused before any work: give the quota back
-        raise run.gateway.engine_error(exc) from None
+        await run.services.settlement.release(run.prepared)  # refused before any work: give the quota back
+        raise run.services.engine_error(exc) from None
     return event_stream_response(_events(run, writer, endpoint, include_usage, num_choices))
 
 
 async def _events(run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool,
                   num_choices: int) -> AsyncIterator[str]:
-    gateway, prepared = run.gateway, run.prepared
+    services, prepared = run.services, run.prepared
     settled = False
     try:
         for event in [] if run.relayed else writer.opening(num_choices):
@@ -198,10 +227,10 @@ async def _events(run: Generation, writer: ResponseWriter, endpoint: str, includ
                 for chunk in run.relayed_chunks():
                     yield _relay(chunk, writer)
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-            yield sse_event(gateway.engine_error(exc).body())
+            yield sse_event(services.engine_error(exc).body())
             yield DONE
             return
-        usage = await gateway.settle(prepared, run.totals)
+        usage = await services.settlement.settle(prepared, run.totals)
         settled = True
         run.observe_latency(endpoint)
         for chunk in run.relayed_chunks():  # chunks after the last text (tool calls, the finish reason)
@@ -220,7 +249,7 @@ async def _events(run: Generation, writer: ResponseWriter, endpoint: str, includ
         yield DONE
     finally:
         if not settled:
-            await asyncio.shield(gateway.settle(prepared, run.totals, count_metrics=False))
+            await asyncio.shield(services.settlement.settle(prepared, run.totals, count_metrics=False))
 
 
 def _relay(chunk: dict[str, Any], writer: ResponseWriter) -> str:

@@ -29,22 +29,16 @@ field, the smaller limit wins; `on_store_error: deny` wins over allow). Prices a
 the same as an index that does not exist. Without a keys file (open mode) every policy and index
 may be used.
 
-Writers (`ctxgate keys add|revoke|rotate`) hold an exclusive lock on `<file>.lock` around their
-read-modify-write and replace the file atomically, so concurrent edits never lose one another.
+The writers (`ctxgate keys add|revoke|rotate`) are in `ctxgate.gateway.key_admin`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
-import os
 import secrets
-import tempfile
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -103,7 +97,7 @@ class KeyEntry(_Strict):
     def status(self, now: datetime) -> str:
         if self.revoked_at is not None:
             return "revoked"
-        if self.expires_at is not None and _aware(self.expires_at) <= now:
+        if self.expires_at is not None and aware(self.expires_at) <= now:
             return "expired"
         return "active"
 
@@ -160,13 +154,13 @@ class KeyRejected(Exception):
     """A known key that may not be used (revoked or expired); the message says which and since when."""
 
 
-def _aware(moment: datetime) -> datetime:
+def aware(moment: datetime) -> datetime:
     # Timestamps without a zone in a hand-edited file are taken as UTC.
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def _utc_text(moment: datetime) -> str:
-    return _aware(moment).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def utc_text(moment: datetime) -> str:
+    return aware(moment).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 ANONYMOUS = Tenant(ANONYMOUS_TENANT)
@@ -193,139 +187,6 @@ def read_keys_file(path: str | Path) -> KeysFile:
         first = exc.errors()[0]
         loc = ".".join(str(part) for part in first["loc"])
         raise ValueError(f"{path}: field '{loc}': {first['msg']}") from None
-
-
-def write_keys_file(path: str | Path, keys_file: KeysFile) -> None:
-    """Replace the file atomically (a running gateway never reads half a file) through a temporary
-    file of a unique name, so two writers never share one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = keys_file.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
-    text = yaml.safe_dump(data, sort_keys=False)
-    mode = path.stat().st_mode & 0o777 if path.exists() else _default_mode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fchmod(handle.fileno(), mode)  # mkstemp's 0600 would lock out a gateway of another user
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(path.parent)  # the rename itself survives a crash
-
-
-def _default_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def _fsync_directory(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def locked_keys_file(path: str | Path) -> Iterator[KeysFile]:
-    """Read the keys file under an exclusive lock held until the block ends: a read-modify-write
-    done inside it cannot lose another writer's change. The lock lives on a sibling `.lock` file
-    (the keys file itself is replaced, so a lock on it would not be shared)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            yield read_keys_file(path)
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-
-
-def add_key(path: str | Path, tenant: str, policy: str | None = None, label: str | None = None, *,
-            labels: dict[str, str] | None = None, expires_at: datetime | None = None,
-            limits: Limits | None = None, models: list[str] | None = None, quota_id: str | None = None,
-            policies: list[str] | None = None, indexes: list[str] | None = None) -> str:
-    """Create a key for `tenant`, store only its hash in the file, and return the key (shown once).
-    `policies` / `indexes` are added to the tenant's allow-lists."""
-    api_key = generate_key()
-    with locked_keys_file(path) as keys_file:
-        entry = keys_file.tenants.setdefault(tenant, TenantEntry())
-        if policy:
-            entry.policy = policy
-        if policies:
-            entry.policies = _merged(entry.policies, policies)
-        if indexes:
-            entry.indexes = _merged(entry.indexes, indexes)
-        entry.keys.append(KeyEntry(
-            sha256=hash_key(api_key), created=_utc_text(datetime.now(UTC)), label=label, labels=labels or {},
-            expires_at=expires_at, limits=limits or Limits(), models=models, quota_id=quota_id,
-        ))
-        # Validated as a whole: a bad policy or index name is refused before anything is written.
-        try:
-            checked = KeysFile.model_validate(keys_file.model_dump())
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise ValueError(f"field '{'.'.join(str(part) for part in first['loc'])}': {first['msg']}") from None
-        write_keys_file(path, checked)
-    return api_key
-
-
-def _merged(existing: list[str] | None, added: list[str]) -> list[str]:
-    return list(dict.fromkeys([*(existing or []), *added]))
-
-
-def find_key(keys_file: KeysFile, key_or_id: str) -> tuple[str, KeyEntry]:
-    """(tenant, entry) for a key id (a unique prefix of its hash, 8+ hex digits) or the key itself."""
-    prefix = hash_key(key_or_id) if key_or_id.startswith(KEY_PREFIX) else key_or_id.lower()
-    if len(prefix) < 8:
-        raise ValueError(f"'{key_or_id}': give the key id from `ctxgate keys list` (8+ hex digits) or the key")
-    matches = [(name, key) for name, tenant in keys_file.tenants.items() for key in tenant.keys
-               if key.sha256.startswith(prefix)]
-    if not matches:
-        raise ValueError(f"no key '{key_or_id}' in the keys file")
-    if len(matches) > 1:
-        raise ValueError(f"'{key_or_id}' matches {len(matches)} keys; give more digits")
-    return matches[0]
-
-
-def revoke_key(path: str | Path, key_or_id: str, at: datetime | None = None) -> tuple[str, KeyEntry]:
-    """Mark a key revoked from `at` (default now); gateways refuse it after their next reload."""
-    with locked_keys_file(path) as keys_file:
-        tenant, entry = find_key(keys_file, key_or_id)
-        if entry.revoked_at is None:
-            entry.revoked_at = at or datetime.now(UTC).replace(microsecond=0)
-        write_keys_file(path, keys_file)
-    return tenant, entry
-
-
-def rotate_key(path: str | Path, key_or_id: str, grace_s: float = 0.0) -> tuple[str, str, KeyEntry]:
-    """A new key with the old one's tenant, limits, models, labels and counters; the old one is revoked
-    (after `grace_s` seconds: it expires then, so clients can switch over). Returns (tenant, new key, old entry)."""
-    with locked_keys_file(path) as keys_file:
-        tenant, old = find_key(keys_file, key_or_id)
-        if old.status(datetime.now(UTC)) != "active":
-            raise ValueError(f"key {old.key_id} is {old.status(datetime.now(UTC))}; only an active key can be rotated")
-        api_key = generate_key()
-        new = old.model_copy(update={
-            "sha256": hash_key(api_key), "created": _utc_text(datetime.now(UTC)), "revoked_at": None,
-            "quota_id": old.quota_id or old.key_id,
-        })
-        now = datetime.now(UTC).replace(microsecond=0)
-        if grace_s > 0:
-            grace_end = now + timedelta(seconds=grace_s)
-            old.expires_at = min(_aware(old.expires_at), grace_end) if old.expires_at else grace_end
-        else:
-            old.revoked_at = now
-        keys_file.tenants[tenant].keys.append(new)
-        write_keys_file(path, keys_file)
-    return tenant, api_key, old
 
 
 class KeyStore:
@@ -416,7 +277,7 @@ class KeyStore:
             return None
         status = entry.status(now or datetime.now(UTC))
         if status == "revoked":
-            raise KeyRejected(f"API key {entry.key_id} was revoked at {_utc_text(entry.revoked_at)}")
+            raise KeyRejected(f"API key {entry.key_id} was revoked at {utc_text(entry.revoked_at)}")
         if status == "expired":
-            raise KeyRejected(f"API key {entry.key_id} expired at {_utc_text(entry.expires_at)}")
+            raise KeyRejected(f"API key {entry.key_id} expired at {utc_text(entry.expires_at)}")
         return tenant

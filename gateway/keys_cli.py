@@ -116,7 +116,8 @@ def _parse_labels(items: list[str]) -> tuple[dict[str, str], str | None]:
 
 
 def _keys_add(args: argparse.Namespace) -> int:
-    from ctxgate.gateway.keys import Limits, add_key
+    from ctxgate.gateway.key_admin import add_key
+    from ctxgate.gateway.keys import Limits
 
     labels, note = _parse_labels(args.label)
     limits = Limits(
@@ -182,7 +183,7 @@ def _keys_list(args: argparse.Namespace) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:
-    from ctxgate.gateway.keys import revoke_key
+    from ctxgate.gateway.key_admin import revoke_key
 
     for key_id in args.key_ids:
         tenant, entry = revoke_key(args.keys_file, key_id)
@@ -191,7 +192,7 @@ def _keys_revoke(args: argparse.Namespace) -> int:
 
 
 def _keys_rotate(args: argparse.Namespace) -> int:
-    from ctxgate.gateway.keys import rotate_key
+    from ctxgate.gateway.key_admin import rotate_key
 
     grace = parse_duration(args.grace) if args.grace else 0.0
     tenant, key, old = rotate_key(args.keys_file, args.key_id, grace_s=grace)

@@ -20,8 +20,9 @@ from ctxgate.backend.openai_api.request_params import OutputOptions
 from ctxgate.backend.openai_api.responses import ResponseWriter
 from ctxgate.gateway.generation import Generation, complete, stream
 from ctxgate.gateway.keys import Tenant
+from ctxgate.gateway.prepared import Prepared, compression_figures
 from ctxgate.gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
-from ctxgate.gateway.service import Gateway, Prepared, compression_figures
+from ctxgate.gateway.service import Gateway
 from ctxgate.policies.loader import ReloadError
 
 
@@ -41,7 +42,7 @@ def _gateway(request: Request) -> Gateway:
 
 
 def _tenant(request: Request) -> Tenant:
-    return _gateway(request).authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+    return _gateway(request).access.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
 
 async def health() -> dict[str, str]:
@@ -84,8 +85,9 @@ async def models(request: Request) -> dict[str, Any]:
     gateway = _gateway(request)
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "ctxgate",
-         "max_model_len": gateway.engine_for(name).max_model_len, "engine_path": gateway.engine_for(name).path_info}
-        for name in gateway.allowed_models(tenant)
+         "max_model_len": gateway.access.engine_for(name).max_model_len,
+         "engine_path": gateway.access.engine_for(name).path_info}
+        for name in gateway.access.allowed_models(tenant)
     ]}
 
 
@@ -95,13 +97,13 @@ async def policies(request: Request) -> dict[str, Any]:
     names only, never the server's directories."""
     tenant = _tenant(request)
     gateway = _gateway(request)
-    allowed = gateway.allowed_policies(tenant)
+    allowed = gateway.access.allowed_policies(tenant)
     listed = [item for item in gateway.policies.loaded() if allowed is None or item.policy.name in allowed]
     body: dict[str, Any] = {
-        "default": gateway.home_policy_name(tenant),
+        "default": gateway.access.home_policy_name(tenant),
         "policies": [
             {"name": item.policy.name, "loaded_at": item.loaded_at,
-             "effective": gateway.fit_to_model(item.policy).model_dump(mode="json")}
+             "effective": gateway.resolver.fit_to_model(item.policy).model_dump(mode="json")}
             | ({} if tenant.bounded else {"file": os.path.basename(item.path)})
             for item in listed
         ],
@@ -124,16 +126,11 @@ async def compress(request: Request) -> dict[str, Any]:
     tenant = _tenant(request)
     gateway = _gateway(request)
     body = await parse_body(request, ChatCompletionRequest)
-    gateway.check_model(body.model, tenant)
-    policy = gateway.resolve_policy(tenant, body.ctxgate, body.model)
-    await gateway.check_quota_first(tenant, policy, body, choices=0)  # nothing is generated: no output
-    result = await gateway.compress(body, tenant, policy)
-    gateway.encode_checked(result, policy, model=body.model)
-    # Compression is metered like a request that generates nothing: one request, its prompt tokens.
-    await gateway.reserve(tenant, policy, result.prompt_tokens, 0)
+    compressed = await gateway.preparation.compress(body, tenant)
+    result = compressed.result
     return {
         "messages": result.messages,
-        "policy": policy.name,
+        "policy": compressed.policy.name,
         "report": {
             **compression_figures(result),
             "message_context": result.message_context,
@@ -146,14 +143,14 @@ async def compress(request: Request) -> dict[str, Any]:
 async def chat_completions(request: Request) -> Response:
     tenant = _tenant(request)
     body, raw = await parse_body_and_json(request, ChatCompletionRequest)
-    prepared = await _gateway(request).prepare_chat(body, tenant, raw)
+    prepared = await _gateway(request).preparation.chat(body, tenant, raw)
     return await _answer(request, body, prepared, messages=prepared.result.messages)
 
 
 async def completions(request: Request) -> Response:
     tenant = _tenant(request)
     body, raw = await parse_body_and_json(request, CompletionRequest)
-    prepared = await _gateway(request).prepare_completion(body, tenant, raw)
+    prepared = await _gateway(request).preparation.completion(body, tenant, raw)
     return await _answer(request, body, prepared, messages=None)
 
 
@@ -165,15 +162,15 @@ async def _answer(
     generation = GenerationRequest(
         request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
         sampling=prepared.sampling, priority=prepared.priority,
-        cache_salt=gateway.cache_salt(prepared.tenant.name),
+        cache_salt=gateway.access.cache_salt(prepared.tenant.name),
         messages=messages, prompt_text=prepared.prompt_text, forward=prepared.forward,
         model=body.model, route_key=prepared.route_key,
-        allowed_models=frozenset(gateway.allowed_models(prepared.tenant)),
+        allowed_models=frozenset(gateway.access.allowed_models(prepared.tenant)),
     )
     writer = ResponseWriter(prepared.request_id, body.model, prepared.created,
                             chat=isinstance(body, ChatCompletionRequest),
                             output=prepared.asks.output if prepared.asks else OutputOptions())
-    run = Generation(gateway, prepared, generation)
+    run = Generation(gateway.generation_services, prepared, generation)
     if body.stream:
         return await stream(request, run, writer, request.url.path, body.usage_wanted(), prepared.choices)
     return await complete(request, run, writer)

@@ -7,9 +7,10 @@ Both the in-process engine (`ctxgate.backend.engine.async_engine.AsyncEngine`) a
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # type-only: this module stays free of the tokenizer and metrics libraries
@@ -170,6 +171,12 @@ class EngineClient(Protocol):
         ...
 
     @property
+    def groups(self) -> Mapping[str, EngineClient]:
+        """A model list: each model this client serves, by served name, with its own client (its context
+        length, whether it forwards fields). Empty for an engine that serves one model."""
+        ...
+
+    @property
     def side_work(self) -> SideWorkRunner | None:
         """Where other components may run CPU work on the engine's own thread; None when the engine
         has no such place (a remote server, a GPU engine)."""
@@ -209,3 +216,7 @@ class EngineClient(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+
+# `EngineClient.groups` of an engine that serves one model: empty, and shared because no one may add to it.
+NO_GROUPS: Mapping[str, EngineClient] = MappingProxyType({})

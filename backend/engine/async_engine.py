@@ -15,12 +15,19 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ctxgate.backend.engine.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
+from ctxgate.backend.engine.api import (
+    NO_GROUPS,
+    EngineClient,
+    EngineError,
+    GenerationDelta,
+    GenerationRequest,
+    RequestMetrics,
+)
 from ctxgate.backend.engine.metrics import EngineMetrics
 from ctxgate.backend.engine.request_stream import RequestStream, deliver_all
 from ctxgate.backend.engine.side_work import Job, SideWorkQueue
@@ -215,6 +222,10 @@ class AsyncEngine:
     @property
     def forwards_fields(self) -> bool:
         return False
+
+    @property
+    def groups(self) -> Mapping[str, EngineClient]:
+        return NO_GROUPS  # one model
 
     @property
     def side_work(self) -> AsyncEngine | None:

@@ -18,13 +18,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
 
 from ctxgate.backend.engine.api import (
+    NO_GROUPS,
     EngineClient,
     EngineError,
     GenerationDelta,
@@ -128,6 +129,10 @@ class ModelGroup:
     @property
     def forwards_fields(self) -> bool:
         return self.deployments[0].client.forwards_fields
+
+    @property
+    def groups(self) -> Mapping[str, EngineClient]:
+        return NO_GROUPS  # one model, however many deployments serve it
 
     @property
     def side_work(self) -> SideWorkRunner | None:
@@ -290,7 +295,8 @@ class ModelRouter:
 
     def __init__(self, groups: Sequence[ModelGroup], fallbacks: dict[str, list[str]],
                  metrics: DeploymentMetrics, builtin_registry: CollectorRegistry | None = None) -> None:
-        self.groups = {group.model_name: group for group in groups}
+        # `EngineClient.groups`: the gateway reads each served model's own limits from its group.
+        self.groups: dict[str, ModelGroup] = {group.model_name: group for group in groups}
         self.fallbacks = fallbacks
         self.metrics = metrics
         self._primary = groups[0]

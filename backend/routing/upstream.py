@@ -20,7 +20,13 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from ctxgate.backend.engine.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
+from ctxgate.backend.engine.api import (
+    NO_GROUPS,
+    EngineError,
+    GenerationDelta,
+    GenerationRequest,
+    RequestMetrics,
+)
 from ctxgate.backend.openai_api.sse import read_sse_payloads
 from ctxgate.backend.routing.upstream_metrics import UpstreamMetrics
 
@@ -88,6 +94,7 @@ class UpstreamClient:
     # (`GenerationRequest.forward`, `GenerationDelta.raw`): the upstream decides what it supports.
     forwards_fields = True
     side_work = None  # a remote server has no thread here to share
+    groups = NO_GROUPS  # one served model; a model list is a ModelRouter over several of these
 
     def __init__(self, config: UpstreamConfig, served_model_name: str | None = None):
         self.config = config

@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from ctxgate.backend.engine.api import EngineError, GenerationRequest, SamplingParams
+from ctxgate.backend.engine.api import EngineClient, EngineError, GenerationRequest, SamplingParams
 from ctxgate.backend.model.model_prepare import find_packaged_gguf
 from ctxgate.backend.routing.deployment_health import DeploymentHealth, HealthPolicy
 from ctxgate.backend.routing.deployment_metrics import DeploymentMetrics
@@ -63,6 +63,22 @@ def sample(registry, name: str, **labels: str) -> float:
 
 def prefix_hits(url: str) -> float:
     return sum(float(value) for value in HITS.findall(httpx.get(f"{url}/metrics", timeout=10).text))
+
+
+def test_a_router_declares_its_models_and_a_single_engine_none():
+    """`EngineClient.groups` is how the gateway learns that one client serves several models, each with
+    its own limits; nothing probes the client's class."""
+    unreachable = [f"http://127.0.0.1:{free_port()}/v1"]
+    small, large = group_of(unreachable, name="small"), group_of(unreachable, name="large")
+    router = ModelRouter([small, large], {}, DeploymentMetrics())
+    assert isinstance(router, EngineClient)
+    assert dict(router.groups) == {"small": small, "large": large}
+    client = small.deployments[0].client
+    for single in (small, client):
+        assert isinstance(single, EngineClient)
+        assert dict(single.groups) == {}
+    with pytest.raises(TypeError):  # shared by every single engine: nobody may add a model to it
+        client.groups["other"] = small  # type: ignore[index]
 
 
 async def test_affinity_keeps_a_prefix_on_one_replica(engines):

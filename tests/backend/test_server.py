@@ -50,6 +50,7 @@ async def test_engine_implements_the_client_interface(engine):
     assert isinstance(engine, EngineClient)
     assert engine.tokenizer is not None
     assert engine.metrics_registry is engine.metrics.registry
+    assert dict(engine.groups) == {}  # one model: no model list to read limits from
     # In-process readiness is always current, so the gateway never needs to poll it.
     assert not engine.needs_health_check
     assert await engine.check_health() == engine.is_ready()

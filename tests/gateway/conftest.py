@@ -28,6 +28,7 @@ class RecordingEngine:
         self.metrics_registry = inner.metrics_registry
         self.forwards_fields = inner.forwards_fields
         self.side_work = inner.side_work
+        self.groups = inner.groups
         self.finished: list[str] = []
         self.cut_short: list[str] = []
         self.aborted: list[str] = []

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from ctxgate.gateway.app import create_app
-from ctxgate.gateway.keys import add_key, hash_key
+from ctxgate.gateway.key_admin import add_key
+from ctxgate.gateway.keys import hash_key
 from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import ServerThread, write_policy
 

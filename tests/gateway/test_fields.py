@@ -107,7 +107,7 @@ def test_builtin_makes_and_counts_n_choices(builtin):
 
 def test_builtin_reserves_every_choice(builtin):
     gateway = builtin.server.config.app.state.gateway
-    assert gateway.choices_for(gateway_body(n=4), None) == 4
+    assert gateway.fields.choices_for(gateway_body(n=4), None) == 4
 
 
 def gateway_body(**fields: Any):

@@ -10,7 +10,7 @@ from openai import OpenAI, PermissionDeniedError
 
 from ctxgate.gateway.app import create_app
 from ctxgate.gateway.config_file import ConfigError, load_config
-from ctxgate.gateway.keys import add_key
+from ctxgate.gateway.key_admin import add_key
 from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.test_config_file import _serve_args
 from tests.support.servers import ServerThread, engine_processes

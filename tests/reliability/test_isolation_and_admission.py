@@ -10,7 +10,7 @@ import pytest
 
 from ctxgate.gateway.admission import AdmissionController, Overloaded
 from ctxgate.gateway.app import create_app
-from ctxgate.gateway.keys import add_key
+from ctxgate.gateway.key_admin import add_key
 from tests.reliability.conftest import chat_body, gateway_settings
 from tests.support.servers import ServerThread
 from tests.support.waiting import wait_until_engine_idle

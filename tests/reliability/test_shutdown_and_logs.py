@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from ctxgate.gateway.keys import add_key
+from ctxgate.gateway.key_admin import add_key
 from tests.reliability.conftest import MODEL_NAME
 from tests.support.servers import free_port, wait_http, write_policy
 

@@ -18,9 +18,10 @@ import httpx
 import pytest
 import yaml
 
-from ctxgate.gateway.keys import KeysFile, KeyStore, add_key, hash_key, read_keys_file
+from ctxgate.gateway.key_admin import add_key
+from ctxgate.gateway.keys import KeysFile, KeyStore, hash_key, read_keys_file
+from ctxgate.gateway.policy_resolution import quota_cap, tenant_prices
 from ctxgate.gateway.quota import InProcessQuotaStore, QuotaExceeded, QuotaLimits, RedisQuotaStore
-from ctxgate.gateway.service import quota_cap, tenant_prices
 from ctxgate.gateway.settings import GatewaySettings
 from ctxgate.policies.loader import packaged_policy_dir, parse_policy
 from tests.gateway.clock import FakeClock, in_one_minute
@@ -381,7 +382,7 @@ def test_index_names_are_validated(indexed, name):
 # -- the keys file ---------------------------------------------------------------------------------
 _ADD_KEYS = """
 import sys
-from ctxgate.gateway.keys import add_key
+from ctxgate.gateway.key_admin import add_key
 path, tenant, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 print(" ".join(add_key(path, tenant, policy="rag-strict", policies=["passthrough"]) for _ in range(count)))
 """

@@ -13,7 +13,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from ctxgate.gateway.keys import Limits, add_key
+from ctxgate.gateway.key_admin import add_key
+from ctxgate.gateway.keys import Limits
 from ctxgate.gateway.settings import GatewaySettings
 from tests.security.test_upstream_ownership import BodyRecorder
 from tests.support.servers import ServerThread, free_port
@@ -160,7 +161,7 @@ def test_a_fallback_outside_the_keys_models_never_serves_it(gateway, upstream):
 
 # -- item 5: upstream 4xx text stays in the log ----------------------------------------------------
 def test_upstream_4xx_text_is_replaced_by_a_generic_message(leaky_gateway, caplog):
-    with caplog.at_level(logging.WARNING, logger="ctxgate.gateway.service"):
+    with caplog.at_level(logging.WARNING, logger="ctxgate.gateway.engine_errors"):
         response = httpx.post(
             f"{leaky_gateway.url}/v1/chat/completions",
             timeout=60,

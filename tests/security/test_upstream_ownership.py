@@ -11,7 +11,8 @@ import json
 import httpx
 import pytest
 
-from ctxgate.gateway.keys import Limits, add_key
+from ctxgate.gateway.key_admin import add_key
+from ctxgate.gateway.keys import Limits
 from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import ServerThread
 

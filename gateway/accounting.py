@@ -1,0 +1,206 @@
+"""A tenant's limits, the cost of a request, and the quota's life around one request: checked before
+any expensive work, reserved for prompt plus maximum output, then reconciled with what ran (settled)
+or given back (released), exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ctxgate.backend.engine.api import RequestMetrics
+from ctxgate.backend.engine.deltas import DeltaTotals
+from ctxgate.backend.openai_api.errors import APIError
+from ctxgate.backend.openai_api.responses import Usage
+from ctxgate.gateway.adaptive_budget import AdaptiveBudget
+from ctxgate.gateway.early_checks import output_token_bound, prompt_token_bound
+from ctxgate.gateway.keys import Tenant
+from ctxgate.gateway.metrics import GatewayMetrics
+from ctxgate.gateway.policy_resolution import PolicyResolver, quota_cap
+from ctxgate.gateway.prepared import Prepared, compression_figures
+from ctxgate.gateway.quota import (
+    SPEND_SCALE,
+    QuotaExceeded,
+    QuotaLimits,
+    QuotaStore,
+    Reservation,
+    StoreUnavailable,
+)
+from ctxgate.gateway.request_id import note_usage
+from ctxgate.gateway.schemas import GatewayRequest
+from ctxgate.policies.schema import Policy
+
+logger = logging.getLogger(__name__)
+
+
+def cost(policy: Policy, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    prompt_cost = prompt_tokens / 1000 * policy.cost.prompt_per_1k
+    completion_cost = completion_tokens / 1000 * policy.cost.completion_per_1k
+    return {
+        "prompt": round(prompt_cost, 8),
+        "completion": round(completion_cost, 8),
+        "total": round(prompt_cost + completion_cost, 8),
+        "currency": policy.cost.currency,
+    }
+
+
+class Accounting:
+    def __init__(
+        self,
+        store: QuotaStore,
+        metrics: GatewayMetrics,
+        resolver: PolicyResolver,
+        budget: AdaptiveBudget,
+        observe_prefill: Callable[[int, float], None],
+    ):
+        self.store = store
+        self.metrics = metrics
+        self.resolver = resolver
+        self.budget = budget
+        # Measured prefill cost lets the compression pipeline skip work that would not pay for itself.
+        self.observe_prefill = observe_prefill
+
+    def limits_for(self, tenant: Tenant, policy: Policy) -> QuotaLimits:
+        """The tenant's limits: its keys-file quota over its home policy's, tightened by the policy
+        the request runs under (which can never loosen them). Open mode: the request's policy."""
+        home = self.resolver.home_policy(tenant)
+        if home is None:
+            return QuotaLimits.from_policy(policy.quota, tenant.quota_override)
+        base = QuotaLimits.from_policy(home.quota, tenant.quota_override)
+        return base.tightened_by(quota_cap(home, policy))
+
+    async def reserve(
+        self, tenant: Tenant, policy: Policy, prompt_tokens: int, max_tokens: int, slot_id: str | None = None
+    ) -> Reservation:
+        """Reserve against the tenant's limits and its key's. `slot_id`: hold a parallel-request slot
+        until the request is settled (generation); without it a parallel limit is only checked."""
+        limits = self.limits_for(tenant, policy)
+        key = tenant.key
+        key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
+        tokens = prompt_tokens + max_tokens
+        spend_micros = int(round(cost(policy, prompt_tokens, max_tokens)["total"] * SPEND_SCALE))
+        if limits.unlimited and key_limits is None:
+            return Reservation(tenant.name, tokens, spend_micros, recorded=False)
+        try:
+            reservation = await self.store.reserve(
+                tenant.name,
+                limits,
+                tokens,
+                spend_micros,
+                key_id=key.quota_id if key_limits else None,
+                key_limits=key_limits,
+                slot_id=slot_id,
+            )
+        except QuotaExceeded as exc:
+            raise self._quota_refusal(tenant, exc) from None
+        except StoreUnavailable as exc:
+            self.metrics.quota_store_up.set(0)
+            action = limits.on_store_error
+            self.metrics.quota_store_errors.labels(action).inc()
+            logger.warning("%s; on_store_error=%s for tenant %s", exc, action, tenant.name)
+            if action == "deny":
+                raise APIError(
+                    503,
+                    "quota store unavailable and the policy denies requests it cannot account for",
+                    code="quota_store_unavailable",
+                    headers={"Retry-After": "1"},
+                ) from None
+            return Reservation(tenant.name, tokens, spend_micros, recorded=False)
+        self.metrics.quota_store_up.set(1)
+        return reservation
+
+    def _quota_refusal(self, tenant: Tenant, exc: QuotaExceeded) -> APIError:
+        self.metrics.quota_rejections.labels(tenant.name, exc.reason).inc()
+        return APIError(
+            429,
+            str(exc),
+            code=exc.reason,
+            error_type="rate_limit_error",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
+
+    async def check_quota_first(
+        self, tenant: Tenant, policy: Policy, body: GatewayRequest, choices: int
+    ) -> None:
+        """429 before any expensive work (compression, grammar, tokenizing a large prompt) when the quota
+        has no room for the request at its largest (gateway/early_checks.py); nothing is reserved. A
+        store that cannot be reached is left to `reserve`, which applies on_store_error."""
+        limits = self.limits_for(tenant, policy)
+        key = tenant.key
+        key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
+        if limits.unlimited and key_limits is None:
+            return
+        prompt = prompt_token_bound(body, policy)
+        output = output_token_bound(body, policy, choices)
+        spend_micros = int(round(cost(policy, prompt, output)["total"] * SPEND_SCALE))
+        try:
+            await self.store.check(
+                tenant.name,
+                limits,
+                prompt + output,
+                spend_micros,
+                key_id=key.quota_id if key_limits else None,
+                key_limits=key_limits,
+            )
+        except QuotaExceeded as exc:
+            raise self._quota_refusal(tenant, exc) from None
+        except StoreUnavailable:
+            return
+
+    async def reconcile(self, reservation: Reservation | None, tokens: int, spend: float) -> None:
+        if reservation is None:
+            return
+        try:
+            await self.store.reconcile(reservation, tokens, int(round(spend * SPEND_SCALE)))
+        except StoreUnavailable as exc:
+            self.metrics.quota_store_up.set(0)
+            logger.warning("quota reconcile lost: %s", exc)
+
+    async def release(self, prepared: Prepared) -> None:
+        """Undo a reservation's tokens and spend (the request never reached the model)."""
+        self.budget.controller.forget(prepared.request_id)
+        await self.reconcile(prepared.reservation, 0, 0.0)
+
+    async def settle(self, prepared: Prepared, totals: DeltaTotals, count_metrics: bool = True) -> Usage:
+        """Reconcile the quota, record metrics, and return `usage` (with `usage.ctxgate`)."""
+        policy, tenant, result = prepared.policy, prepared.tenant, prepared.result
+        prompt_tokens = totals.prompt_tokens or result.prompt_tokens
+        charged = cost(policy, prompt_tokens, totals.completion_tokens)
+        await self.reconcile(prepared.reservation, prompt_tokens + totals.completion_tokens, charged["total"])
+        if count_metrics:
+            labels = (tenant.name, policy.name)
+            self.metrics.prompt_tokens_original.labels(*labels).inc(result.original_prompt_tokens)
+            self.metrics.prompt_tokens_sent.labels(*labels).inc(result.prompt_tokens)
+            self.metrics.completion_tokens.labels(*labels).inc(totals.completion_tokens)
+            for stage, saved in result.saved_tokens.items():
+                self.metrics.saved_tokens.labels(stage, policy.name).inc(max(0, saved))
+            if charged["total"] > 0:
+                self.metrics.spend.labels(tenant.name, charged["currency"]).inc(charged["total"])
+        metrics = totals.metrics or RequestMetrics()
+        if metrics.prefill_ms > 0:
+            self.observe_prefill(prompt_tokens, metrics.prefill_ms)
+        first_token_ms = (
+            (prepared.first_token_at - prepared.received_at) * 1000 if prepared.first_token_at is not None else None
+        )
+        note_usage(policy.name, result.original_prompt_tokens, prompt_tokens, first_token_ms)
+        budget = self.budget.outcome(prepared, totals.metrics)
+        return Usage.of(
+            prompt_tokens,
+            totals.completion_tokens,
+            metrics.cached_prompt_tokens,
+            ctxgate={
+                "tenant": tenant.name,
+                "policy": policy.name,
+                **compression_figures(result),
+                "queue_ms": round(metrics.queue_ms, 3),
+                "prefill_ms": round(metrics.prefill_ms, 3),
+                "ttft_ms": round(metrics.ttft_ms, 3),
+                "cached_prompt_tokens": metrics.cached_prompt_tokens,
+                "cost": charged["total"],
+                "cost_detail": charged,
+                "dropped_params": list(prepared.dropped_params),
+                "message_context": result.message_context,
+            }
+            | ({"budget": budget} if budget is not None else {}),
+        )

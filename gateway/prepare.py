@@ -1,0 +1,180 @@
+"""Everything decided about a request before the model is called (`Prepared`): the model and the
+policy, the fields, the quota check before any expensive work, the prompt, sampling, the reservation.
+
+Chat, completions and `/v1/ctxgate/compress` run these steps in this order (compress stops at the
+prompt); each route only parses the body and answers.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from ctxgate.backend.engine.api import Priority
+from ctxgate.backend.openai_api.errors import APIError
+from ctxgate.backend.openai_api.request_params import engine_asks
+from ctxgate.compression.types import CompressionResult
+from ctxgate.gateway.access import Access
+from ctxgate.gateway.accounting import Accounting
+from ctxgate.gateway.adaptive_budget import AdaptiveBudget
+from ctxgate.gateway.keys import Tenant
+from ctxgate.gateway.metrics import GatewayMetrics
+from ctxgate.gateway.policy_resolution import PolicyResolver
+from ctxgate.gateway.prepared import Compressed, Prepared
+from ctxgate.gateway.prompt_building import PromptBuilder
+from ctxgate.gateway.request_fields import RequestFields
+from ctxgate.gateway.request_id import received_at
+from ctxgate.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from ctxgate.policies.schema import Policy
+
+
+class Preparation:
+    def __init__(
+        self,
+        access: Access,
+        resolver: PolicyResolver,
+        accounting: Accounting,
+        budget: AdaptiveBudget,
+        fields: RequestFields,
+        prompts: PromptBuilder,
+        tokenizer: Any,
+        metrics: GatewayMetrics,
+    ):
+        self.access = access
+        self.resolver = resolver
+        self.accounting = accounting
+        self.budget = budget
+        self.fields = fields
+        self.prompts = prompts
+        # The gateway's own tokenizer: what guided decoding compiles grammars against (built-in engine).
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    def _policy(self, body: ChatCompletionRequest, tenant: Tenant) -> Policy:
+        """The first steps of a preparation: the model this tenant may use, the policy it runs under."""
+        self.access.check_model(body.model, tenant)
+        return self.resolver.resolve(tenant, body.ctxgate, body.model)
+
+    async def _prompt(
+        self,
+        body: ChatCompletionRequest,
+        tenant: Tenant,
+        policy: Policy,
+        tools: list[dict[str, Any]] | None = None,
+        forward: dict[str, Any] | None = None,
+    ) -> tuple[CompressionResult, list[int], str]:
+        """The messages compressed to the policy's budget, then rendered and counted as they will be sent."""
+        result = await self.prompts.compress(body, tenant, policy)
+        token_ids, prompt_text = self.prompts.encode_checked(result, policy, tools, body.model, forward)
+        return result, token_ids, prompt_text
+
+    async def compress(self, body: ChatCompletionRequest, tenant: Tenant) -> Compressed:
+        """`/v1/ctxgate/compress`: chat's steps up to its prompt. Nothing is generated, so the fields and
+        sampling do not apply, and neither the quota check nor the reservation counts any output."""
+        policy = self._policy(body, tenant)
+        await self.accounting.check_quota_first(tenant, policy, body, choices=0)
+        result, _, _ = await self._prompt(body, tenant, policy)
+        # Metered like a request that generates nothing: one request, its prompt tokens.
+        await self.accounting.reserve(tenant, policy, result.prompt_tokens, 0)
+        return Compressed(policy, result)
+
+    async def chat(
+        self, body: ChatCompletionRequest, tenant: Tenant, raw: dict[str, Any] | None = None
+    ) -> Prepared:
+        arrived = received_at()
+        policy = self._policy(body, tenant)
+        dropped, forward = self.fields.check_fields(body, policy, raw)
+        choices = self.fields.choices_for(body, forward)
+        # Before the grammar and the compression: a request the quota cannot take costs nothing.
+        await self.accounting.check_quota_first(tenant, policy, body, choices)
+        asks = None if forward is not None else await engine_asks(body, self.tokenizer, tenant.name)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        policy, budget = self.budget.adapt(policy, request_id)
+        try:
+            tools = asks.output.tools.template_tools() if asks and asks.output.tools else None
+            result, token_ids, prompt_text = await self._prompt(body, tenant, policy, tools, forward)
+            sampling = self.fields.sampling_for(body, policy, result.prompt_tokens, asks)
+            priority = (
+                Priority.BACKGROUND
+                if body.ctxgate and body.ctxgate.priority == "background"
+                else Priority.USER
+            )
+            prepared = Prepared(
+                request_id=request_id,
+                tenant=tenant,
+                policy=policy,
+                result=result,
+                prompt_token_ids=token_ids,
+                prompt_text=prompt_text,
+                sampling=sampling,
+                priority=priority,
+                dropped_params=dropped,
+                forward=forward,
+                choices=choices,
+                asks=asks,
+                budget=budget,
+                route_key=self.access.route_key(body.model, tenant, result.messages, None),
+                received_at=arrived,
+            )
+            prepared.reservation = await self.accounting.reserve(
+                tenant,
+                policy,
+                result.prompt_tokens,
+                sampling.max_tokens * choices,
+                slot_id=prepared.request_id,
+            )
+        except BaseException:
+            self.budget.controller.forget(request_id)
+            raise
+        return prepared
+
+    async def completion(
+        self, body: CompletionRequest, tenant: Tenant, raw: dict[str, Any] | None = None
+    ) -> Prepared:
+        arrived = received_at()
+        self.access.check_model(body.model, tenant)
+        if body.ctxgate and (body.ctxgate.documents or body.ctxgate.retrieval):
+            raise APIError(400, "documents and retrieval need /v1/chat/completions", param="ctxgate")
+        policy = self.resolver.resolve(tenant, body.ctxgate, body.model)
+        dropped, forward = self.fields.check_fields(body, policy, raw)
+        choices = self.fields.choices_for(body, forward)
+        # Before the grammar and tokenizing the prompt.
+        await self.accounting.check_quota_first(tenant, policy, body, choices)
+        asks = None if forward is not None else await engine_asks(body, self.tokenizer, tenant.name)
+        prompt_text = body.prompt_text() or ""
+        token_ids = await self.prompts.encode_prompt(prompt_text, body.model)
+        if not token_ids:
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+        if len(token_ids) > policy.max_input_tokens:
+            self.metrics.budget_rejections.labels(policy.name).inc()
+            raise APIError(
+                413,
+                f"the prompt has {len(token_ids)} tokens; policy '{policy.name}' allows "
+                f"{policy.max_input_tokens} (raw prompts are never cut)",
+                param="prompt",
+                code="prompt_too_long",
+            )
+        result = CompressionResult(
+            messages=[], original_prompt_tokens=len(token_ids), prompt_tokens=len(token_ids), stages=[]
+        )
+        sampling = self.fields.sampling_for(body, policy, len(token_ids), asks)
+        prepared = Prepared(
+            request_id=f"cmpl-{uuid.uuid4().hex}",
+            tenant=tenant,
+            policy=policy,
+            result=result,
+            prompt_token_ids=token_ids,
+            prompt_text=prompt_text,
+            sampling=sampling,
+            priority=Priority.USER,
+            dropped_params=dropped,
+            forward=forward,
+            choices=choices,
+            asks=asks,
+            route_key=self.access.route_key(body.model, tenant, None, prompt_text),
+            received_at=arrived,
+        )
+        prepared.reservation = await self.accounting.reserve(
+            tenant, policy, len(token_ids), sampling.max_tokens * choices, slot_id=prepared.request_id
+        )
+        return prepared

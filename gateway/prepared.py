@@ -1,0 +1,69 @@
+"""What the gateway decided about one request before the model is called (`Prepared`), handed from
+preparation to generation and to the settlement of its usage; for `/v1/ctxgate/compress`, which
+calls no model, `Compressed`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ctxgate.backend.engine.api import Priority, SamplingParams
+from ctxgate.backend.openai_api.request_params import EngineAsks
+from ctxgate.compression.types import CompressionResult
+from ctxgate.gateway.budget_control import Decision
+from ctxgate.gateway.keys import Tenant
+from ctxgate.gateway.quota import Reservation
+from ctxgate.policies.schema import Policy
+
+
+@dataclass
+class Prepared:
+    """Everything decided before the model is called."""
+
+    request_id: str
+    tenant: Tenant
+    policy: Policy
+    result: CompressionResult
+    prompt_token_ids: list[int]
+    prompt_text: str
+    sampling: SamplingParams
+    priority: Priority
+    reservation: Reservation | None = None
+    # Fields the built-in engine could not honour, dropped under drop_params (usage.ctxgate).
+    dropped_params: list[str] = field(default_factory=list)
+    # Upstream mode: the client's fields forwarded untouched (GenerationRequest.forward).
+    forward: dict[str, Any] | None = None
+    # Sequences the upstream generates per request (`n`, `best_of`): the reservation counts each.
+    choices: int = 1
+    # Built-in mode: what the request asks of the engine beyond plain sampling, and how to answer.
+    asks: EngineAsks | None = None
+    # A model list: the key of the prompt's stable prefix for cache-affinity routing.
+    route_key: str | None = None
+    # Adaptive policies: the documents budget the controller chose for this request, and why.
+    budget: Decision | None = None
+    # perf_counter when the request reached the gateway (before its body was read and compressed),
+    # and when its first token came back: the gateway's TTFT, which the budget controller learns from.
+    received_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """A `/v1/ctxgate/compress` request, prepared: the policy it ran under and what compression made."""
+
+    policy: Policy
+    result: CompressionResult
+
+
+def compression_figures(result: CompressionResult) -> dict[str, Any]:
+    """What a compression saved and cost, as `usage.ctxgate` and the compress report show it."""
+    return {
+        "original_prompt_tokens": result.original_prompt_tokens,
+        "prompt_tokens": result.prompt_tokens,
+        "saved_tokens": result.saved_tokens,
+        "compression_ms": result.compression_ms,
+        "compression_wait_ms": round(result.wait_ms, 3),
+        "compression_engine_ms": round(result.engine_ms, 3),
+    }

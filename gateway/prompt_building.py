@@ -1,0 +1,182 @@
+"""The prompt a request sends: its messages and documents compressed to the policy's budget by the
+compression pipeline, then rendered with the served model's chat template and counted once more with
+its tokenizer (`encode_checked`), so the budget holds whatever the pipeline did.
+
+Client text and retrieved passages are neutralised on the way (`ctxgate.gateway.sanitize`): they
+cannot forge control tokens or context markers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ctxgate.backend.openai_api.errors import APIError
+from ctxgate.backend.platform.bounded_encode import TextNotTokenizable
+from ctxgate.compression.counting import CachedCounter
+from ctxgate.compression.store.index_names import UnknownIndexError
+from ctxgate.compression.types import (
+    BudgetExceededError,
+    CompressionInput,
+    CompressionResult,
+    Document,
+    RetrievalSpec,
+)
+from ctxgate.gateway.access import Access, index_not_found
+from ctxgate.gateway.forwarding import forwarded_prompt_tokens
+from ctxgate.gateway.keys import Tenant
+from ctxgate.gateway.metrics import GatewayMetrics
+from ctxgate.gateway.schemas import ChatCompletionRequest, CtxgateExtras
+from ctxgate.gateway.tokenizer_per_model import ModelTokenizers
+from ctxgate.policies.schema import Policy
+
+logger = logging.getLogger(__name__)
+_TOOL_FIELDS = ("tool_calls", "tool_call_id")
+
+
+class Pipeline(Protocol):
+    """What the gateway needs of a compressor (ctxgate.compression.pipeline.CompressionPipeline is the one)."""
+
+    async def run(
+        self,
+        inp: CompressionInput,
+        policy: Policy,
+        prepare: Callable[[CompressionInput], CompressionInput] | None = None,
+        counter: CachedCounter | None = None,
+    ) -> CompressionResult:
+        """`counter`: what the request's model is counted with (None: the pipeline's own tokenizer)."""
+        ...
+
+    def warm_up(self, stopping: threading.Event) -> int:
+        """Load the models compression needs and run them once per shape they will meet, so the first
+        requests pay for neither; ends early once `stopping` is set. Returns the calls run."""
+        ...
+
+    def observe_prefill(self, prompt_tokens: int, prefill_ms: float) -> None:
+        """What a prefill of this size cost the engine: compression weighs its own cost against it."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class PromptBuilder:
+    def __init__(self, access: Access, tokens: ModelTokenizers, pipeline: Pipeline, metrics: GatewayMetrics):
+        self.access = access
+        self.tokens = tokens
+        self.pipeline = pipeline
+        self.metrics = metrics
+
+    async def compress(
+        self, body: ChatCompletionRequest, tenant: Tenant, policy: Policy
+    ) -> CompressionResult:
+        # Client text may not forge control tokens or context markers (gateway/sanitize.py). An
+        # upstream also gets each message's other fields (tool_calls, tool_call_id, ...) back.
+        # The neutraliser reads the whole request's text: it runs with the compression, off this loop.
+        # The built-in engine renders tool-call turns and tool results itself: those fields stay too.
+        extra_fields = self.access.engine.forwards_fields
+        messages = [
+            {"role": m.role, "content": m.text()}
+            | ({"name": m.name} if m.name else {})
+            | {k: v for k, v in (m.model_extra or {}).items() if extra_fields or k in _TOOL_FIELDS}
+            for m in body.messages
+        ]
+        extras = body.ctxgate or CtxgateExtras()
+        documents = [
+            Document(text=d.text, id=None if d.id is None else str(d.id), title=d.title, score=d.score)
+            for d in extras.documents or []
+        ]
+        if extras.retrieval:
+            self.access.check_index(tenant, extras.retrieval.index)
+        retrieval = (
+            RetrievalSpec(extras.retrieval.index, extras.retrieval.top_n) if extras.retrieval else None
+        )
+        # Passages from an index are as untrusted as the client's documents: neutralised the same way.
+        tokens = self.tokens.for_model(body.model)
+        inp = CompressionInput(
+            messages=messages,
+            documents=documents,
+            retrieval=retrieval,
+            tenant=tenant.name,
+            neutralise=tokens.neutraliser.document,
+        )
+        try:
+            result = await self.pipeline.run(
+                inp, policy, prepare=tokens.neutraliser.compression_input, counter=tokens.counter
+            )
+        except BudgetExceededError as exc:
+            self.metrics.budget_rejections.labels(policy.name).inc()
+            raise APIError(413, str(exc), param="messages", code="prompt_too_long") from None
+        except UnknownIndexError:
+            raise index_not_found(retrieval.index if retrieval else "") from None
+        except TextNotTokenizable:  # the library's own text (regex internals) stays in the log
+            logger.warning("compression input refused by the tokenizer", exc_info=True)
+            raise APIError(
+                400, "a message or document could not be tokenized", param="messages", code="invalid_value"
+            ) from None
+        except OSError:  # a server file (an index's parts, a model): its path stays in the log
+            logger.exception("compression failed on a server file")
+            raise APIError(
+                500,
+                "the request could not be processed; the server log has the details",
+                code="internal_error",
+            ) from None
+        except (ValueError, KeyError) as exc:
+            raise APIError(400, str(exc), code="invalid_request") from None
+        for stage in result.stages:
+            self.metrics.compression_seconds.labels(stage.name).observe(stage.ms / 1000)
+        if policy.compression_enabled:
+            self.metrics.compression_wait_seconds.observe(result.wait_ms / 1000)
+        return result
+
+    def encode_checked(
+        self,
+        result: CompressionResult,
+        policy: Policy,
+        tools: list[dict[str, Any]] | None = None,
+        model: str | None = None,
+        forward: dict[str, Any] | None = None,
+    ) -> tuple[list[int], str]:
+        """Token ids actually sent (with `model`'s tokenizer); re-counted here so the budget holds
+        whatever pipeline ran. `forward`: an upstream's fields, whose `tools` and `documents` its
+        template adds to the prompt: counted in `result.prompt_tokens` too."""
+        tokens = self.tokens.for_model(model)
+        # Tools are client text the template prints: inert like the messages (which the pipeline cleaned).
+        prompt_text = tokens.tokenizer.render_chat(
+            result.messages, tools=tokens.neutraliser.value(tools) if tools else None
+        )
+        token_ids = tokens.tokenizer.encode(prompt_text)
+        if len(token_ids) > policy.max_input_tokens:
+            logger.error(
+                "pipeline produced %d tokens over budget %d", len(token_ids), policy.max_input_tokens
+            )
+            raise APIError(
+                413,
+                f"the prompt needs {len(token_ids)} tokens; policy '{policy.name}' allows "
+                f"{policy.max_input_tokens}",
+                code="prompt_too_long",
+            )
+        prompt_tokens = len(token_ids) + forwarded_prompt_tokens(forward, tokens.tokenizer)
+        if prompt_tokens > policy.max_input_tokens:
+            raise APIError(
+                413,
+                f"the prompt with its tools and documents needs {prompt_tokens} tokens; policy "
+                f"'{policy.name}' allows {policy.max_input_tokens}",
+                code="prompt_too_long",
+                param="tools" if forward and forward.get("tools") else "documents",
+            )
+        result.prompt_tokens = prompt_tokens
+        return token_ids, prompt_text
+
+    async def encode_prompt(self, text: str, model: str | None) -> list[int]:
+        """A raw prompt's ids, tokenized off the event loop (megabytes take a second; /health must not wait)."""
+        tokenizer = self.tokens.for_model(model).tokenizer
+        try:
+            return await asyncio.to_thread(tokenizer.encode, text)
+        except TextNotTokenizable:
+            logger.warning("prompt refused by the tokenizer", exc_info=True)
+            raise APIError(
+                400, "prompt could not be tokenized", param="prompt", code="invalid_value"
+            ) from None
