@@ -73,8 +73,10 @@ clean:
 
 # The GPU check (eval/gpu/, docs/engine.md "GPU"): the wheels the offline GPU machine lacks, into
 # gpu-wheels/ (<= 40 MiB; needs the package index), and the same check rehearsed here with no network.
-gpu-wheels:
-	python3 eval/gpu/wheels.py --out gpu-wheels
+gpu-wheels: gpu-wheels/carried.json
 
-gpu-rehearsal: gpu-wheels
+gpu-wheels/carried.json: pyproject.toml eval/gpu/machine_requirements.txt eval/gpu/wheels.py
+	$(PYTHON) eval/gpu/wheels.py --out gpu-wheels
+
+gpu-rehearsal: gpu-wheels/carried.json
 	bash eval/gpu/rehearsal.sh

@@ -26,9 +26,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_bench_prefill(bench_sub)
     _register_bench_e2e(bench_sub)
     gpu = bench_sub.add_parser("gpu", help="the offline GPU check in stages (eval/gpu/check.py): install, "
-                               "random-weight models at real shapes, HF parity, W1-W3 vs HF and the roofline, e2e",
-                               add_help=False)
-    gpu.add_argument("rest", nargs=argparse.REMAINDER)
+                               "random-weight models at real shapes, HF parity, W1-W3 vs HF and the roofline, e2e")
+    from ctxgate.eval.gpu.check import add_arguments
+
+    add_arguments(gpu)
     gpu.set_defaults(func=_bench_gpu)
     _register_bench_slo(bench_sub)
     _register_bench_prefix(bench_sub)
@@ -395,9 +396,9 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_gpu(args: argparse.Namespace) -> int:
-    from ctxgate.eval.gpu.check import main
+    from ctxgate.eval.gpu.check import run_check
 
-    return main(args.rest)
+    return run_check(args)
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:

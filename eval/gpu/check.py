@@ -31,6 +31,11 @@ BUDGET_S = {"environment": (15, 10), "install": (10, 5), "build": (90, 40), "par
             "throughput": (180, 60), "e2e": (90, 30)}
 
 
+INSTALL_MODULES = ("fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core", "gguf", "redis", "xgrammar",
+                   "bm25s", "sentencex", "ninja", "tiktoken", "transformers", "sentence_transformers", "safetensors",
+                   "ctxgate.gateway.app", "ctxgate.backend.engine.llm_engine")
+
+
 class Skipped(Exception):
     """A stage that cannot run here (no CUDA); recorded as skipped, not failed."""
 
@@ -103,11 +108,8 @@ def install() -> dict[str, Any]:
     """Every runtime module the gateway and the engine import, from the carried wheels or the machine."""
     import importlib
 
-    modules = ["fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core", "gguf", "redis", "xgrammar",
-               "bm25s", "sentencex", "tiktoken", "transformers", "sentence_transformers", "safetensors",
-               "ctxgate.gateway.app", "ctxgate.backend.engine.llm_engine"]
     versions = {}
-    for name in modules:
+    for name in INSTALL_MODULES:
         module = importlib.import_module(name)
         versions[name] = getattr(module, "__version__", "")
     return versions
@@ -175,19 +177,26 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    parser = argparse.ArgumentParser(prog="ctxgate bench gpu", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="report folder (gpu_check.json, gpu_check.md)")
     parser.add_argument("--work", default="/tmp/ctxgate-gpu-check", help="where the models are written")
     parser.add_argument("--shapes", default=",".join(ALL_SHAPES), help="comma-separated shapes")
     parser.add_argument("--quick", action="store_true", help="about 3 minutes instead of 8")
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ctxgate bench gpu", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_check(parser.parse_args(argv))
+
+
+def run_check(args: argparse.Namespace) -> int:
+    import torch
+
     shapes = [name.strip() for name in args.shapes.split(",") if name.strip()]
     unknown = sorted(set(shapes) - set(ALL_SHAPES))
     if unknown:
-        parser.error(f"unknown shapes {unknown}; choose from {', '.join(ALL_SHAPES)}")
+        raise SystemExit(f"unknown shapes {unknown}; choose from {', '.join(ALL_SHAPES)}")
     cuda = torch.cuda.is_available()
     if not cuda:  # 8B on a CPU: 16 GB of weights and hours of HF generate
         shapes = [shape for shape in shapes if shape != "llama-3.1-8b"]

@@ -15,8 +15,7 @@ import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE / "configs"
@@ -62,7 +61,9 @@ def tensor_specs(config: dict) -> Iterator[tuple[str, tuple[int, ...], str]]:
         yield "lm_head.weight", (vocab, hidden), "normal"
 
 
-def _draw(name: str, shape: tuple[int, ...], kind: str, config: dict, seed: int, device: torch.device) -> torch.Tensor:
+def _draw(name: str, shape: tuple[int, ...], kind: str, config: dict, seed: int, device: Any) -> Any:
+    import torch
+
     std = float(config.get("initializer_range", 0.02))
     if kind == "ones":
         return torch.ones(shape, dtype=torch.bfloat16)
@@ -78,12 +79,15 @@ def _fingerprint(config: dict, seed: int) -> str:
     return hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_model(shape: str, out_dir: str | Path, seed: int = 0, device: str | None = None) -> Path:
-    """Write `shape` with seeded random bfloat16 weights to `out_dir` (kept if already built alike)."""
+def build_model(shape: str, out_dir: str | Path, seed: int = 0, device: str | None = None,
+                overrides: dict[str, Any] | None = None) -> Path:
+    """Write `shape` with seeded random bfloat16 weights to `out_dir` (kept if already built alike);
+    `overrides` change config fields (the tests shrink the layer count)."""
+    import torch
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    config = shape_config(shape)
+    config = shape_config(shape) | (overrides or {})
     # The tokenizer is SmolLM2's whatever the shape: its special ids are the ones generation stops on.
     config.update(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     stamp = out / ".ctxgate-random"
@@ -96,7 +100,7 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, device: str | No
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     weight_map: dict[str, str] = {}
     shards: list[list[str]] = []
-    pending: dict[str, torch.Tensor] = {}
+    pending: dict[str, Any] = {}
     pending_bytes = 0
 
     def flush() -> None:
@@ -127,6 +131,7 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, device: str | No
 
 def build_embedder(out_dir: str | Path, seed: int = 0) -> Path:
     """A sentence-transformers directory at all-MiniLM-L6-v2's shape with random weights (cost only)."""
+    import torch
     from transformers import BertConfig, BertModel
 
     out = Path(out_dir)
