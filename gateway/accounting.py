@@ -117,7 +117,8 @@ class Accounting:
             str(exc),
             code=exc.reason,
             error_type="rate_limit_error",
-            headers={"Retry-After": str(exc.retry_after_s)},
+            headers={"Retry-After": str(exc.retry_after_s)}
+            | (exc.rate_limits.headers() if exc.rate_limits is not None else {}),
         )
 
     async def check_quota_first(

@@ -13,7 +13,7 @@ from ctxgate.backend.openai_api.request_params import EngineAsks
 from ctxgate.compression.types import CompressionResult
 from ctxgate.gateway.budget_control import Decision
 from ctxgate.gateway.keys import Tenant
-from ctxgate.gateway.quota import Reservation
+from ctxgate.gateway.quota import RateLimitState, Reservation
 from ctxgate.policies.schema import Policy
 
 
@@ -55,6 +55,13 @@ class Compressed:
 
     policy: Policy
     result: CompressionResult
+    # What the tenant's request and token limits have left after this request (None: no such limits).
+    rate_limits: RateLimitState | None = None
+
+
+def rate_limit_headers(state: RateLimitState | None) -> dict[str, str]:
+    """The `x-ratelimit-*` headers of a response; none for a tenant without request or token limits."""
+    return state.headers() if state is not None else {}
 
 
 def compression_figures(result: CompressionResult) -> dict[str, Any]:
