@@ -65,12 +65,20 @@ def rate_limit_headers(state: RateLimitState | None) -> dict[str, str]:
 
 
 def compression_figures(result: CompressionResult) -> dict[str, Any]:
-    """What a compression saved and cost, as `usage.ctxgate` and the compress report show it."""
+    """What a compression saved and cost, as `usage.ctxgate` and the compress report show it: per
+    stage, and the totals a reader wants first. `message_context` only when the passages came from
+    the messages (documents in the extension leave it out)."""
+    compression_ms = result.compression_ms
+    found = result.message_context
     return {
         "original_prompt_tokens": result.original_prompt_tokens,
         "prompt_tokens": result.prompt_tokens,
+        "saved_tokens_total": result.saved_tokens_total,
+        "reduction": result.reduction,
+        "estimated_prefill_ms_saved": result.estimated_prefill_ms_saved,
+        "compression_ms_total": round(sum(compression_ms.values()), 3),
         "saved_tokens": result.saved_tokens,
-        "compression_ms": result.compression_ms,
+        "compression_ms": compression_ms,
         "compression_wait_ms": round(result.wait_ms, 3),
         "compression_engine_ms": round(result.engine_ms, 3),
-    }
+    } | ({"message_context": found} if found and found.get("passages_found") else {})

@@ -134,7 +134,6 @@ async def compress(request: Request, response: Response) -> dict[str, Any]:
         "policy": compressed.policy.name,
         "report": {
             **compression_figures(result),
-            "message_context": result.message_context,
             "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
                         "details": s.details} for s in result.stages],
         },
