@@ -182,7 +182,11 @@ class CompressionPipeline:
         try:
             for stage in self.stages:
                 if stage.enabled(state, policy):
-                    reports.append(await run_timed(stage, state, ctx))
+                    embedded_before = engine_time.embedding_seconds
+                    report = await run_timed(stage, state, ctx)
+                    # Embedding is reported on its own: the first request's model load is not dedup's work.
+                    report.ms = max(0.0, report.ms - (engine_time.embedding_seconds - embedded_before) * 1000)
+                    reports.append(report)
                 yield_turn()
         finally:
             ENGINE_TIME.reset(token)
@@ -191,6 +195,8 @@ class CompressionPipeline:
         report_kept(state, reports, counter)
         result = result_of(state, reports, policy)
         result.engine_ms = engine_time.seconds * 1000
+        result.embedding_ms = engine_time.embedding_seconds * 1000
+        result.prefill_ms_per_token = self.cost_estimator.ms_per_token
         return result
 
 

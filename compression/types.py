@@ -55,10 +55,28 @@ class CompressionResult:
     # Time its embedding passes held the in-process engine's thread (ctxgate.compression.embedding.batching.EngineTime):
     # part of `compression_ms`, and time every request running in the engine waited.
     engine_ms: float = 0.0
+    # Time the stages waited for embeddings (the model's first load included), taken out of the
+    # stages' own `ms` and shown as `compression_ms["embedding"]`.
+    embedding_ms: float = 0.0
+    # The measured prefill cost the cost check used (PrefillCostEstimator): what a saved token is worth.
+    prefill_ms_per_token: float = 0.0
 
     @property
     def saved_tokens(self) -> dict[str, int]:
         return {stage.name: stage.saved_tokens for stage in self.stages}
+
+    @property
+    def saved_tokens_total(self) -> int:
+        return self.original_prompt_tokens - self.prompt_tokens
+
+    @property
+    def reduction(self) -> float:
+        """How many times fewer prompt tokens were sent than the request had (2 decimals)."""
+        return round(self.original_prompt_tokens / self.prompt_tokens, 2) if self.prompt_tokens else 0.0
+
+    @property
+    def estimated_prefill_ms_saved(self) -> float:
+        return round(self.saved_tokens_total * self.prefill_ms_per_token, 1)
 
     @property
     def message_context(self) -> dict[str, Any] | None:
@@ -68,7 +86,10 @@ class CompressionResult:
 
     @property
     def compression_ms(self) -> dict[str, float]:
-        return {stage.name: round(stage.ms, 3) for stage in self.stages}
+        """Per stage, and the embedding every stage waited for under its own key; they add up to the
+        compression's whole time."""
+        times = {stage.name: round(stage.ms, 3) for stage in self.stages}
+        return times | {"embedding": round(self.embedding_ms, 3)} if self.stages else times
 
 
 class BudgetExceededError(Exception):

@@ -13,7 +13,7 @@ Dependency-free on purpose: importing it pulls in neither the gateway nor the mo
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 DocumentLike = Any  # str | Mapping | LangChain Document | LlamaIndex Node/NodeWithScore
@@ -77,29 +77,50 @@ def ctxgate_extra_body(
 
 @dataclass(frozen=True)
 class CtxgateUsage:
-    """`usage.ctxgate` of a gateway answer: what was sent, what was cut, and where."""
+    """`usage.ctxgate` of a gateway answer: what was sent, what was cut and where, what it cost, and
+    how long each part took. Every key the gateway sends is here; `to_dict()` gives them back."""
 
     policy: str
     original_prompt_tokens: int
     prompt_tokens: int
     tenant: str | None = None
     saved_tokens: dict[str, int] = field(default_factory=dict)
+    # Per stage, and "embedding": the stages' wait for vectors (the model's first load included).
     compression_ms: dict[str, float] = field(default_factory=dict)
     compression_wait_ms: float = 0.0  # waiting for a compression worker, before the stages ran
     compression_engine_ms: float = 0.0  # of the stages' time, embedding passes on the engine's thread
+    # The saved tokens at the prefill speed the gateway measured.
+    estimated_prefill_ms_saved: float = 0.0
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
     cached_prompt_tokens: int = 0
-    cost: float = 0.0
+    cost: float | None = None  # None: the policy has no prices (not "free")
+    cost_detail: dict[str, Any] | None = None  # prompt, completion, total, currency
     dropped_params: list[str] = field(default_factory=list)
-    # Context found inside the messages: passages/tokens found, kept and cut (None: not looked for).
+    # Context found inside the messages: passages/tokens found, kept and cut (None: the passages did
+    # not come from the messages).
     message_context: dict[str, Any] | None = None
+    # Adaptive policies: the documents budget chosen for this request, and why.
+    budget: dict[str, Any] | None = None
+
+    @property
+    def saved_tokens_total(self) -> int:
+        return self.original_prompt_tokens - self.prompt_tokens
 
     @property
     def reduction(self) -> float:
-        """How many times fewer prompt tokens were sent than the request had."""
-        return self.original_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        """How many times fewer prompt tokens were sent than the request had (2 decimals)."""
+        return round(self.original_prompt_tokens / self.prompt_tokens, 2) if self.prompt_tokens else 0.0
+
+    @property
+    def compression_ms_total(self) -> float:
+        """The stages' time and their embedding wait (not `compression_wait_ms`)."""
+        return round(sum(self.compression_ms.values()), 3)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CtxgateUsage:
+        cost = data.get("cost")
         return cls(
             policy=str(data.get("policy", "")),
             original_prompt_tokens=int(data.get("original_prompt_tokens", 0)),
@@ -109,11 +130,24 @@ class CtxgateUsage:
             compression_ms=dict(data.get("compression_ms") or {}),
             compression_wait_ms=float(data.get("compression_wait_ms") or 0.0),
             compression_engine_ms=float(data.get("compression_engine_ms") or 0.0),
+            estimated_prefill_ms_saved=float(data.get("estimated_prefill_ms_saved") or 0.0),
+            queue_ms=float(data.get("queue_ms") or 0.0),
+            prefill_ms=float(data.get("prefill_ms") or 0.0),
+            ttft_ms=float(data.get("ttft_ms") or 0.0),
             cached_prompt_tokens=int(data.get("cached_prompt_tokens") or 0),
-            cost=float(data.get("cost") or 0.0),
+            cost=None if cost is None else float(cost),
+            cost_detail=dict(data["cost_detail"]) if data.get("cost_detail") is not None else None,
             dropped_params=list(data.get("dropped_params") or []),
             message_context=data.get("message_context"),
+            budget=data.get("budget"),
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """`usage.ctxgate` as the gateway sends it (keys it leaves out when empty stay out)."""
+        data = asdict(self) | {"saved_tokens_total": self.saved_tokens_total, "reduction": self.reduction,
+                 "compression_ms_total": self.compression_ms_total}
+        return {name: value for name, value in data.items()
+                if value is not None or name not in ("message_context", "budget", "tenant")}
 
 
 def read_usage(answer: Any) -> CtxgateUsage | None:

@@ -45,6 +45,10 @@ def cost(policy: Policy, prompt_tokens: int, completion_tokens: int) -> dict[str
     }
 
 
+def priced(policy: Policy) -> bool:
+    return policy.cost.prompt_per_1k > 0 or policy.cost.completion_per_1k > 0
+
+
 class Accounting:
     def __init__(
         self,
@@ -117,7 +121,8 @@ class Accounting:
             str(exc),
             code=exc.reason,
             error_type="rate_limit_error",
-            headers={"Retry-After": str(exc.retry_after_s)},
+            headers={"Retry-After": str(exc.retry_after_s)}
+            | (exc.rate_limits.headers() if exc.rate_limits is not None else {}),
         )
 
     async def check_quota_first(
@@ -197,10 +202,10 @@ class Accounting:
                 "prefill_ms": round(metrics.prefill_ms, 3),
                 "ttft_ms": round(metrics.ttft_ms, 3),
                 "cached_prompt_tokens": metrics.cached_prompt_tokens,
-                "cost": charged["total"],
-                "cost_detail": charged,
+                # null, not 0: a policy without prices has not made the request free.
+                "cost": charged["total"] if priced(policy) else None,
+                "cost_detail": charged if priced(policy) else None,
                 "dropped_params": list(prepared.dropped_params),
-                "message_context": result.message_context,
             }
             | ({"budget": budget} if budget is not None else {}),
         )

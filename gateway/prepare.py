@@ -75,8 +75,8 @@ class Preparation:
         await self.accounting.check_quota_first(tenant, policy, body, choices=0)
         result, _, _ = await self._prompt(body, tenant, policy)
         # Metered like a request that generates nothing: one request, its prompt tokens.
-        await self.accounting.reserve(tenant, policy, result.prompt_tokens, 0)
-        return Compressed(policy, result)
+        reservation = await self.accounting.reserve(tenant, policy, result.prompt_tokens, 0)
+        return Compressed(policy, result, reservation.rate_limits)
 
     async def chat(
         self, body: ChatCompletionRequest, tenant: Tenant, raw: dict[str, Any] | None = None

@@ -13,7 +13,7 @@ from ctxgate.backend.openai_api.request_params import EngineAsks
 from ctxgate.compression.types import CompressionResult
 from ctxgate.gateway.budget_control import Decision
 from ctxgate.gateway.keys import Tenant
-from ctxgate.gateway.quota import Reservation
+from ctxgate.gateway.quota import RateLimitState, Reservation
 from ctxgate.policies.schema import Policy
 
 
@@ -55,15 +55,30 @@ class Compressed:
 
     policy: Policy
     result: CompressionResult
+    # What the tenant's request and token limits have left after this request (None: no such limits).
+    rate_limits: RateLimitState | None = None
+
+
+def rate_limit_headers(state: RateLimitState | None) -> dict[str, str]:
+    """The `x-ratelimit-*` headers of a response; none for a tenant without request or token limits."""
+    return state.headers() if state is not None else {}
 
 
 def compression_figures(result: CompressionResult) -> dict[str, Any]:
-    """What a compression saved and cost, as `usage.ctxgate` and the compress report show it."""
+    """What a compression saved and cost, as `usage.ctxgate` and the compress report show it: per
+    stage, and the totals a reader wants first. `message_context` only when the passages came from
+    the messages (documents in the extension leave it out)."""
+    compression_ms = result.compression_ms
+    found = result.message_context
     return {
         "original_prompt_tokens": result.original_prompt_tokens,
         "prompt_tokens": result.prompt_tokens,
+        "saved_tokens_total": result.saved_tokens_total,
+        "reduction": result.reduction,
+        "estimated_prefill_ms_saved": result.estimated_prefill_ms_saved,
+        "compression_ms_total": round(sum(compression_ms.values()), 3),
         "saved_tokens": result.saved_tokens,
-        "compression_ms": result.compression_ms,
+        "compression_ms": compression_ms,
         "compression_wait_ms": round(result.wait_ms, 3),
         "compression_engine_ms": round(result.engine_ms, 3),
-    }
+    } | ({"message_context": found} if found and found.get("passages_found") else {})

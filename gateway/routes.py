@@ -20,7 +20,7 @@ from ctxgate.backend.openai_api.request_params import OutputOptions
 from ctxgate.backend.openai_api.responses import ResponseWriter
 from ctxgate.gateway.generation import Generation, complete, stream
 from ctxgate.gateway.keys import Tenant
-from ctxgate.gateway.prepared import Prepared, compression_figures
+from ctxgate.gateway.prepared import Prepared, compression_figures, rate_limit_headers
 from ctxgate.gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
 from ctxgate.gateway.service import Gateway
 from ctxgate.policies.loader import ReloadError
@@ -122,18 +122,18 @@ def _reload_error(error: ReloadError, directories: list[Any]) -> dict[str, Any]:
     return {"file": os.path.basename(error.path), "message": message, "at": error.at}
 
 
-async def compress(request: Request) -> dict[str, Any]:
+async def compress(request: Request, response: Response) -> dict[str, Any]:
     tenant = _tenant(request)
     gateway = _gateway(request)
     body = await parse_body(request, ChatCompletionRequest)
     compressed = await gateway.preparation.compress(body, tenant)
+    response.headers.update(rate_limit_headers(compressed.rate_limits))
     result = compressed.result
     return {
         "messages": result.messages,
         "policy": compressed.policy.name,
         "report": {
             **compression_figures(result),
-            "message_context": result.message_context,
             "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
                         "details": s.details} for s in result.stages],
         },
@@ -172,7 +172,12 @@ async def _answer(
                             output=prepared.asks.output if prepared.asks else OutputOptions())
     run = Generation(gateway.generation_services, prepared, generation)
     if body.stream:
-        return await stream(request, run, writer, request.url.path, body.usage_wanted(), prepared.choices)
-    return await complete(request, run, writer)
+        response = await stream(request, run, writer, request.url.path, body.usage_wanted(), prepared.choices)
+    else:
+        response = await complete(request, run, writer)
+    # Known since the reservation: a stream's headers can carry them before its first token.
+    reservation = prepared.reservation
+    response.headers.update(rate_limit_headers(reservation.rate_limits if reservation is not None else None))
+    return response
 
 

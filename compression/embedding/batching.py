@@ -35,9 +35,12 @@ Encode = Callable[[list[str]], np.ndarray]
 class EngineTime:
     """Seconds the in-process engine's thread spent on one compression's embedding passes. While a
     pass runs there, every request in the engine waits: on a two-core machine this, not the
-    compression's wall time, is what a burst of cold requests costs the requests already running."""
+    compression's wall time, is what a burst of cold requests costs the requests already running.
+    `embedding_seconds`: the compression's own wait for its vectors, wherever the model ran (loading
+    it included), so the first request's model load is not mistaken for a stage's work."""
 
     seconds: float = 0.0
+    embedding_seconds: float = 0.0
 
 
 # The compression being run in this context (set by CompressionPipeline.run_here), if any.
@@ -49,6 +52,13 @@ def charge_engine_time(seconds: float) -> None:
     engine_time = ENGINE_TIME.get()
     if engine_time is not None:
         engine_time.seconds += seconds
+
+
+def charge_embedding_time(seconds: float) -> None:
+    """Add `seconds` of waiting for embeddings to the compression running in this context."""
+    engine_time = ENGINE_TIME.get()
+    if engine_time is not None:
+        engine_time.embedding_seconds += seconds
 
 
 @dataclass

@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ctxgate.compression.embedding.batching import EmbedBatcher, EngineJobBatcher, charge_engine_time
+from ctxgate.compression.embedding.batching import (
+    EmbedBatcher,
+    EngineJobBatcher,
+    charge_embedding_time,
+    charge_engine_time,
+)
 from ctxgate.compression.embedding.packed_encoder import PackedEncoder
 from ctxgate.compression.embedding.packed_encoder import supports as packed_supports
 from ctxgate.compression.fair import yield_turn
@@ -207,7 +212,9 @@ class Embedder:
                     vectors[key] = np.frombuffer(raw, dtype=np.float32).copy()
                     del missing[key]
         if missing:
+            started = time.perf_counter()
             encoded = self._encode(list(missing.values()), batch_size, show_progress_bar)
+            charge_embedding_time(time.perf_counter() - started)
             for key, vector in zip(missing, encoded, strict=True):
                 vectors[key] = vector
             if self._cache is not None:

@@ -28,12 +28,13 @@ from ctxgate.gateway.quota.model import (
     Windows,
     build_meters,
 )
+from ctxgate.gateway.quota.rate_limits import RateLimit, RateLimitState
 from ctxgate.gateway.quota.redis_store import RedisQuotaStore
 from ctxgate.gateway.quota.store import Clock, QuotaStore
 
 __all__ = [
     "BUDGET_PERIODS", "DEFAULT_SLOT_TTL_S", "SPEND_SCALE", "Clock", "InProcessQuotaStore", "Meter", "QuotaExceeded",
-    "QuotaLimits", "QuotaStore", "RedisQuotaStore", "Reservation", "StoreUnavailable", "Windows", "build_meters",
+    "QuotaLimits", "QuotaStore", "RateLimit", "RateLimitState", "RedisQuotaStore", "Reservation", "StoreUnavailable", "Windows", "build_meters",
     "create_store",
 ]
 

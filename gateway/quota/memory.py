@@ -24,6 +24,7 @@ from ctxgate.gateway.quota.model import (
     reconcile_deltas,
     usage_keys,
 )
+from ctxgate.gateway.quota.rate_limits import rate_limit_state
 from ctxgate.gateway.quota.store import Clock
 
 
@@ -74,7 +75,8 @@ class InProcessQuotaStore:
                 self._add(meter.key, meter.amount, meter.ttl_s, now)
             elif meter.kind == SLOT_HOLD:
                 self._live_slots(meter.key, now)[str(slot_id)] = now + meter.ttl_s
-        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id)
+        state = rate_limit_state(meters, self._levels(meters, now))
+        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id, rate_limits=state)
 
     async def check(
         self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
@@ -83,14 +85,19 @@ class InProcessQuotaStore:
         now = self.clock() if now is None else now
         self._refuse_if_over(plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, None), now)
 
+    def _levels(self, meters: list[Meter], now: float) -> list[int]:
+        """Each meter's counter, or the number of slots held."""
+        return [self._get(m.key, now) if m.kind == COUNTER else len(self._live_slots(m.key, now)) for m in meters]
+
     def _refuse_if_over(self, meters: list[Meter], now: float) -> None:
-        for meter in meters:
+        levels = self._levels(meters, now)
+        for meter, level in zip(meters, levels, strict=True):
             if meter.kind == COUNTER:
-                over = meter.limit != NO_LIMIT and self._get(meter.key, now) + meter.amount > meter.limit
+                over = meter.limit != NO_LIMIT and level + meter.amount > meter.limit
             else:
-                over = len(self._live_slots(meter.key, now)) + 1 > meter.limit
+                over = level + 1 > meter.limit
             if over:
-                raise exceeded(meter)
+                raise exceeded(meter, level, rate_limit_state(meters, levels))
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros):

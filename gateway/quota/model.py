@@ -18,9 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ctxgate.policies.schema import QuotaPolicy
+
+if TYPE_CHECKING:
+    from ctxgate.gateway.quota.rate_limits import RateLimitState
 
 MINUTE_S = 60
 DAY_S = 86400
@@ -90,10 +93,12 @@ _NUMERIC_LIMITS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day",
 
 
 class QuotaExceeded(Exception):
-    def __init__(self, reason: str, retry_after_s: int, message: str):
+    def __init__(self, reason: str, retry_after_s: int, message: str, rate_limits: RateLimitState | None = None):
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = max(1, retry_after_s)
+        # The request and token limits as the store read them when it refused (the 429's headers).
+        self.rate_limits = rate_limits
 
 
 class StoreUnavailable(Exception):
@@ -165,6 +170,8 @@ class Reservation:
     recorded: bool = True
     reconciled: bool = field(default=False)
     slot_id: str | None = None
+    # What the request and token limits have left after this reservation (the response's headers).
+    rate_limits: RateLimitState | None = None
 
 
 def _tenant_prefix(tenant: str) -> str:
@@ -240,13 +247,38 @@ def plan_reservation(tenant: str, limits: QuotaLimits, tokens: int, spend_micros
     return meters
 
 
-def exceeded(meter: Meter) -> QuotaExceeded:
-    """The refusal a store raises when `meter` has no room left."""
+def go_duration(seconds: int) -> str:
+    """Whole seconds as OpenAI writes a rate-limit reset (Go's time.Duration): "1s", "6m0s", "1h2m3s"."""
+    hours, rest = divmod(max(0, seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+_WINDOW_OF = {"requests_per_minute": "a minute", "tokens_per_minute": "a minute", "tokens_per_day": "a day",
+              "spend_per_day": "a day", "budget": "this budget period"}
+
+
+def exceeded(meter: Meter, level: int, rate_limits: RateLimitState | None = None) -> QuotaExceeded:
+    """The refusal a store raises when `meter` (at `level`: its counter, or the slots held) has no
+    room left; the message states the limit, what is used, and when the window resets."""
     if meter.unit == "slots":
         message = f"{meter.scope} already has {meter.limit} requests in flight (max_parallel_requests)"
-    else:
-        message = f"{meter.scope} is over its {meter.reason} quota"
-    return QuotaExceeded(meter.reason, meter.retry_after_s, message)
+        return QuotaExceeded(meter.reason, meter.retry_after_s, message, rate_limits)
+
+    def amount(value: int) -> str:
+        return f"{value / SPEND_SCALE:g}" if meter.unit == "spend" else f"{value}"
+
+    unit = "" if meter.unit == "spend" else f" {meter.unit}"
+    message = (
+        f"{meter.scope} is over its {meter.reason} quota: {amount(level)} of {amount(meter.limit)}{unit} "
+        f"{_WINDOW_OF.get(meter.reason, 'this window')} used, this request needs {amount(meter.amount)}; "
+        f"the limit resets in {go_duration(meter.retry_after_s)}"
+    )
+    return QuotaExceeded(meter.reason, meter.retry_after_s, message, rate_limits)
 
 
 def usage_keys(tenant: str, now: float) -> list[str]:

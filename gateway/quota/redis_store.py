@@ -25,51 +25,74 @@ from ctxgate.gateway.quota.model import (
     reconcile_deltas,
     usage_keys,
 )
+from ctxgate.gateway.quota.rate_limits import rate_limit_state
 from ctxgate.gateway.quota.store import Clock
 
 T = TypeVar("T")
 
 # Check every meter first, then apply every one: all-or-nothing in one atomic script.
-# ARGV: now, slot id, then per key: kind, limit, amount, ttl. Returns {1, 0} or {0, index of the refusing meter}.
+# ARGV: now, slot id, then per key: kind, limit, amount, ttl. Returns {admitted (1/0), index of the
+# refusing meter (0 when admitted), then each meter's level}: its counter or the live slots held,
+# after the reservation when admitted, as read when refused. The levels come from the same atomic
+# script, so the rate-limit headers built from them are exact.
 RESERVE_LUA = """
 local now = tonumber(ARGV[1])
+local result = {1, 0}
+for i = 1, #KEYS do
+  local base = 2 + (i - 1) * 4
+  if tonumber(ARGV[base + 1]) == 0 then
+    result[i + 2] = tonumber(redis.call('GET', KEYS[i]) or '0')
+  else
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+    result[i + 2] = redis.call('ZCARD', KEYS[i])
+  end
+end
 for i = 1, #KEYS do
   local base = 2 + (i - 1) * 4
   local kind, limit, amount = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  if kind == 0 then
-    if limit >= 0 and tonumber(redis.call('GET', KEYS[i]) or '0') + amount > limit then return {0, i} end
-  else
-    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
-    if redis.call('ZCARD', KEYS[i]) + 1 > limit then return {0, i} end
+  local over
+  if kind == 0 then over = limit >= 0 and result[i + 2] + amount > limit else over = result[i + 2] + 1 > limit end
+  if over then
+    result[1], result[2] = 0, i
+    return result
   end
 end
 for i = 1, #KEYS do
   local base = 2 + (i - 1) * 4
   local kind, amount, ttl = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
   if kind == 0 then
-    redis.call('INCRBY', KEYS[i], amount)
+    result[i + 2] = redis.call('INCRBY', KEYS[i], amount)
     if redis.call('TTL', KEYS[i]) < 0 then redis.call('EXPIRE', KEYS[i], ttl) end
   elseif kind == 2 then
     redis.call('ZADD', KEYS[i], now + ttl, ARGV[2])
     redis.call('EXPIRE', KEYS[i], ttl)
+    result[i + 2] = redis.call('ZCARD', KEYS[i])
   end
 end
-return {1, 0}
+return result
 """
 
-# `reserve`'s checks alone, read-only (a slot set's live members are those whose deadline is after now).
+# `reserve`'s checks alone, read-only (a slot set's live members are those whose deadline is after
+# now); the same reply, with the levels as read.
 CHECK_LUA = """
 local now = tonumber(ARGV[1])
+local result = {1, 0}
+for i = 1, #KEYS do
+  local base = 2 + (i - 1) * 4
+  if tonumber(ARGV[base + 1]) == 0 then
+    result[i + 2] = tonumber(redis.call('GET', KEYS[i]) or '0')
+  else
+    result[i + 2] = redis.call('ZCOUNT', KEYS[i], '(' .. ARGV[1], '+inf')
+  end
+end
 for i = 1, #KEYS do
   local base = 2 + (i - 1) * 4
   local kind, limit, amount = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  if kind == 0 then
-    if limit >= 0 and tonumber(redis.call('GET', KEYS[i]) or '0') + amount > limit then return {0, i} end
-  elseif redis.call('ZCOUNT', KEYS[i], '(' .. ARGV[1], '+inf') + 1 > limit then
-    return {0, i}
-  end
+  local over
+  if kind == 0 then over = limit >= 0 and result[i + 2] + amount > limit else over = result[i + 2] + 1 > limit end
+  if over and result[1] == 1 then result[1], result[2] = 0, i end
 end
-return {1, 0}
+return result
 """
 
 # Counters: add the delta only to keys that still exist (an expired window must not be resurrected
@@ -135,10 +158,12 @@ class RedisQuotaStore:
         args: list[Any] = [repr(now), slot_id or ""]
         for meter in meters:
             args += [meter.kind, meter.limit, meter.amount, meter.ttl_s]
-        admitted, index = await self._call(lambda: self._reserve(keys=keys, args=args))
+        admitted, index, *raw_levels = await self._call(lambda: self._reserve(keys=keys, args=args))
+        levels = [int(level) for level in raw_levels]
+        state = rate_limit_state(meters, levels)
         if int(admitted) != 1:
-            raise exceeded(meters[int(index) - 1])
-        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id)
+            raise exceeded(meters[int(index) - 1], levels[int(index) - 1], state)
+        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id, rate_limits=state)
 
     async def check(
         self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
@@ -151,9 +176,12 @@ class RedisQuotaStore:
         args: list[Any] = [repr(now), ""]
         for meter in meters:
             args += [meter.kind, meter.limit, meter.amount, meter.ttl_s]
-        fits, index = await self._call(lambda: self._check(keys=[meter.key for meter in meters], args=args))
+        fits, index, *raw_levels = await self._call(
+            lambda: self._check(keys=[meter.key for meter in meters], args=args)
+        )
         if int(fits) != 1:
-            raise exceeded(meters[int(index) - 1])
+            levels = [int(level) for level in raw_levels]
+            raise exceeded(meters[int(index) - 1], levels[int(index) - 1], rate_limit_state(meters, levels))
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         deltas = [(meter, delta) for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros)

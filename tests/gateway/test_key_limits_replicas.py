@@ -134,7 +134,11 @@ def test_key_requests_per_minute_is_shared_by_both_replicas(setup):
         assert 1 <= int(response.headers["retry-after"]) <= 60
         error = response.json()["error"]
         assert error["code"] == "requests_per_minute"
-        assert error["message"] == f"API key '{hash_key(KEYS[key])[:12]}' is over its requests_per_minute quota"
+        retry = response.headers["retry-after"]
+        assert error["message"] == (f"API key '{hash_key(KEYS[key])[:12]}' is over its requests_per_minute quota: "
+                                    f"3 of 3 requests a minute used, this request needs 1; the limit resets in {retry}s")
+        assert (response.headers["x-ratelimit-limit-requests"], response.headers["x-ratelimit-remaining-requests"]) == (
+            "3", "0")
 
 
 def test_key_budget_with_a_period(setup):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -28,6 +29,10 @@ def server(engine, tmp_path_factory, clock):
     write_policy(policy_dir, "priced", "name: priced\nmax_input_tokens: 128\nreserve_output_tokens: 8\n"
                  "documents: {max_tokens: 64}\ncost: {prompt_per_1k: 1.0, completion_per_1k: 2.0}\n"
                  "quota: {tokens_per_day: 1000000, spend_per_day: 0.05}\n")
+    write_policy(policy_dir, "limited", "name: limited\nmax_input_tokens: 128\nreserve_output_tokens: 2\n"
+                 "documents: {max_tokens: 64}\nquota: {requests_per_minute: 3, tokens_per_minute: 100000}\n")
+    write_policy(policy_dir, "free", "name: free\nmax_input_tokens: 128\nreserve_output_tokens: 2\n"
+                 "documents: {max_tokens: 64}\n")
     app = create_app(GatewaySettings(policy_dir=policy_dir), engine=engine, clock=clock)
     with ServerThread(app) as running:
         running.store = app.state.gateway.store
@@ -83,3 +88,57 @@ def test_spend_per_day_is_enforced(server, clock):
     assert statuses[-1] == 429
     assert response.json()["error"]["code"] == "spend_per_day"
     assert int(response.headers["retry-after"]) == 86400 - clock() % 86400  # to the end of the clock's UTC day
+
+
+RATE_HEADERS = {f"x-ratelimit-{what}-{unit}" for what in ("limit", "remaining", "reset") for unit in ("requests", "tokens")}
+
+
+def _streamed_usage(server, body: dict) -> tuple[httpx.Headers, dict]:
+    """A streamed chat's headers and its final usage chunk."""
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        return response.headers, next(chunk["usage"] for chunk in chunks if chunk.get("usage"))
+
+
+def test_limited_answers_and_the_429_carry_the_rate_limit_headers(server, clock):
+    clock.advance(60 - clock() % 60 + 10)  # a fresh minute, 50 s to its end
+    first = httpx.post(f"{server.url}/v1/chat/completions", json=_chat("limited", max_tokens=1), timeout=60)
+    assert first.status_code == 200, first.text
+    used = first.json()["usage"]
+    # The reservation (prompt + the 1 output token asked) is what the headers count down from.
+    assert {name: first.headers[name] for name in RATE_HEADERS} == {
+        "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "2", "x-ratelimit-reset-requests": "50s",
+        "x-ratelimit-limit-tokens": "100000", "x-ratelimit-remaining-tokens": str(100000 - used["prompt_tokens"] - 1),
+        "x-ratelimit-reset-tokens": "50s",
+    }
+    clock.advance(5)
+    headers, streamed = _streamed_usage(server, _chat("limited", max_tokens=1))  # known before the first token
+    assert headers["x-ratelimit-remaining-requests"] == "1"
+    # The first request was reconciled to what it used before the second reserved.
+    assert int(headers["x-ratelimit-remaining-tokens"]) == 100000 - used["total_tokens"] - streamed["prompt_tokens"] - 1
+    assert headers["x-ratelimit-reset-tokens"] == "45s"
+    third = httpx.post(f"{server.url}/v1/chat/completions", json=_chat("limited", max_tokens=1), timeout=60)
+    assert third.headers["x-ratelimit-remaining-requests"] == "0"
+    spent = used["total_tokens"] + streamed["total_tokens"] + third.json()["usage"]["total_tokens"]
+    clock.advance(7)
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json=_chat("limited", max_tokens=1), timeout=60)
+    assert refused.status_code == 429
+    assert RATE_HEADERS <= set(refused.headers)
+    assert (refused.headers["x-ratelimit-remaining-requests"], refused.headers["x-ratelimit-limit-requests"]) == ("0", "3")
+    assert refused.headers["x-ratelimit-remaining-tokens"] == str(100000 - spent)
+    assert refused.headers["x-ratelimit-reset-requests"] == "38s" == refused.headers["retry-after"] + "s"
+    message = refused.json()["error"]["message"]
+    assert "3 of 3 requests a minute used" in message and "resets in 38s" in message, message
+
+
+def test_a_tenant_without_limits_gets_no_rate_limit_headers(server, clock):
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=_chat("free"), timeout=60)
+    assert response.status_code == 200, response.text
+    assert not {name for name in response.headers if name.startswith("x-ratelimit")}
+    compressed = _compress(server, "free")
+    assert not {name for name in compressed.headers if name.startswith("x-ratelimit")}
+    clock.advance(60)
+    limited = _compress(server, "limited")
+    assert limited.status_code == 200 and limited.headers["x-ratelimit-remaining-requests"] == "2"

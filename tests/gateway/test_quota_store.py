@@ -187,3 +187,46 @@ async def test_check_refuses_as_reserve_would_and_applies_nothing(store):
     assert (info.value.reason, info.value.retry_after_s) == ("tokens_per_minute", 49)
     assert (await store.usage("c", now=NOW + 1))["tokens_this_minute"] == 60
     await store.reserve("c", limits, 40, 0, now=NOW + 2)  # the checks took nothing
+
+
+async def test_reserve_reports_what_the_binding_limits_leave(store):
+    tenant = QuotaLimits(requests_per_minute=3, tokens_per_minute=100, tokens_per_day=1000, max_parallel_requests=2)
+    key = QuotaLimits(tokens_per_minute=70)
+    first = await store.reserve("h", tenant, 40, 0, now=NOW, key_id="k", key_limits=key, slot_id="r1")
+    state = first.rate_limits
+    assert state is not None
+    # The key's 70 a minute binds before the tenant's 100 a minute and 1000 a day.
+    assert (state.tokens.limit, state.tokens.remaining, state.tokens.reset_s) == (70, 30, 50)
+    assert (state.requests.limit, state.requests.remaining, state.requests.reset_s) == (3, 2, 50)
+    assert state.headers() == {
+        "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "2", "x-ratelimit-reset-requests": "50s",
+        "x-ratelimit-limit-tokens": "70", "x-ratelimit-remaining-tokens": "30", "x-ratelimit-reset-tokens": "50s",
+    }
+    await store.reconcile(first, 10, 0)  # 30 of the 40 reserved come back
+    second = await store.reserve("h", tenant, 50, 0, now=NOW + 5, key_id="k", key_limits=key)
+    assert (second.rate_limits.tokens.remaining, second.rate_limits.requests.remaining) == (10, 1)
+    with pytest.raises(QuotaExceeded) as info:
+        await store.reserve("h", tenant, 20, 0, now=NOW + 6, key_id="k", key_limits=key)
+    refused = info.value.rate_limits
+    assert (refused.tokens.limit, refused.tokens.remaining, refused.requests.remaining) == (70, 10, 1)
+    assert "60 of 70 tokens a minute used, this request needs 20" in str(info.value)
+    assert "resets in 44s" in str(info.value)
+    with pytest.raises(QuotaExceeded) as info:  # the read-only check reports the same levels
+        await store.check("h", tenant, 20, 0, now=NOW + 6, key_id="k", key_limits=key)
+    assert info.value.rate_limits == refused
+
+
+async def test_only_the_limited_units_are_reported(store):
+    spend_only = await store.reserve("s", QuotaLimits(spend_per_day=1.0), 10, 5, now=NOW)
+    assert spend_only.rate_limits is None  # spend has no x-ratelimit header
+    daily = await store.reserve("d", QuotaLimits(tokens_per_day=500), 10, 0, now=NOW)
+    assert daily.rate_limits.requests is None
+    assert daily.rate_limits.headers()["x-ratelimit-remaining-tokens"] == "490"
+    assert daily.rate_limits.headers()["x-ratelimit-reset-tokens"].endswith("m50s")
+
+
+def test_resets_are_written_as_openai_writes_them():
+    from ctxgate.gateway.quota.model import go_duration
+
+    assert [go_duration(s) for s in (0, 1, 59, 60, 360, 3661, 86400)] == [
+        "0s", "1s", "59s", "1m0s", "6m0s", "1h1m1s", "24h0m0s"]

@@ -50,7 +50,8 @@ def gateways(redis_module, prompt_tokens, tmp_path_factory):
                  "quota: {tokens_per_minute: 1000000, on_store_error: deny}\n")
     # Room for exactly 10 requests (and half of an eleventh) per minute; "burst-again" is for a burst
     # that a minute boundary cut through.
-    burst = {"policy": "shared-allow", "quota": {"tokens_per_minute": prompt_tokens * 10 + prompt_tokens // 2}}
+    burst = {"policy": "shared-allow",
+             "quota": {"tokens_per_minute": prompt_tokens * 10 + prompt_tokens // 2, "requests_per_minute": 100}}
     tenants = {
         "burst": {**burst, "keys": [{"sha256": hash_key(KEYS["burst"])}]},
         "burst-again": {**burst, "keys": [{"sha256": hash_key(KEYS["burst-again"])}]},
@@ -115,6 +116,16 @@ def test_two_replicas_share_one_tokens_per_minute_ledger(gateways, redis_module,
     rejected = next(r for r in responses if r.status_code == 429)
     assert 1 <= int(rejected.headers["retry-after"]) <= 60
     assert rejected.json()["error"]["code"] == "tokens_per_minute"
+    # Each admitted request saw exactly what the shared ledger had left after its own reservation.
+    left = sorted((int(r.headers["x-ratelimit-remaining-tokens"]), int(r.headers["x-ratelimit-remaining-requests"]))
+                  for r in admitted)
+    assert left == [(limit - k * prompt_tokens, 100 - k) for k in range(10, 0, -1)]
+    assert (rejected.headers["x-ratelimit-limit-tokens"], rejected.headers["x-ratelimit-remaining-tokens"]) == (
+        str(limit), str(prompt_tokens // 2))
+    assert (rejected.headers["x-ratelimit-limit-requests"], rejected.headers["x-ratelimit-remaining-requests"]) == (
+        "100", "90")
+    assert rejected.headers["x-ratelimit-reset-tokens"] == rejected.headers["retry-after"] + "s"
+    assert f"of {limit} tokens a minute used" in rejected.json()["error"]["message"]
 
 
 def test_redis_outage_follows_on_store_error_then_recovers(gateways, redis_module):

@@ -53,6 +53,6 @@ def test_documents_in_extra_body(gateway_url):
     llm = _llm(gateway_url, extra_body=ctxgate_extra_body(DOCUMENTS, overrides=OVERRIDES))
     message = llm.invoke([("system", "Answer from the documents."), ("human", QUESTION)])
     usage = read_usage(message)
-    assert usage is not None and usage.message_context == {"passages_found": 0, "tokens_found": 0}
+    assert usage is not None and usage.message_context is None  # the passages did not come from the messages
     assert usage.reduction > 1.5
     assert usage.saved_tokens["rerank"] > 0

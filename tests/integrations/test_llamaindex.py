@@ -53,4 +53,4 @@ def test_nodes_in_extra_body(gateway_url):
     llm = _llm(gateway_url, ctxgate_extra_body(NODES, overrides=OVERRIDES))
     response = llm.chat([ChatMessage(role=MessageRole.USER, content=QUESTION)])
     usage = read_usage(response)
-    assert usage.reduction > 1.5 and usage.message_context["passages_found"] == 0
+    assert usage.reduction > 1.5 and usage.message_context is None
