@@ -25,6 +25,7 @@ from ctxgate.gateway.quota.model import (
     reconcile_deltas,
     usage_keys,
 )
+from ctxgate.gateway.quota.room import room_left, token_meters
 from ctxgate.gateway.quota.store import Clock
 
 T = TypeVar("T")
@@ -154,6 +155,17 @@ class RedisQuotaStore:
         fits, index = await self._call(lambda: self._check(keys=[meter.key for meter in meters], args=args))
         if int(fits) != 1:
             raise exceeded(meters[int(index) - 1])
+
+    async def tokens_left(
+        self, tenant: str, limits: QuotaLimits, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+    ) -> int | None:
+        now = self.clock() if now is None else now
+        meters = token_meters(tenant, limits, now, key_id, key_limits)
+        if not meters:
+            return None
+        values = await self._call(lambda: self._client.mget([meter.key for meter in meters]))
+        return room_left(meters, [int(value or 0) for value in values])
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         deltas = [(meter, delta) for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros)
