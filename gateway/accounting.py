@@ -35,7 +35,7 @@ from ctxgate.policies.schema import Policy
 
 logger = logging.getLogger(__name__)
 # The refusals compress-to-fit can answer: a smaller prompt cannot help a request or spend limit.
-_TOKEN_REASONS = frozenset({"tokens_per_minute", "tokens_per_day"})
+QUOTA_TOKEN_REASONS = frozenset({"tokens_per_minute", "tokens_per_day"})
 
 
 def cost(policy: Policy, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -133,27 +133,30 @@ class Accounting:
 
         Under `fit.quota: compress`, a request the tokens left cannot hold is fitted into them
         instead (the returned `Fit`, for `Fit.apply`), unless that leaves the prompt under the floor."""
-        limits = self.limits_for(tenant, policy)
-        key = tenant.key
-        key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
+        limits, key_id, key_limits = self._scopes(tenant, policy)
         if limits.unlimited and key_limits is None:
             return None
         prompt = prompt_token_bound(body, policy)
         output = output_token_bound(body, policy, choices)
-        key_id = key.quota_id if key_limits else None
         try:
             await self._check(tenant, limits, policy, prompt, output, key_id, key_limits)
             return None
         except QuotaExceeded as exc:
-            if exc.reason not in _TOKEN_REASONS:
+            if exc.reason not in QUOTA_TOKEN_REASONS:
                 raise self._quota_refusal(tenant, exc) from None
             if policy.fit.quota != "compress":
                 self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
                 raise self._quota_refusal(tenant, exc) from None
-            refused = exc
+            refused = exc.reason, exc.retry_after_s
         except StoreUnavailable:
             return None
-        return await self._fit_quota(tenant, limits, policy, (prompt, output, choices), (key_id, key_limits), refused)
+        return await self.fit_quota(tenant, policy, body, choices, refused)
+
+    def _scopes(self, tenant: Tenant, policy: Policy) -> tuple[QuotaLimits, str | None, QuotaLimits | None]:
+        """The tenant's limits, and its key's id and limits when the key has limits of its own."""
+        key = tenant.key
+        key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
+        return self.limits_for(tenant, policy), key.quota_id if key is not None and key_limits else None, key_limits
 
     async def _check(
         self, tenant: Tenant, limits: QuotaLimits, policy: Policy, prompt: int, output: int,
@@ -164,29 +167,28 @@ class Accounting:
             tenant.name, limits, prompt + output, spend_micros, key_id=key_id, key_limits=key_limits
         )
 
-    async def _fit_quota(
-        self, tenant: Tenant, limits: QuotaLimits, policy: Policy, sizes: tuple[int, int, int],
-        key: tuple[str | None, QuotaLimits | None], refused: QuotaExceeded,
+    async def fit_quota(
+        self, tenant: Tenant, policy: Policy, body: GatewayRequest, choices: int, refused: tuple[str, int]
     ) -> Fit | None:
-        """The request fitted into the tokens left, checked again at its fitted size (the other limits:
-        requests, spend) so what is refused here is refused before the compression runs."""
-        prompt, output, choices = sizes
-        key_id, key_limits = key
+        """The request fitted into the tokens its tenant has left now (None: it fits as it is), checked
+        again at its fitted size so a request or spend limit refuses before the compression runs.
+        `refused`: the token quota's refusal (reason, Retry-After), answered under the floor."""
+        limits, key_id, key_limits = self._scopes(tenant, policy)
+        prompt = prompt_token_bound(body, policy)
+        output = output_token_bound(body, policy, choices)
+        reason, retry_after_s = refused
         try:
             room = await self.store.tokens_left(tenant.name, limits, key_id=key_id, key_limits=key_limits)
             fit = fit_into(policy.fit, "quota", room or 0, prompt, output, choices)
-            if fit is None:  # the window moved on between the check and the read: it fits as it is
+            if fit is None:
                 return None
-            fit = dataclasses.replace(fit, reason=refused.reason, retry_after_s=refused.retry_after_s)
-            await self._check(
-                tenant, limits, policy, fit.budget, fit.output_tokens * choices, key_id, key_limits
-            )
+            fit = dataclasses.replace(fit, reason=reason, retry_after_s=retry_after_s)
+            await self._check(tenant, limits, policy, fit.budget, fit.output_tokens * choices, key_id, key_limits)
         except FitRefused as exc:
             self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
-            self.metrics.quota_rejections.labels(tenant.name, refused.reason).inc()
+            self.metrics.quota_rejections.labels(tenant.name, reason).inc()
             raise APIError(
-                429, str(exc), code=refused.reason, error_type="rate_limit_error",
-                headers={"Retry-After": str(refused.retry_after_s)},
+                429, str(exc), code=reason, error_type="rate_limit_error", headers={"Retry-After": str(retry_after_s)}
             ) from None
         except QuotaExceeded as exc:
             self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()

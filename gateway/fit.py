@@ -45,7 +45,7 @@ class Fit:
                 "documents": policy.documents.model_copy(
                     update={"max_tokens": min(policy.documents.max_tokens, budget)}
                 ),
-                "reserve_output_tokens": min(policy.reserve_output_tokens, self.output_tokens),
+                "reserve_output_tokens": min(policy.reserve_output_tokens, max(1, self.output_tokens)),
                 "compression_enabled": True,
             }
         )

@@ -10,15 +10,17 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 from ctxgate.backend.engine.api import Priority
 from ctxgate.backend.openai_api.errors import APIError
-from ctxgate.backend.openai_api.request_params import engine_asks
+from ctxgate.backend.openai_api.request_params import EngineAsks, engine_asks
 from ctxgate.compression.types import CompressionResult
 from ctxgate.gateway.access import Access
-from ctxgate.gateway.accounting import Accounting
+from ctxgate.gateway.accounting import QUOTA_TOKEN_REASONS, Accounting
 from ctxgate.gateway.adaptive_budget import AdaptiveBudget
+from ctxgate.gateway.budget_control import Decision
 from ctxgate.gateway.early_checks import output_token_bound
 from ctxgate.gateway.fit import Fit, FitLimit, FitRefused, fit_into
 from ctxgate.gateway.keys import Tenant
@@ -44,6 +46,25 @@ def _quota_floor_refusal(fit: Fit, exc: APIError) -> APIError:
         error_type="rate_limit_error",
         headers={"Retry-After": str(fit.retry_after_s)},
     )
+
+
+def _quota_fit_may_help(exc: APIError, policy: Policy) -> bool:
+    return exc.status_code == 429 and exc.code in QUOTA_TOKEN_REASONS and policy.fit.quota == "compress"
+
+
+@dataclass(frozen=True)
+class _ChatRequest:
+    """What a chat request's preparation settled before its prompt (kept for a second, fitted try)."""
+
+    body: ChatCompletionRequest
+    tenant: Tenant
+    request_id: str
+    arrived: float
+    dropped: list[str]
+    forward: dict[str, Any] | None
+    choices: int
+    asks: EngineAsks | None
+    budget: Decision | None
 
 
 class Preparation:
@@ -138,7 +159,7 @@ class Preparation:
         result, _, _, policy, fit = await self._prompt(body, tenant, fit.apply(policy) if fit else policy, fit)
         # Metered like a request that generates nothing: one request, its prompt tokens.
         await self._reserve_fitted(fit, policy, self.accounting.reserve(tenant, policy, result.prompt_tokens, 0))
-        return Compressed(policy, result)
+        return Compressed(policy, result, fit)
 
     async def chat(
         self, body: ChatCompletionRequest, tenant: Tenant, raw: dict[str, Any] | None = None
@@ -152,47 +173,66 @@ class Preparation:
         asks = None if forward is not None else await engine_asks(body, self.tokenizer, tenant.name)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         policy, budget = self.budget.adapt(policy, request_id)
-        if fit is not None:  # after the adaptive budget: the fit only ever lowers it
-            policy = fit.apply(policy)
+        request = _ChatRequest(body, tenant, request_id, arrived, dropped, forward, choices, asks, budget)
         try:
-            tools = asks.output.tools.template_tools() if asks and asks.output.tools else None
-            result, token_ids, prompt_text, policy, fit = await self._prompt(
-                body, tenant, policy, fit, tools, forward
-            )
-            sampling = self.fields.sampling_for(body, policy, result.prompt_tokens, asks)
-            priority = (
-                Priority.BACKGROUND
-                if body.ctxgate and body.ctxgate.priority == "background"
-                else Priority.USER
-            )
-            prepared = Prepared(
-                request_id=request_id,
-                tenant=tenant,
-                policy=policy,
-                result=result,
-                prompt_token_ids=token_ids,
-                prompt_text=prompt_text,
-                sampling=sampling,
-                priority=priority,
-                dropped_params=dropped,
-                forward=forward,
-                choices=choices,
-                asks=asks,
-                budget=budget,
-                fit=fit,
-                route_key=self.access.route_key(body.model, tenant, result.messages, None),
-                received_at=arrived,
-            )
-            prepared.reservation = await self._reserve_fitted(
-                fit,
-                policy,
-                self.accounting.reserve(
-                    tenant, policy, result.prompt_tokens, sampling.max_tokens * choices, slot_id=prepared.request_id
-                ),
-            )
+            # After the adaptive budget: a fit only ever lowers it.
+            return await self._chat_prepared(request, fit.apply(policy) if fit else policy, fit)
+        except APIError as exc:
+            if fit is not None or not _quota_fit_may_help(exc, policy):
+                self.budget.controller.forget(request_id)
+                raise
+            refused = exc
         except BaseException:
             self.budget.controller.forget(request_id)
             raise
+        # Another request took the room between the early check and this one's reservation:
+        # fitted into what is left now, once.
+        try:
+            retry_after = int(refused.headers.get("Retry-After", "1"))
+            fit = await self.accounting.fit_quota(tenant, policy, body, choices, (refused.code or "", retry_after))
+            if fit is None:
+                raise refused
+            return await self._chat_prepared(request, fit.apply(policy), fit)
+        except BaseException:
+            self.budget.controller.forget(request_id)
+            raise
+
+    async def _chat_prepared(self, request: _ChatRequest, policy: Policy, fit: Fit | None) -> Prepared:
+        """The prompt, the sampling and the exact reservation of a chat request under `policy`."""
+        body, tenant, asks = request.body, request.tenant, request.asks
+        tools = asks.output.tools.template_tools() if asks and asks.output.tools else None
+        result, token_ids, prompt_text, policy, fit = await self._prompt(
+            body, tenant, policy, fit, tools, request.forward
+        )
+        sampling = self.fields.sampling_for(body, policy, result.prompt_tokens, asks)
+        priority = (
+            Priority.BACKGROUND if body.ctxgate and body.ctxgate.priority == "background" else Priority.USER
+        )
+        prepared = Prepared(
+            request_id=request.request_id,
+            tenant=tenant,
+            policy=policy,
+            result=result,
+            prompt_token_ids=token_ids,
+            prompt_text=prompt_text,
+            sampling=sampling,
+            priority=priority,
+            dropped_params=request.dropped,
+            forward=request.forward,
+            choices=request.choices,
+            asks=asks,
+            budget=request.budget,
+            fit=fit,
+            route_key=self.access.route_key(body.model, tenant, result.messages, None),
+            received_at=request.arrived,
+        )
+        prepared.reservation = await self._reserve_fitted(
+            fit,
+            policy,
+            self.accounting.reserve(
+                tenant, policy, result.prompt_tokens, sampling.max_tokens * request.choices, slot_id=request.request_id
+            ),
+        )
         return prepared
 
     async def _reserve_fitted(self, fit: Fit | None, policy: Policy, reserve: Awaitable[Reservation]) -> Reservation:

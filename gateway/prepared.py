@@ -58,6 +58,7 @@ class Compressed:
 
     policy: Policy
     result: CompressionResult
+    fit: Fit | None = None
 
 
 def compression_figures(result: CompressionResult) -> dict[str, Any]:

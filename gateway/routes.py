@@ -134,6 +134,7 @@ async def compress(request: Request) -> dict[str, Any]:
         "report": {
             **compression_figures(result),
             "message_context": result.message_context,
+            **({"fit": compressed.fit.report()} if compressed.fit is not None else {}),
             "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
                         "details": s.details} for s in result.stages],
         },

@@ -47,13 +47,26 @@ def test_no_room_for_a_single_output_token_is_refused_even_with_output_cap():
 
 
 def test_apply_only_lowers_budgets_and_turns_compression_on():
-    policy = Policy(name="p", max_input_tokens=2_048, reserve_output_tokens=256, compression_enabled=False,
-                    documents={"max_tokens": 1_200})
+    policy = Policy(
+        name="p",
+        max_input_tokens=2_048,
+        reserve_output_tokens=256,
+        compression_enabled=False,
+        documents={"max_tokens": 1_200},
+    )
     fitted = Fit("quota", budget=700, output_tokens=100, would_have_needed=2_304).apply(policy)
-    assert (fitted.max_input_tokens, fitted.documents.max_tokens, fitted.reserve_output_tokens) == (700, 700, 100)
+    assert (fitted.max_input_tokens, fitted.documents.max_tokens, fitted.reserve_output_tokens) == (
+        700,
+        700,
+        100,
+    )
     assert fitted.compression_enabled
     roomy = Fit("quota", budget=4_000, output_tokens=1_000, would_have_needed=6_000).apply(policy)
-    assert (roomy.max_input_tokens, roomy.documents.max_tokens, roomy.reserve_output_tokens) == (2_048, 1_200, 256)
+    assert (roomy.max_input_tokens, roomy.documents.max_tokens, roomy.reserve_output_tokens) == (
+        2_048,
+        1_200,
+        256,
+    )
 
 
 def test_the_default_is_todays_refusal():

@@ -1,0 +1,190 @@
+"""Compress-to-fit through HTTP, real engine and in-process ledger: a tenant with a small
+tokens-per-minute quota sending 20-passage NQ requests is fitted into what it has left until the
+floor (fit.quota: compress) or refused as before (reject); a prompt over max_input_tokens under a
+policy that does not compress is fitted instead of 413, its system prompt and question intact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from ctxgate.eval.datasets import load_dataset, resolve_dataset_path
+from ctxgate.gateway.app import create_app
+from ctxgate.gateway.quota import QuotaLimits
+from ctxgate.gateway.settings import GatewaySettings
+from tests.gateway.clock import FakeClock
+from tests.support.servers import ServerThread, write_policy
+
+START = 1_700_000_040.0 + 5  # 5 s into a minute, far from the end of the UTC day
+TPM = 2_500
+FLOOR = 200
+MAX_INPUT = 1_024
+OUTPUT = 8
+SYSTEM = "You answer questions from the passages. Reply with a short phrase."
+CHEAP = "rerank: {method: bm25}\ndedup: {near_duplicate_cosine: null}\n"
+
+
+def _quota_policy(name: str, fit: str) -> str:
+    return (
+        f"name: {name}\nmax_input_tokens: {MAX_INPUT}\nreserve_output_tokens: {OUTPUT}\n"
+        f"documents: {{max_tokens: 900}}\nquota: {{tokens_per_minute: {TPM}}}\n{CHEAP}{fit}"
+    )
+
+
+@pytest.fixture(scope="module")
+def clock() -> FakeClock:
+    return FakeClock(START)
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory, clock):
+    policy_dir = tmp_path_factory.mktemp("fit")
+    write_policy(
+        policy_dir, "fitq", _quota_policy("fitq", f"fit: {{quota: compress, min_context_tokens: {FLOOR}}}\n")
+    )
+    write_policy(policy_dir, "rejectq", _quota_policy("rejectq", ""))
+    raw = f"max_input_tokens: 600\nreserve_output_tokens: 4\ncompression_enabled: false\ndocuments: {{max_tokens: 400}}\n{CHEAP}"
+    write_policy(policy_dir, "raw", f"name: raw\n{raw}fit: {{max_input_tokens: compress}}\n")
+    write_policy(policy_dir, "raw-reject", f"name: raw-reject\n{raw}")
+    app = create_app(GatewaySettings(policy_dir=policy_dir), engine=engine, clock=clock)
+    with ServerThread(app) as running:
+        running.store = app.state.gateway.store
+        yield running
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return load_dataset(resolve_dataset_path("nq-multidoc-dev.jsonl"), limit=12).examples
+
+
+def _request(example, policy: str, max_tokens: int = OUTPUT) -> dict:
+    return {
+        "model": "SmolLM2-135M-Instruct",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": example.question}],
+        "ctxgate": {"policy": policy, "documents": example.documents()},
+    }
+
+
+def _chat(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+
+
+def _tokens_this_minute(server) -> int:
+    return asyncio.run(server.store.usage("anonymous"))["tokens_this_minute"]
+
+
+def _room(server) -> int:
+    return asyncio.run(server.store.tokens_left("anonymous", QuotaLimits(tokens_per_minute=TPM)))
+
+
+def _fit_metric(server, policy: str, outcome: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if (
+            line.startswith("ctxgate:fit_requests_total{")
+            and f'policy="{policy}"' in line
+            and f'outcome="{outcome}"' in line
+            and 'limit="quota"' in line
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_burst_is_fitted_into_the_quota_until_the_floor(server, clock, examples):
+    clock.advance(60)  # a fresh minute
+    responses = []
+    for example in examples:
+        responses.append(_chat(server, _request(example, "fitq")))
+        if responses[-1].status_code != 200:
+            break
+    statuses = [r.status_code for r in responses]
+    assert statuses[-1] == 429 and set(statuses[:-1]) == {200}, [r.text[:300] for r in responses]
+    fits = [r.json()["usage"]["ctxgate"].get("fit") for r in responses[:-1]]
+    assert fits[0] is None  # a fresh window holds the first request at the policy's normal budget
+    fitted = [(r.json()["usage"], fit) for r, fit in zip(responses, fits, strict=False) if fit is not None]
+    assert fitted, "the quota's remainder was never used by a fitted request"
+    for usage, fit in fitted:
+        assert fit["bound_by"] == "quota"
+        assert FLOOR <= fit["budget"] < MAX_INPUT
+        assert fit["would_have_needed"] == MAX_INPUT + OUTPUT  # the early check's figure at the normal budget
+        assert usage["prompt_tokens"] <= fit["budget"]
+    # Served until what is left could not give the prompt the floor and one output token.
+    assert _room(server) <= FLOOR
+    refusal = responses[-1].json()["error"]
+    assert (
+        refusal["code"] == "tokens_per_minute" and f"needs {MAX_INPUT + OUTPUT} tokens" in refusal["message"]
+    )
+    assert "min_context_tokens" in refusal["message"]
+    assert _tokens_this_minute(server) <= TPM
+    assert _fit_metric(server, "fitq", "fitted") == len(fitted)
+    assert _fit_metric(server, "fitq", "refused") >= 1
+
+
+def test_with_reject_the_quota_refuses_as_before(server, clock, examples):
+    clock.advance(60)
+    responses = []
+    for example in examples:
+        responses.append(_chat(server, _request(example, "rejectq")))
+        if responses[-1].status_code != 200:
+            break
+    statuses = [r.status_code for r in responses]
+    assert statuses[-1] == 429 and set(statuses[:-1]) == {200} and len(statuses) >= 3
+    assert all("fit" not in r.json()["usage"]["ctxgate"] for r in responses[:-1])
+    error = responses[-1].json()["error"]
+    assert error["code"] == "tokens_per_minute" and "min_context_tokens" not in error["message"]
+    # Refused at the normal size (1,032 tokens) with room a fitted request would have used.
+    assert FLOOR < _room(server) < MAX_INPUT + OUTPUT
+    assert _fit_metric(server, "rejectq", "refused") == 1
+
+
+def test_a_concurrent_burst_never_overdraws_the_window_by_more_than_one_reservation(server, clock, examples):
+    clock.advance(60)
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(f"{server.url}/v1/chat/completions", json=_request(example, "fitq"))
+                    for example in examples[:6]
+                )
+            )
+
+    responses = asyncio.run(burst())
+    assert {r.status_code for r in responses} <= {200, 429}, [r.text[:300] for r in responses]
+    served = [r.json()["usage"] for r in responses if r.status_code == 200]
+    assert len(served) >= 2
+    for usage in served:
+        fit = usage["ctxgate"].get("fit")
+        if fit is not None:
+            assert (
+                fit["bound_by"] == "quota"
+                and fit["budget"] >= FLOOR
+                and usage["prompt_tokens"] <= fit["budget"]
+            )
+    assert _tokens_this_minute(server) <= TPM + MAX_INPUT + OUTPUT
+
+
+def test_a_prompt_over_max_input_tokens_is_fitted_with_system_prompt_and_question_intact(server, examples):
+    example = examples[0]
+    refused = _chat(server, _request(example, "raw-reject", max_tokens=4))
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "prompt_too_long"
+
+    response = _chat(server, _request(example, "raw", max_tokens=4))
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    fit = usage["ctxgate"]["fit"]
+    assert fit["bound_by"] == "max_input_tokens" and fit["budget"] == 600
+    assert fit["would_have_needed"] == usage["ctxgate"]["original_prompt_tokens"] > 600
+    assert usage["prompt_tokens"] <= 600
+
+    compressed = httpx.post(
+        f"{server.url}/v1/ctxgate/compress", json=_request(example, "raw"), timeout=300
+    ).json()
+    assert compressed["report"]["fit"]["bound_by"] == "max_input_tokens"
+    messages = compressed["messages"]
+    assert messages[0] == {"role": "system", "content": SYSTEM}
+    assert messages[-1]["role"] == "user" and example.question in messages[-1]["content"]
+    assert compressed["report"]["prompt_tokens"] <= 600 < compressed["report"]["original_prompt_tokens"]
