@@ -6,6 +6,8 @@ policy that does not compress is fitted instead of 413, its system prompt and qu
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -39,18 +41,37 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture(scope="module")
-def server(engine, tmp_path_factory, clock):
-    policy_dir = tmp_path_factory.mktemp("fit")
+def policy_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("fit")
     write_policy(
-        policy_dir, "fitq", _quota_policy("fitq", f"fit: {{quota: compress, min_context_tokens: {FLOOR}}}\n")
+        directory, "fitq", _quota_policy("fitq", f"fit: {{quota: compress, min_context_tokens: {FLOOR}}}\n")
     )
-    write_policy(policy_dir, "rejectq", _quota_policy("rejectq", ""))
-    raw = f"max_input_tokens: 600\nreserve_output_tokens: 4\ncompression_enabled: false\ndocuments: {{max_tokens: 400}}\n{CHEAP}"
-    write_policy(policy_dir, "raw", f"name: raw\n{raw}fit: {{max_input_tokens: compress}}\n")
-    write_policy(policy_dir, "raw-reject", f"name: raw-reject\n{raw}")
-    app = create_app(GatewaySettings(policy_dir=policy_dir), engine=engine, clock=clock)
+    write_policy(directory, "rejectq", _quota_policy("rejectq", ""))
+    raw = "reserve_output_tokens: 4\ncompression_enabled: false\ndocuments: {max_tokens: 400}\n" + CHEAP
+    write_policy(
+        directory, "raw", f"name: raw\nmax_input_tokens: 600\n{raw}fit: {{max_input_tokens: compress}}\n"
+    )
+    write_policy(directory, "raw-reject", f"name: raw-reject\nmax_input_tokens: 600\n{raw}")
+    # Over the model's 2,048-token window: fit_to_model caps the budget at the window.
+    write_policy(
+        directory,
+        "raw-window",
+        f"name: raw-window\nmax_input_tokens: 4096\n{raw}fit: {{context_window: compress}}\n",
+    )
+    return directory
+
+
+@contextmanager
+def _serving(engine, policy_dir, clock, redis_url: str | None = None) -> Iterator[ServerThread]:
+    app = create_app(GatewaySettings(policy_dir=policy_dir, redis_url=redis_url), engine=engine, clock=clock)
     with ServerThread(app) as running:
         running.store = app.state.gateway.store
+        yield running
+
+
+@pytest.fixture(scope="module")
+def server(engine, policy_dir, clock):
+    with _serving(engine, policy_dir, clock) as running:
         yield running
 
 
@@ -140,9 +161,7 @@ def test_with_reject_the_quota_refuses_as_before(server, clock, examples):
     assert _fit_metric(server, "rejectq", "refused") == 1
 
 
-def test_a_concurrent_burst_never_overdraws_the_window_by_more_than_one_reservation(server, clock, examples):
-    clock.advance(60)
-
+def _concurrent_burst(server, examples) -> None:
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=300) as client:
             return await asyncio.gather(
@@ -159,12 +178,21 @@ def test_a_concurrent_burst_never_overdraws_the_window_by_more_than_one_reservat
     for usage in served:
         fit = usage["ctxgate"].get("fit")
         if fit is not None:
-            assert (
-                fit["bound_by"] == "quota"
-                and fit["budget"] >= FLOOR
-                and usage["prompt_tokens"] <= fit["budget"]
-            )
+            assert fit["bound_by"] == "quota"
+            assert fit["budget"] >= FLOOR and usage["prompt_tokens"] <= fit["budget"]
     assert _tokens_this_minute(server) <= TPM + MAX_INPUT + OUTPUT
+
+
+def test_a_concurrent_burst_never_overdraws_the_window_by_more_than_one_reservation(server, clock, examples):
+    clock.advance(60)
+    _concurrent_burst(server, examples)
+
+
+def test_the_same_burst_on_the_redis_ledger(engine, policy_dir, clock, examples, redis_server):
+    clock.advance(60)
+    with _serving(engine, policy_dir, clock, redis_server.url) as server:
+        assert server.store.name == "redis"
+        _concurrent_burst(server, examples)
 
 
 def test_a_prompt_over_max_input_tokens_is_fitted_with_system_prompt_and_question_intact(server, examples):
@@ -188,3 +216,18 @@ def test_a_prompt_over_max_input_tokens_is_fitted_with_system_prompt_and_questio
     assert messages[0] == {"role": "system", "content": SYSTEM}
     assert messages[-1]["role"] == "user" and example.question in messages[-1]["content"]
     assert compressed["report"]["prompt_tokens"] <= 600 < compressed["report"]["original_prompt_tokens"]
+
+
+def test_a_prompt_over_the_models_window_is_fitted_into_it(server, examples):
+    response = _chat(server, _request(examples[1], "raw-window", max_tokens=4))
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    fit = usage["ctxgate"]["fit"]
+    # The window (2,048) minus the output reservation (4).
+    assert fit == {
+        "bound_by": "context_window",
+        "budget": 2_044,
+        "would_have_needed": fit["would_have_needed"],
+    }
+    assert fit["would_have_needed"] == usage["ctxgate"]["original_prompt_tokens"] > 2_048
+    assert usage["prompt_tokens"] <= 2_044
