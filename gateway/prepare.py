@@ -258,7 +258,8 @@ class Preparation:
         policy = self.resolver.resolve(tenant, body.ctxgate, body.model)
         dropped, forward = self.fields.check_fields(body, policy, raw)
         choices = self.fields.choices_for(body, forward)
-        # Before the grammar and tokenizing the prompt.
+        # Before the grammar and tokenizing the prompt. Raw prompts are never cut, so a quota fit is not
+        # applied: the exact reservation below refuses what the tokens left cannot hold.
         await self.accounting.check_quota_first(tenant, policy, body, choices)
         asks = None if forward is not None else await engine_asks(body, self.tokenizer, tenant.name)
         prompt_text = body.prompt_text() or ""

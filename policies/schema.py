@@ -143,9 +143,10 @@ class FitPolicy(_Section):
                                              "what is left (finish_reason: length), or refuse")
 
     def action(self, limit: Literal["quota", "context_window", "max_input_tokens"]) -> FitAction:
-        return {"quota": self.quota, "context_window": self.context_window, "max_input_tokens": self.max_input_tokens}[
-            limit
-        ]
+        actions: dict[str, FitAction] = {
+            "quota": self.quota, "context_window": self.context_window, "max_input_tokens": self.max_input_tokens
+        }
+        return actions[limit]
 
 
 class AdaptivePolicy(_Section):
