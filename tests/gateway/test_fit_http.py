@@ -58,6 +58,12 @@ def policy_dir(tmp_path_factory):
         "raw-window",
         f"name: raw-window\nmax_input_tokens: 4096\n{raw}fit: {{context_window: compress}}\n",
     )
+    cap = (
+        f"max_input_tokens: {MAX_INPUT}\nreserve_output_tokens: 256\ndocuments: {{max_tokens: 900}}\n{CHEAP}"
+    )
+    fit = f"fit: {{quota: compress, min_context_tokens: {FLOOR}}}\n"
+    write_policy(directory, "fitcap", f"name: fitcap\n{cap}quota: {{tokens_per_minute: 300}}\n{fit}")
+    write_policy(directory, "fitpin", f"name: fitpin\n{cap}quota: {{tokens_per_minute: 450}}\n{fit}")
     return directory
 
 
@@ -231,3 +237,36 @@ def test_a_prompt_over_the_models_window_is_fitted_into_it(server, examples):
     }
     assert fit["would_have_needed"] == usage["ctxgate"]["original_prompt_tokens"] > 2_048
     assert usage["prompt_tokens"] <= 2_044
+
+
+def test_output_alone_over_the_remainder_is_capped_so_the_prompt_keeps_the_floor(server, clock, examples):
+    clock.advance(60)
+    body = _request(examples[2], "fitcap", max_tokens=256) | {"ignore_eos": True}
+    response = _chat(server, body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    # 300 tokens left: 256 of output would leave the prompt 44, under the floor of 200; so the
+    # prompt gets the floor and max_tokens what remains (100), ending as any capped answer does.
+    assert answer["usage"]["ctxgate"]["fit"] == {
+        "bound_by": "quota",
+        "budget": FLOOR,
+        "would_have_needed": 1_024 + 256,
+    }
+    assert answer["usage"]["completion_tokens"] == 100 and answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["prompt_tokens"] <= FLOOR
+    assert _tokens_this_minute(server) <= 300
+
+
+def test_a_fit_the_system_prompt_alone_does_not_fit_is_the_quota_refusal_saying_what_was_needed(
+    server, clock, examples
+):
+    clock.advance(60)
+    body = _request(examples[3], "fitpin")
+    body["messages"][0]["content"] = SYSTEM + " Cite the passage you used." * 90  # ~620 tokens, never cut
+    response = _chat(server, body)
+    assert response.status_code == 429
+    error = response.json()["error"]
+    assert error["code"] == "tokens_per_minute" and response.headers["retry-after"]
+    assert "prompt budget of 442 tokens" in error["message"] and "would have needed 1032" in error["message"]
+    assert "system prompt and question alone take" in error["message"]
+    assert _tokens_this_minute(server) == 0
