@@ -5,6 +5,7 @@ or given back (released), exactly once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,7 @@ from ctxgate.backend.openai_api.errors import APIError
 from ctxgate.backend.openai_api.responses import Usage
 from ctxgate.gateway.adaptive_budget import AdaptiveBudget
 from ctxgate.gateway.early_checks import output_token_bound, prompt_token_bound
+from ctxgate.gateway.fit import Fit, FitRefused, fit_into
 from ctxgate.gateway.keys import Tenant
 from ctxgate.gateway.metrics import GatewayMetrics
 from ctxgate.gateway.policy_resolution import PolicyResolver, quota_cap
@@ -32,6 +34,8 @@ from ctxgate.gateway.schemas import GatewayRequest
 from ctxgate.policies.schema import Policy
 
 logger = logging.getLogger(__name__)
+# The refusals compress-to-fit can answer: a smaller prompt cannot help a request or spend limit.
+QUOTA_TOKEN_REASONS = frozenset({"tokens_per_minute", "tokens_per_day"})
 
 
 def cost(policy: Policy, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -127,31 +131,76 @@ class Accounting:
 
     async def check_quota_first(
         self, tenant: Tenant, policy: Policy, body: GatewayRequest, choices: int
-    ) -> None:
+    ) -> Fit | None:
         """429 before any expensive work (compression, grammar, tokenizing a large prompt) when the quota
         has no room for the request at its largest (gateway/early_checks.py); nothing is reserved. A
-        store that cannot be reached is left to `reserve`, which applies on_store_error."""
-        limits = self.limits_for(tenant, policy)
-        key = tenant.key
-        key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
+        store that cannot be reached is left to `reserve`, which applies on_store_error.
+
+        Under `fit.quota: compress`, a request the tokens left cannot hold is fitted into them
+        instead (the returned `Fit`, for `Fit.apply`), unless that leaves the prompt under the floor."""
+        limits, key_id, key_limits = self._scopes(tenant, policy)
         if limits.unlimited and key_limits is None:
-            return
+            return None
         prompt = prompt_token_bound(body, policy)
         output = output_token_bound(body, policy, choices)
-        spend_micros = int(round(cost(policy, prompt, output)["total"] * SPEND_SCALE))
         try:
-            await self.store.check(
-                tenant.name,
-                limits,
-                prompt + output,
-                spend_micros,
-                key_id=key.quota_id if key_limits else None,
-                key_limits=key_limits,
-            )
+            await self._check(tenant, limits, policy, prompt, output, key_id, key_limits)
+            return None
         except QuotaExceeded as exc:
-            raise self._quota_refusal(tenant, exc) from None
+            if exc.reason not in QUOTA_TOKEN_REASONS:
+                raise self._quota_refusal(tenant, exc) from None
+            if policy.fit.quota != "compress":
+                self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
+                raise self._quota_refusal(tenant, exc) from None
+            refused = exc.reason, exc.retry_after_s
         except StoreUnavailable:
-            return
+            return None
+        return await self.fit_quota(tenant, policy, body, choices, refused)
+
+    def _scopes(self, tenant: Tenant, policy: Policy) -> tuple[QuotaLimits, str | None, QuotaLimits | None]:
+        """The tenant's limits, and its key's id and limits when the key has limits of its own."""
+        key = tenant.key
+        key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
+        return self.limits_for(tenant, policy), key.quota_id if key is not None and key_limits else None, key_limits
+
+    async def _check(
+        self, tenant: Tenant, limits: QuotaLimits, policy: Policy, prompt: int, output: int,
+        key_id: str | None, key_limits: QuotaLimits | None,
+    ) -> None:
+        spend_micros = int(round(cost(policy, prompt, output)["total"] * SPEND_SCALE))
+        await self.store.check(
+            tenant.name, limits, prompt + output, spend_micros, key_id=key_id, key_limits=key_limits
+        )
+
+    async def fit_quota(
+        self, tenant: Tenant, policy: Policy, body: GatewayRequest, choices: int, refused: tuple[str, int]
+    ) -> Fit | None:
+        """The request fitted into the tokens its tenant has left now (None: it fits as it is), checked
+        again at its fitted size so a request or spend limit refuses before the compression runs.
+        `refused`: the token quota's refusal (reason, Retry-After), answered under the floor."""
+        limits, key_id, key_limits = self._scopes(tenant, policy)
+        prompt = prompt_token_bound(body, policy)
+        output = output_token_bound(body, policy, choices)
+        reason, retry_after_s = refused
+        try:
+            room = await self.store.tokens_left(tenant.name, limits, key_id=key_id, key_limits=key_limits)
+            fit = fit_into(policy.fit, "quota", room or 0, prompt, output, choices)
+            if fit is None:
+                return None
+            fit = dataclasses.replace(fit, reason=reason, retry_after_s=retry_after_s)
+            await self._check(tenant, limits, policy, fit.budget, fit.output_tokens * choices, key_id, key_limits)
+        except FitRefused as exc:
+            self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
+            self.metrics.quota_rejections.labels(tenant.name, reason).inc()
+            raise APIError(
+                429, str(exc), code=reason, error_type="rate_limit_error", headers={"Retry-After": str(retry_after_s)}
+            ) from None
+        except QuotaExceeded as exc:
+            self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
+            raise self._quota_refusal(tenant, exc) from None
+        except StoreUnavailable:  # left to `reserve`, which applies on_store_error
+            return None
+        return fit
 
     async def reconcile(self, reservation: Reservation | None, tokens: int, spend: float) -> None:
         if reservation is None:
@@ -207,5 +256,6 @@ class Accounting:
                 "cost_detail": charged if priced(policy) else None,
                 "dropped_params": list(prepared.dropped_params),
             }
-            | ({"budget": budget} if budget is not None else {}),
+            | ({"budget": budget} if budget is not None else {})
+            | ({"fit": prepared.fit.report()} if prepared.fit is not None else {}),
         )

@@ -98,4 +98,8 @@ class GatewayMetrics:
             "ctxgate:budget_rejections", "requests whose fixed parts alone exceed the budget (413)",
             ["policy"], registry=r,
         )
+        self.fit_requests = Counter(
+            "ctxgate:fit_requests", "requests over a limit (quota, context_window, max_input_tokens) by whether "
+            "they were compressed to fit (fitted) or refused", ["policy", "limit", "outcome"], registry=r,
+        )
         self.quota_store_up.set(1)

@@ -12,6 +12,7 @@ from ctxgate.backend.engine.api import Priority, SamplingParams
 from ctxgate.backend.openai_api.request_params import EngineAsks
 from ctxgate.compression.types import CompressionResult
 from ctxgate.gateway.budget_control import Decision
+from ctxgate.gateway.fit import Fit
 from ctxgate.gateway.keys import Tenant
 from ctxgate.gateway.quota import RateLimitState, Reservation
 from ctxgate.policies.schema import Policy
@@ -42,6 +43,8 @@ class Prepared:
     route_key: str | None = None
     # Adaptive policies: the documents budget the controller chose for this request, and why.
     budget: Decision | None = None
+    # A request fitted into a limit it did not fit (gateway/fit.py): usage.ctxgate.fit.
+    fit: Fit | None = None
     # perf_counter when the request reached the gateway (before its body was read and compressed),
     # and when its first token came back: the gateway's TTFT, which the budget controller learns from.
     received_at: float = field(default_factory=time.perf_counter)
@@ -57,6 +60,7 @@ class Compressed:
     result: CompressionResult
     # What the tenant's request and token limits have left after this request (None: no such limits).
     rate_limits: RateLimitState | None = None
+    fit: Fit | None = None
 
 
 def rate_limit_headers(state: RateLimitState | None) -> dict[str, str]:

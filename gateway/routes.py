@@ -134,6 +134,7 @@ async def compress(request: Request, response: Response) -> dict[str, Any]:
         "policy": compressed.policy.name,
         "report": {
             **compression_figures(result),
+            **({"fit": compressed.fit.report()} if compressed.fit is not None else {}),
             "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
                         "details": s.details} for s in result.stages],
         },

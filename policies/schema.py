@@ -122,6 +122,33 @@ class QuotaPolicy(_Section):
         default="allow", description="when the quota ledger (Redis) cannot be reached: serve the request or refuse it")
 
 
+FitAction = Literal["reject", "compress"]
+
+
+class FitPolicy(_Section):
+    """What a request that does not fit a limit gets (gateway/fit.py): refused as before (`reject`), or
+    compressed with the same stages into what the limit leaves (`compress`), never under the floor."""
+
+    quota: FitAction = Field(default="reject", description="the tenant's tokens left in the window cannot hold the "
+                             "request at the normal budget: refuse (429) or compress the prompt into what is left")
+    context_window: FitAction = Field(default="reject", description="the prompt is over the model's context window: "
+                                      "refuse (413) or compress it to fit, even under a policy that does not compress")
+    max_input_tokens: FitAction = Field(default="reject", description="the prompt is over max_input_tokens: refuse "
+                                        "(413) or compress it to fit, even under a policy that does not compress")
+    min_context_tokens: int = Field(default=256, ge=1, description="the smallest prompt budget a fitted request is "
+                                    "given (system prompt, question and what is kept of the context); less left: "
+                                    "the refusal, saying what would have been needed")
+    output: Literal["cap", "reject"] = Field(default="cap", description="quota fitting when the output reservation "
+                                             "leaves less than min_context_tokens for the prompt: lower max_tokens to "
+                                             "what is left (finish_reason: length), or refuse")
+
+    def action(self, limit: Literal["quota", "context_window", "max_input_tokens"]) -> FitAction:
+        actions: dict[str, FitAction] = {
+            "quota": self.quota, "context_window": self.context_window, "max_input_tokens": self.max_input_tokens
+        }
+        return actions[limit]
+
+
 class AdaptivePolicy(_Section):
     """Budgets that follow the load (gateway/budget_control.py): each request's documents budget is
     the largest candidate (floor, floor + step, ..., ceiling) whose predicted TTFT keeps the SLO,
@@ -174,6 +201,8 @@ class Policy(_Section):
     quota: QuotaPolicy = Field(default=QuotaPolicy(), description="the tenant's rate and spend limits")
     cost: CostPolicy = Field(default=CostPolicy(), description="prices, for the reported cost and spend limits")
     adaptive: AdaptivePolicy = Field(default=AdaptivePolicy(), description="budgets that follow the load")
+    fit: FitPolicy = Field(default=FitPolicy(), description="compress a request into a limit it does not fit "
+                           "instead of refusing it")
 
     @model_validator(mode="after")
     def _documents_fit(self) -> Policy:

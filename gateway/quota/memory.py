@@ -25,6 +25,7 @@ from ctxgate.gateway.quota.model import (
     usage_keys,
 )
 from ctxgate.gateway.quota.rate_limits import rate_limit_state
+from ctxgate.gateway.quota.room import room_left, token_meters
 from ctxgate.gateway.quota.store import Clock
 
 
@@ -98,6 +99,14 @@ class InProcessQuotaStore:
                 over = level + 1 > meter.limit
             if over:
                 raise exceeded(meter, level, rate_limit_state(meters, levels))
+
+    async def tokens_left(
+        self, tenant: str, limits: QuotaLimits, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+    ) -> int | None:
+        now = self.clock() if now is None else now
+        meters = token_meters(tenant, limits, now, key_id, key_limits)
+        return room_left(meters, [self._get(meter.key, now) for meter in meters])
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros):

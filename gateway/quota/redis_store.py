@@ -26,6 +26,7 @@ from ctxgate.gateway.quota.model import (
     usage_keys,
 )
 from ctxgate.gateway.quota.rate_limits import rate_limit_state
+from ctxgate.gateway.quota.room import room_left, token_meters
 from ctxgate.gateway.quota.store import Clock
 
 T = TypeVar("T")
@@ -182,6 +183,17 @@ class RedisQuotaStore:
         if int(fits) != 1:
             levels = [int(level) for level in raw_levels]
             raise exceeded(meters[int(index) - 1], levels[int(index) - 1], rate_limit_state(meters, levels))
+
+    async def tokens_left(
+        self, tenant: str, limits: QuotaLimits, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+    ) -> int | None:
+        now = self.clock() if now is None else now
+        meters = token_meters(tenant, limits, now, key_id, key_limits)
+        if not meters:
+            return None
+        values = await self._call(lambda: self._client.mget([meter.key for meter in meters]))
+        return room_left(meters, [int(value or 0) for value in values])
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         deltas = [(meter, delta) for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros)

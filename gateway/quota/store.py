@@ -41,6 +41,14 @@ class QuotaStore(Protocol):
         the cheap refusal before a request's expensive work."""
         ...
 
+    async def tokens_left(
+        self, tenant: str, limits: QuotaLimits, now: float | None = None, *,
+        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+    ) -> int | None:
+        """The tokens a reservation could still take under every token limit (None: no token limit).
+        A read only: `reserve` stays the atomic decision."""
+        ...
+
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None: ...
 
     async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]: ...
