@@ -4,8 +4,6 @@ calling Redis until a trial call after the cooldown finds it back."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 import pytest
 
@@ -46,16 +44,16 @@ def test_breaker_opens_after_consecutive_failures_and_lets_one_trial_through_aft
 @pytest.fixture
 def embedder_with(embedder):
     """The session's embedding model with a given byte cache and an empty in-process cache (a freshly
-    started replica); restored afterwards."""
-    saved = embedder._cache, embedder._local
+    started replica); the byte cache is restored afterwards."""
+    saved = embedder._cache
 
     def attach(cache):
         embedder._cache = cache
-        embedder._local = OrderedDict()
+        embedder._local.clear()
         return embedder
 
     yield attach
-    embedder._cache, embedder._local = saved
+    embedder._cache = saved
 
 
 TEXTS = ["Ida Holm is the mayor of Arlen.", "The river Vey runs north of Brisk.", "Cirra has 870 people."]

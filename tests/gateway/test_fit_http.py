@@ -14,7 +14,7 @@ import pytest
 
 from ctxgate.eval.datasets import load_dataset, resolve_dataset_path
 from ctxgate.gateway.app import create_app
-from ctxgate.gateway.quota import QuotaLimits
+from ctxgate.gateway.quota import QuotaLimits, create_store
 from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.clock import FakeClock
 from tests.support.servers import ServerThread, write_policy
@@ -72,6 +72,9 @@ def _serving(engine, policy_dir, clock, redis_url: str | None = None) -> Iterato
     app = create_app(GatewaySettings(policy_dir=policy_dir, redis_url=redis_url), engine=engine, clock=clock)
     with ServerThread(app) as running:
         running.store = app.state.gateway.store
+        # The test reads the ledger from its own event loops: a Redis client is bound to the loop it
+        # first ran on (the server's), so each read gets a fresh client on the same ledger.
+        running.ledger = (lambda: create_store(redis_url, clock)) if redis_url else (lambda: running.store)
         yield running
 
 
@@ -101,11 +104,11 @@ def _chat(server, body: dict) -> httpx.Response:
 
 
 def _tokens_this_minute(server) -> int:
-    return asyncio.run(server.store.usage("anonymous"))["tokens_this_minute"]
+    return asyncio.run(server.ledger().usage("anonymous"))["tokens_this_minute"]
 
 
 def _room(server) -> int:
-    return asyncio.run(server.store.tokens_left("anonymous", QuotaLimits(tokens_per_minute=TPM)))
+    return asyncio.run(server.ledger().tokens_left("anonymous", QuotaLimits(tokens_per_minute=TPM)))
 
 
 def _fit_metric(server, policy: str, outcome: str) -> float:
