@@ -61,10 +61,16 @@ _DASHES = re.compile(r"^[ \t]*-{3,}[ \t]*$", re.MULTILINE)
 # Numbered passage headers at the start of a line; the rest of the header line is `rest`. Runs of
 # blanks are possessive: two optional runs side by side would split one run every possible way.
 _NUMBERED_STYLES = (
-    re.compile(r"^[ \t]*+Document[ \t]*+\[(?P<n>\d++)\](?:[ \t]*+\(Title:[ \t]*+(?P<title>[^\n]*?)\))?[ \t]*+"
-               r"(?P<rest>[^\n]*)", re.MULTILINE | re.IGNORECASE),
-    re.compile(r"^[ \t]*+(?:Document|Source|Passage|Doc|Context|Chunk|Excerpt)[ \t]*+(?:#[ \t]*+)?(?P<n>\d++)[ \t]*+"
-               r"[:.)\-][ \t]*+(?P<rest>[^\n]*)", re.MULTILINE | re.IGNORECASE),
+    re.compile(
+        r"^[ \t]*+Document[ \t]*+\[(?P<n>\d++)\](?:[ \t]*+\(Title:[ \t]*+(?P<title>[^\n]*?)\))?[ \t]*+"
+        r"(?P<rest>[^\n]*)",
+        re.MULTILINE | re.IGNORECASE,
+    ),
+    re.compile(
+        r"^[ \t]*+(?:Document|Source|Passage|Doc|Context|Chunk|Excerpt)[ \t]*+(?:#[ \t]*+)?(?P<n>\d++)[ \t]*+"
+        r"[:.)\-][ \t]*+(?P<rest>[^\n]*)",
+        re.MULTILINE | re.IGNORECASE,
+    ),
     re.compile(r"^[ \t]*+\[(?P<n>\d++)\][ \t]*+(?P<rest>[^\n]*)", re.MULTILINE),
 )
 _SECTION = re.compile(
@@ -75,7 +81,8 @@ _SECTION = re.compile(
 )
 _TERMINATOR = re.compile(
     r"^[ \t]*+(?:#++[ \t]*+)?(?:(?:question|query|user question|q|answer|instructions?|task|helpful answer)[ \t]*+:"
-    r"|given the context\b)", re.MULTILINE | re.IGNORECASE,
+    r"|given the context\b)",
+    re.MULTILINE | re.IGNORECASE,
 )
 # A message holds a few context blocks at most; each search for one reads the rest of the message,
 # so the search stops after this many (what follows is left as it is).
@@ -181,7 +188,7 @@ def _tagged(text: str) -> FoundContext | None:
         # (an instruction, a second container's tags) is not context; the next search finds the next run.
         run = [first]
         for element in elements:
-            if text[run[-1].end():element.start()].strip():
+            if text[run[-1].end() : element.start()].strip():
                 break
             run.append(element)
         passages = [_element_passage(match) for match in run]
@@ -195,15 +202,21 @@ def _tagged(text: str) -> FoundContext | None:
 
 def _element_passage(match: re.Match[str]) -> FoundPassage:
     body = match.group("body")
-    attrs = {m.group(1).lower(): m.group(2) or m.group(3) or m.group(4) or "" for m in _ATTRIBUTE.finditer(
-        match.group("attrs"))}
+    attrs = {
+        m.group(1).lower(): m.group(2) or m.group(3) or m.group(4) or ""
+        for m in _ATTRIBUTE.finditer(match.group("attrs"))
+    }
     stripped = body.strip()
     lead = body[: len(body) - len(body.lstrip())]
-    trail = body[len(body.rstrip()):]
+    trail = body[len(body.rstrip()) :]
     open_tag = match.group(0)[: match.start("body") - match.start()]
-    close_tag = match.group(0)[match.end("body") - match.start():]
-    return FoundPassage(stripped, (open_tag + lead, trail + close_tag), title=attrs.get("title"),
-                        id=attrs.get("id") or attrs.get("index"))
+    close_tag = match.group(0)[match.end("body") - match.start() :]
+    return FoundPassage(
+        stripped,
+        (open_tag + lead, trail + close_tag),
+        title=attrs.get("title"),
+        id=attrs.get("id") or attrs.get("index"),
+    )
 
 
 def _dashed(text: str) -> FoundContext | None:
@@ -252,13 +265,16 @@ def _block_end(text: str, from_index: int) -> int:
     """Where a block starting before `from_index` ends: at a "Question:"-style line or the next
     "Context:"-style section (a block of its own), before a final paragraph that asks a question, or
     at the end of the text (trailing whitespace excluded)."""
-    terminators = [match for match in (_TERMINATOR.search(text, from_index), _SECTION.search(text, from_index))
-                   if match is not None]
+    terminators = [
+        match
+        for match in (_TERMINATOR.search(text, from_index), _SECTION.search(text, from_index))
+        if match is not None
+    ]
     terminator = min(terminators, key=lambda match: match.start()) if terminators else None
     end = terminator.start() if terminator else len(text)
     paragraphs = list(_PARAGRAPH_BREAK.finditer(text, from_index, end))
     if terminator is None and paragraphs:
-        last = text[paragraphs[-1].end():end].strip()
+        last = text[paragraphs[-1].end() : end].strip()
         if last.endswith("?") and len(last) < 400:  # the question itself closes the message
             end = paragraphs[-1].start()
     return from_index + len(text[from_index:end].rstrip())
@@ -280,8 +296,11 @@ def split_passages(block: str) -> list[FoundPassage]:
             continue
         head, body, title = _peel_title(lines)
         frame_head = metadata + head
-        passages.append(FoundPassage(body if head else paragraph.strip(), (frame_head, ""),
-                                     title=title or _title_from(metadata)))
+        passages.append(
+            FoundPassage(
+                body if head else paragraph.strip(), (frame_head, ""), title=title or _title_from(metadata)
+            )
+        )
         metadata = ""
     return passages
 
@@ -322,7 +341,7 @@ def _numbered_passages(block: str) -> list[FoundPassage]:
     passages = []
     for index, header in enumerate(headers):
         end = headers[index + 1].start() if index + 1 < len(headers) else len(block)
-        content = block[header.end():end]
+        content = block[header.end() : end]
         rest = header.group("rest").strip()
         title = header.groupdict().get("title")
         if rest and content.strip() and title is None:
@@ -330,8 +349,14 @@ def _numbered_passages(block: str) -> list[FoundPassage]:
             frame_end, body, title = header.end(), content.strip(), rest
         else:
             frame_end, body = header.start("rest"), (rest + content).strip()
-        passages.append(FoundPassage(body, (block[header.start():frame_end] + _gap(block, frame_end, body), ""),
-                                     title=title, id=header.group("n")))
+        passages.append(
+            FoundPassage(
+                body,
+                (block[header.start() : frame_end] + _gap(block, frame_end, body), ""),
+                title=title,
+                id=header.group("n"),
+            )
+        )
     return [passage for passage in passages if passage.body]
 
 
@@ -362,7 +387,9 @@ def find_contexts(text: str, system: bool) -> list[FoundContext]:
 def lift_context(state: PipelineState) -> list[tuple[str, FoundContext]]:
     """Find every block (system messages first, then the question), take them out of their
     messages, record the slot each goes back into and add their passages to `state.passages`."""
-    candidates = [("system", i, m) for i, m in enumerate(state.system_messages)] + [("question", 0, state.question)]
+    candidates = [("system", i, m) for i, m in enumerate(state.system_messages)] + [
+        ("question", 0, state.question)
+    ]
     lifted_blocks: list[tuple[str, FoundContext]] = []
     for where, index, message in candidates:
         if not isinstance(message.get("content"), str):
@@ -374,18 +401,21 @@ def lift_context(state: PipelineState) -> list[tuple[str, FoundContext]]:
         kept_text, removed = [], 0
         previous_end = 0
         for found in blocks:
-            kept_text.append(text[previous_end:found.start])
+            kept_text.append(text[previous_end : found.start])
             # The offset is into the message with every block removed.
             offset = found.start - removed
             removed += found.end - found.start
             previous_end = found.end
             slot = len(state.context_slots)
-            state.context_slots.append(ContextSlot(where=where, index=index, offset=offset, layout=found.layout))
+            state.context_slots.append(
+                ContextSlot(where=where, index=index, offset=offset, layout=found.layout)
+            )
             first = len(state.passages)
             for number, passage in enumerate(found.passages):
                 document = Document(text=passage.body, id=passage.id, title=passage.title)
-                state.passages.append(Passage(document=document, position=first + number, frame=passage.frame,
-                                              slot=slot))
+                state.passages.append(
+                    Passage(document=document, position=first + number, frame=passage.frame, slot=slot)
+                )
             lifted_blocks.append(((f"{where}[{index}]" if where == "system" else "question"), found))
         kept_text.append(text[previous_end:])
         lifted = dict(message)

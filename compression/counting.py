@@ -41,7 +41,9 @@ class ChatTokenizer(TokenCounter, Protocol):
     """What the compression pipeline is built with: a counter that may also tokenize a chat prompt
     for the engine (history summaries) and name the local model it belongs to (the LLM reranker)."""
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int] | None:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int] | None:
         """The prompt's token ids; None when there is no local chat template (the engine renders
         and tokenizes the messages itself)."""
         ...
@@ -79,13 +81,17 @@ class TiktokenCounter:
         return len(self.encode(text))
 
     def count_many(self, texts: list[str]) -> list[int]:
-        encoded = encode_batch_in_pieces(lambda batch: self.encoding.encode_batch(batch, disallowed_special=()), texts)
+        encoded = encode_batch_in_pieces(
+            lambda batch: self.encoding.encode_batch(batch, disallowed_special=()), texts
+        )
         return [len(ids) for ids in encoded]
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str | None:
         return None  # the count is per message, not of one rendered text
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int] | None:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int] | None:
         return None  # no chat template here: the upstream renders and tokenizes the messages
 
     def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> int:
@@ -108,14 +114,16 @@ class CachedCounter:
 
     def __init__(self, counter: TokenCounter, max_entries: int = 50_000, max_bytes: int | None = None):
         self.counter = counter
-        self._counts: ByteLRU[str, int] = ByteLRU(max_entries, max_bytes or budget_bytes("token_counts"),
-                                                  sizer=_str_size)
+        self._counts: ByteLRU[str, int] = ByteLRU(
+            max_entries, max_bytes or budget_bytes("token_counts"), sizer=_str_size
+        )
         if max_bytes is None:
             track_budget("token_counts", self._counts)
 
     def forget(self) -> None:
         """Drop every remembered count."""
         self._counts.clear()
+
     def count(self, text: str) -> int:
         cached = self._counts.get(text)
         if cached is not None:
@@ -149,4 +157,3 @@ class CachedCounter:
 def _str_size(value: Any) -> int:
     """Exact for the text keys, 28 bytes for a count: O(1), no walk over the text."""
     return sys.getsizeof(value)
-

@@ -22,6 +22,7 @@ def numbers_in(text: str) -> frozenset[str]:
     """The numbers a text states ("1,045", "2001", "3.5"), as written."""
     return frozenset(_NUMBER.findall(text))
 
+
 YIELD_EVERY_UNITS = 256
 
 

@@ -48,7 +48,10 @@ def sentence_units(passages: list[Passage]) -> list[SentenceUnit]:
 
 
 def embed_units(
-    units: list[SentenceUnit], passages: list[Passage], dimension: int, embed: Callable[[list[str]], np.ndarray]
+    units: list[SentenceUnit],
+    passages: list[Passage],
+    dimension: int,
+    embed: Callable[[list[str]], np.ndarray],
 ) -> tuple[np.ndarray, list[int]]:
     """The units' vectors and the positions embedded: only the pre-filter's candidates are; the
     others keep a zero vector (semantic 0)."""
@@ -65,8 +68,12 @@ def embed_units(
 
 
 def unit_features(
-    question: str, question_vector: np.ndarray, passages: list[Passage], units: list[SentenceUnit],
-    vectors: np.ndarray, wanted: list[int],
+    question: str,
+    question_vector: np.ndarray,
+    passages: list[Passage],
+    units: list[SentenceUnit],
+    vectors: np.ndarray,
+    wanted: list[int],
 ) -> np.ndarray:
     """ctxgate.compression.sentence_features' rows for the units."""
     lexical = lexical_overlap(question, [unit.text for unit in units])
@@ -103,8 +110,13 @@ def score_sentences(
 
 
 def fuse_scores(
-    question: str, question_vector: np.ndarray, passages: list[Passage], units: list[SentenceUnit],
-    vectors: np.ndarray, wanted: list[int], expand: bool,
+    question: str,
+    question_vector: np.ndarray,
+    passages: list[Passage],
+    units: list[SentenceUnit],
+    vectors: np.ndarray,
+    wanted: list[int],
+    expand: bool,
 ) -> None:
     """The hand-weighted fusion (extraction.scorer "fused"): embedding, lexical and passage terms."""
     semantic = np.zeros(len(units))
@@ -122,7 +134,11 @@ def fuse_scores(
 
 
 def select_sentences(
-    units: list[SentenceUnit], passages: list[Passage], budget: int, counter: CachedCounter, policy: ExtractionPolicy
+    units: list[SentenceUnit],
+    passages: list[Passage],
+    budget: int,
+    counter: CachedCounter,
+    policy: ExtractionPolicy,
 ) -> None:
     """Set `kept_sentences` on every passage so the rendered block fits `budget` tokens."""
     for passage in passages:
@@ -133,7 +149,10 @@ def select_sentences(
     costs = counter.count_many([unit.text for unit in units])
     for unit, value, cost in zip(units, values, costs, strict=True):
         unit.value, unit.cost = float(value), cost + 1  # +1: the joining space
-    headers = [passage_header_cost(counter.count, min(i + 1, 99), p, policy.keep_titles) for i, p in enumerate(passages)]
+    headers = [
+        passage_header_cost(counter.count, min(i + 1, 99), p, policy.keep_titles)
+        for i, p in enumerate(passages)
+    ]
 
     values_list = [unit.value for unit in units]
     costs_list = [unit.cost for unit in units]

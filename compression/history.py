@@ -47,6 +47,7 @@ class SummaryEngine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+
 SUMMARIZER_SYSTEM_PROMPT = (
     "You write short summaries of conversations. Keep names, numbers, facts, decisions and open "
     "questions. Write plain sentences, no preamble."
@@ -58,7 +59,9 @@ TOOL_ROLES = ("tool", "function")
 
 def calls_tools(message: dict[str, Any]) -> bool:
     """An assistant turn that asks for tool calls (or a legacy function call)."""
-    return message.get("role") == "assistant" and bool(message.get("tool_calls") or message.get("function_call"))
+    return message.get("role") == "assistant" and bool(
+        message.get("tool_calls") or message.get("function_call")
+    )
 
 
 def turn_units(turns: list[dict[str, Any]]) -> list[tuple[int, int]]:
@@ -78,7 +81,7 @@ def turn_units(turns: list[dict[str, Any]]) -> list[tuple[int, int]]:
 
 def is_tool_unit(turns: list[dict[str, Any]], unit: tuple[int, int]) -> bool:
     """A unit holding a tool exchange: kept verbatim, never summarized."""
-    return any(calls_tools(turn) or turn.get("role") in TOOL_ROLES for turn in turns[unit[0]:unit[1]])
+    return any(calls_tools(turn) or turn.get("role") in TOOL_ROLES for turn in turns[unit[0] : unit[1]])
 
 
 def turns_key(tenant: str, turns: list[dict[str, Any]]) -> str:

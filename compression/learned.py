@@ -24,7 +24,20 @@ from ctxgate.compression.state import Passage
 
 # Fitted by `python -m ctxgate.eval.fit_scorer` (tune halves of NQ, HotpotQA and MuSiQue; L2 1/100, chosen on
 # halves of the tune questions); order: FEATURES and HOP_FEATURES.
-WEIGHTS: tuple[float, ...] = (0.5694, 1.0474, 0.6525, 1.3320, 1.3097, 0.8134, 1.1578, 0.5109, -0.1954, -0.0932, 1.5322, 1.0174)
+WEIGHTS: tuple[float, ...] = (
+    0.5694,
+    1.0474,
+    0.6525,
+    1.3320,
+    1.3097,
+    0.8134,
+    1.1578,
+    0.5109,
+    -0.1954,
+    -0.0932,
+    1.5322,
+    1.0174,
+)
 HOP_WEIGHTS: tuple[float, ...] = (-0.0768, 1.6342, 0.4992)
 
 

@@ -85,9 +85,11 @@ class CompressionPipeline:
         # Tenants take turns at the workers (compression/fair.py): one tenant's huge document
         # does not hold another's small request behind it.
         self._executor = (
-            FairScheduler(workers, initializer=lambda: _init_worker(worker_nice),
-                          on_thread_exit=self._close_worker_loop)
-            if workers > 0 else None
+            FairScheduler(
+                workers, initializer=lambda: _init_worker(worker_nice), on_thread_exit=self._close_worker_loop
+            )
+            if workers > 0
+            else None
         )
         self._caller_loop: asyncio.AbstractEventLoop | None = None
 
@@ -101,7 +103,9 @@ class CompressionPipeline:
         self.services.summarizer.engine = engine
 
     async def run(
-        self, request: CompressionInput, policy: Policy,
+        self,
+        request: CompressionInput,
+        policy: Policy,
         prepare: Callable[[CompressionInput], CompressionInput] | None = None,
         counter: CachedCounter | None = None,
         tenant: str | None = None,
@@ -121,8 +125,15 @@ class CompressionPipeline:
             self._caller_loop = asyncio.get_running_loop()
             if self.services.engine is not None:
                 self.engine = LoopBridge(self.services.engine, self._caller_loop)
-        future = self._executor.submit(tenant or request.tenant, self._run_in_worker, request, policy,
-                                       time.perf_counter(), prepare, counter)
+        future = self._executor.submit(
+            tenant or request.tenant,
+            self._run_in_worker,
+            request,
+            policy,
+            time.perf_counter(),
+            prepare,
+            counter,
+        )
         return await asyncio.wrap_future(future)
 
     def warm_up(self, stopping: threading.Event) -> int:
@@ -156,9 +167,14 @@ class CompressionPipeline:
         if loop is not None:
             loop.close()
 
-    def _run_in_worker(self, request: CompressionInput, policy: Policy, submitted: float,
-                       prepare: Callable[[CompressionInput], CompressionInput] | None = None,
-                       counter: CachedCounter | None = None) -> CompressionResult:
+    def _run_in_worker(
+        self,
+        request: CompressionInput,
+        policy: Policy,
+        submitted: float,
+        prepare: Callable[[CompressionInput], CompressionInput] | None = None,
+        counter: CachedCounter | None = None,
+    ) -> CompressionResult:
         wait_ms = (time.perf_counter() - submitted) * 1000
         if prepare is not None:
             request = prepare(request)
@@ -169,8 +185,9 @@ class CompressionPipeline:
         result.wait_ms = wait_ms
         return result
 
-    async def run_here(self, request: CompressionInput, policy: Policy,
-                       counter: CachedCounter | None = None) -> CompressionResult:
+    async def run_here(
+        self, request: CompressionInput, policy: Policy, counter: CachedCounter | None = None
+    ) -> CompressionResult:
         """The stages, in the calling thread and event loop."""
         started = time.perf_counter()
         counter = counter or self.counter

@@ -26,9 +26,13 @@ def estimated_tokens(text: str) -> float:
     return len(text) / CHARS_PER_TOKEN + 1
 
 
-def mark_embedding_candidates(question: str, passages: list[Passage], budget_tokens: int,
-                              budget_multiple: float = DEFAULT_EMBED_BUDGET_MULTIPLE,
-                              min_share: float = DEFAULT_EMBED_MIN_SHARE) -> int:
+def mark_embedding_candidates(
+    question: str,
+    passages: list[Passage],
+    budget_tokens: int,
+    budget_multiple: float = DEFAULT_EMBED_BUDGET_MULTIPLE,
+    min_share: float = DEFAULT_EMBED_MIN_SHARE,
+) -> int:
     """Set `embed_sentences` on every passage; return how many sentences were left out. The
     allowance is `budget_multiple` x the budget or `min_share` of the input, whichever is larger
     (a policy's `documents.embed_budget_multiple` / `embed_min_share`)."""

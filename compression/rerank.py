@@ -184,8 +184,9 @@ class FusedReranker:
 UNTITLED_CANDIDATES_FACTOR = 2
 
 
-def refine_untitled(reranker: Reranker, question: str, passages: list[Passage], scores: np.ndarray,
-                    keep: int) -> np.ndarray:
+def refine_untitled(
+    reranker: Reranker, question: str, passages: list[Passage], scores: np.ndarray, keep: int
+) -> np.ndarray:
     """Second rerank stage for passages without a title, for the embedding rerankers.
 
     A passage's vector is built from the sentences the lexical pre-filter chose to embed (see
@@ -206,7 +207,9 @@ def refine_untitled(reranker: Reranker, question: str, passages: list[Passage], 
     for i in candidates:
         if not passages[i].title:
             passages[i].embed_sentences = None  # every sentence: extraction then scores them all too
-    refined = minmax(np.asarray(reranker.score(question, [passages[i] for i in candidates]), dtype=np.float64))
+    refined = minmax(
+        np.asarray(reranker.score(question, [passages[i] for i in candidates]), dtype=np.float64)
+    )
     # Scores stay on the first stage's scale (a policy's min_score means what it meant): the
     # candidates spread over the range they had, the rest stay below them.
     result = np.asarray(scores, dtype=np.float64).copy()

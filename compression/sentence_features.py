@@ -47,13 +47,19 @@ MAX_NEW_NAMES = 3
 
 _YEAR = re.compile(r"\b(?:1[0-9]{3}|20[0-9]{2})s?\b")
 _MONTH = re.compile(
-    r"\b(?:january|february|march|april|may|june|july|august|september|october|november|december)\b", re.IGNORECASE
+    r"\b(?:january|february|march|april|may|june|july|august|september|october|november|december)\b",
+    re.IGNORECASE,
 )
-_NUMBER = re.compile(r"\d|\b(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|hundred|thousand|"
-                     r"million|billion|dozen)\b", re.IGNORECASE)
+_NUMBER = re.compile(
+    r"\d|\b(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|hundred|thousand|"
+    r"million|billion|dozen)\b",
+    re.IGNORECASE,
+)
 # The question's wh-word (closed classes of English).
 _ASKS_DATE = re.compile(r"\bwhen\b|\b(?:what|which) (?:year|date|day|month|century|decade)\b")
-_ASKS_NUMBER = re.compile(r"\bhow (?:many|much|long|old|far|tall|big|large|often|high)\b|\bwhat (?:percentage|number|age)\b")
+_ASKS_NUMBER = re.compile(
+    r"\bhow (?:many|much|long|old|far|tall|big|large|often|high)\b|\bwhat (?:percentage|number|age)\b"
+)
 _ASKS_NAME = re.compile(r"\b(?:who|whom|whose|where|which)\b")
 
 
@@ -189,14 +195,25 @@ def hop_features(
     for source in sources:
         source_passage, _, text = positions[source]
         for index, core in enumerate(cores):
-            if core and index != source_passage and not mentions(question_lower, core) and mentions(text, core):
+            if (
+                core
+                and index != source_passage
+                and not mentions(question_lower, core)
+                and mentions(text, core)
+            ):
                 titled[index] = max(titled[index], strength[int(source)])
         for name in new_entities(text, question):
-            holders = [i for i, passage_text in enumerate(texts) if i != source_passage and mentions(passage_text, name)]
+            holders = [
+                i
+                for i, passage_text in enumerate(texts)
+                if i != source_passage and mentions(passage_text, name)
+            ]
             if 0 < len(holders) <= MAX_NAMING_PASSAGES:
                 names.append((name, source_passage, strength[int(source)]))
     for row, (passage_index, sentence_index, text) in enumerate(positions):
-        pointed = max((s for name, source, s in names if source != passage_index and mentions(text, name)), default=0.0)
+        pointed = max(
+            (s for name, source, s in names if source != passage_index and mentions(text, name)), default=0.0
+        )
         hop[row] = (
             titled[passage_index],
             pointed,

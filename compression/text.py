@@ -67,7 +67,9 @@ class SentenceSplitter:
     def __init__(self, language: str = "en", max_entries: int = 20_000, max_bytes: int | None = None):
         self._language = language
         # Keyed by a hash, but the values are the client's sentences: bounded by bytes too.
-        self._cache: ByteLRU[str, tuple[str, ...]] = ByteLRU(max_entries, max_bytes or budget_bytes("sentences"))
+        self._cache: ByteLRU[str, tuple[str, ...]] = ByteLRU(
+            max_entries, max_bytes or budget_bytes("sentences")
+        )
         if max_bytes is None:
             track_budget("sentences", self._cache)
 

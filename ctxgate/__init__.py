@@ -16,5 +16,8 @@ except PackageNotFoundError:  # a source tree that was never installed
 # into `ctxgate` when installed): look for them there too, so the tree runs uninstalled and a
 # checkout on PYTHONPATH imports its own folders rather than an editable install's.
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
-if not (Path(__file__).resolve().parent / "gateway").is_dir() and (_SOURCE_ROOT / "gateway" / "__init__.py").is_file():
+if (
+    not (Path(__file__).resolve().parent / "gateway").is_dir()
+    and (_SOURCE_ROOT / "gateway" / "__init__.py").is_file()
+):
     __path__.append(str(_SOURCE_ROOT))

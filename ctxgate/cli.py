@@ -11,7 +11,12 @@ import importlib
 import logging
 import sys
 
-COMMAND_MODULES = ("ctxgate.backend.serving.cli", "ctxgate.gateway.cli", "ctxgate.compression.cli", "ctxgate.eval.cli")
+COMMAND_MODULES = (
+    "ctxgate.backend.serving.cli",
+    "ctxgate.gateway.cli",
+    "ctxgate.compression.cli",
+    "ctxgate.eval.cli",
+)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -20,8 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     # Checked here so a typo is a usage error, not a traceback from logging.basicConfig. None, not
     # INFO: `serve --config` may set the level unless a --log-level was really given.
-    parser.add_argument("--log-level", default=None, type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
-                        help=LOG_LEVEL_HELP)
+    parser.add_argument(
+        "--log-level", default=None, type=str.upper, choices=LOG_LEVELS, metavar="LEVEL", help=LOG_LEVEL_HELP
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         try:
@@ -67,9 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # bm25s pins its own logger to DEBUG when imported (lazily, on the first request), which would
     # log every per-request index build; a filter outlives that setLevel call.
     logging.getLogger("bm25s").addFilter(lambda record: record.levelno >= logging.WARNING)

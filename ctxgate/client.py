@@ -25,7 +25,9 @@ def ctxgate_document(document: DocumentLike) -> dict[str, Any]:
     if isinstance(document, str):
         return {"text": document}
     if isinstance(document, Mapping):
-        entry = {key: document[key] for key in ("text", "id", "title", "score") if document.get(key) is not None}
+        entry = {
+            key: document[key] for key in ("text", "id", "title", "score") if document.get(key) is not None
+        }
         if not isinstance(entry.get("text"), str):
             raise ValueError("a document mapping needs a string 'text'")
         return entry
@@ -144,10 +146,16 @@ class CtxgateUsage:
 
     def to_dict(self) -> dict[str, Any]:
         """`usage.ctxgate` as the gateway sends it (keys it leaves out when empty stay out)."""
-        data = asdict(self) | {"saved_tokens_total": self.saved_tokens_total, "reduction": self.reduction,
-                 "compression_ms_total": self.compression_ms_total}
-        return {name: value for name, value in data.items()
-                if value is not None or name not in ("message_context", "budget", "tenant")}
+        data = asdict(self) | {
+            "saved_tokens_total": self.saved_tokens_total,
+            "reduction": self.reduction,
+            "compression_ms_total": self.compression_ms_total,
+        }
+        return {
+            name: value
+            for name, value in data.items()
+            if value is not None or name not in ("message_context", "budget", "tenant")
+        }
 
 
 def read_usage(answer: Any) -> CtxgateUsage | None:

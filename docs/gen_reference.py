@@ -72,7 +72,7 @@ def _trailing_comment(line: str) -> str:
         elif char in "'\"":
             quote = char
         elif char == "#":
-            return line[position + 1:].strip()
+            return line[position + 1 :].strip()
     return ""
 
 
@@ -99,8 +99,16 @@ def type_text(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-_CONSTRAINT_ATTRS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "length >="),
-                     ("max_length", "length <="), ("pattern", "matches"), ("multiple_of", "multiple of"))
+_CONSTRAINT_ATTRS = (
+    ("ge", ">="),
+    ("gt", ">"),
+    ("le", "<="),
+    ("lt", "<"),
+    ("min_length", "length >="),
+    ("max_length", "length <="),
+    ("pattern", "matches"),
+    ("multiple_of", "multiple of"),
+)
 
 
 def constraints_text(metadata: list[Any]) -> str:
@@ -199,15 +207,21 @@ def model_rows(model: type[BaseModel], prefix: str = "") -> list[Row]:
             default = _factory_default(info.default_factory)
         else:
             default = default_text(info.default)
-        rows.append(Row(
-            name=prefix + name, type=type_text(info.annotation), default=default,
-            constraints=constraints_text(info.metadata),
-            description=info.description or comments.get(name, ""),
-        ))
+        rows.append(
+            Row(
+                name=prefix + name,
+                type=type_text(info.annotation),
+                default=default,
+                constraints=constraints_text(info.metadata),
+                description=info.description or comments.get(name, ""),
+            )
+        )
     return rows
 
 
-def model_sections(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, type[BaseModel], list[Row]]]:
+def model_sections(
+    model: type[BaseModel], prefix: str = ""
+) -> Iterator[tuple[str, type[BaseModel], list[Row]]]:
     """(path, model, rows) for a model and, depth first, every model nested in its fields."""
     yield prefix.rstrip("."), model, model_rows(model, prefix)
     for name, info in model.model_fields.items():
@@ -222,16 +236,25 @@ def _model_doc(model: type[BaseModel]) -> str:
     return "" if inherited else doc
 
 
-def models_page(title: str, intro: str, root: type[BaseModel], root_label: str,
-                extra: Callable[[str], str] | None = None, extra_header: str | None = None) -> str:
+def models_page(
+    title: str,
+    intro: str,
+    root: type[BaseModel],
+    root_label: str,
+    extra: Callable[[str], str] | None = None,
+    extra_header: str | None = None,
+) -> str:
     out = [f"# {title}\n\n", intro.strip() + "\n"]
     for path, model, rows in model_sections(root):
         out.append(f"\n## `{path}`\n\n" if path else f"\n## {root_label}\n\n")
         doc = _model_doc(model)
         if doc:
             out.append(doc + "\n\n")
-        fields = [row for row in rows if row.type != "section" and not row.type.startswith(("list of section",
-                                                                                            "map of str to section"))]
+        fields = [
+            row
+            for row in rows
+            if row.type != "section" and not row.type.startswith(("list of section", "map of str to section"))
+        ]
         nested = [row.name for row in rows if row not in fields]
         if extra:
             for row in fields:
@@ -255,8 +278,14 @@ def dataclass_rows(cls: type) -> list[Row]:
             default = default_text(item.default)
         else:
             default = _factory_default(item.default_factory)
-        rows.append(Row(name=item.name, type=type_text(hints.get(item.name, item.type)), default=default,
-                        description=item.metadata.get("help") or comments.get(item.name, "")))
+        rows.append(
+            Row(
+                name=item.name,
+                type=type_text(hints.get(item.name, item.type)),
+                default=default,
+                description=item.metadata.get("help") or comments.get(item.name, ""),
+            )
+        )
     return rows
 
 
@@ -298,8 +327,16 @@ is optional; `null` or leaving it out means the *Default*. A flag given on the c
 overrides the file, and any value written `os.environ/NAME` is read from that environment variable.
 How the file works, and a complete example: [Configuration](../configuration.md).
 """
-    out = [models_page("Configuration reference", intro, CtxgateConfig, "Top level",
-                       extra=lambda name: flags.get(name, ""), extra_header="Flag")]
+    out = [
+        models_page(
+            "Configuration reference",
+            intro,
+            CtxgateConfig,
+            "Top level",
+            extra=lambda name: flags.get(name, ""),
+            extra_header="Flag",
+        )
+    ]
     out.append("""
 ## Keys of earlier releases
 
@@ -375,8 +412,9 @@ def _subparser(parser: argparse.ArgumentParser, path: list[str]) -> argparse.Arg
     return parser
 
 
-def cli_commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
-                 ) -> Iterator[tuple[tuple[str, ...], str, argparse.ArgumentParser]]:
+def cli_commands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], str, argparse.ArgumentParser]]:
     """(command path, help, parser) for the root and every subcommand, depth first."""
     yield path, parser.description or "", parser
     sub = _subparsers(parser)
@@ -423,8 +461,11 @@ def cli_option_rows(parser: argparse.ArgumentParser) -> list[Row]:
                 value += " (repeatable)"
         else:
             value = "positional" + (" (one or more)" if action.nargs == "+" else "")
-        shown_default = "" if default is argparse.SUPPRESS or (default in (None, False, []) and
-                                                               action.option_strings) else default_text(default)
+        shown_default = (
+            ""
+            if default is argparse.SUPPRESS or (default in (None, False, []) and action.option_strings)
+            else default_text(default)
+        )
         rows.append(Row(name=name, type=value, default=shown_default, description=help_text))
     return rows
 
@@ -437,10 +478,12 @@ def _type_word(kind: Any) -> str:
 
 def cli_page() -> str:
     root = build_cli_parser()
-    out = ["# CLI reference\n\n",
-           "Every `ctxgate` command and flag, from the argparse parsers (`ctxgate/cli.py` and each "
-           "package's `cli.py`; generated at build time). `ctxgate COMMAND --help` prints the same. "
-           "Defaults that come from environment variables are named in the flag's help.\n"]
+    out = [
+        "# CLI reference\n\n",
+        "Every `ctxgate` command and flag, from the argparse parsers (`ctxgate/cli.py` and each "
+        "package's `cli.py`; generated at build time). `ctxgate COMMAND --help` prints the same. "
+        "Defaults that come from environment variables are named in the flag's help.\n",
+    ]
     for path, help_text, parser in cli_commands(root):
         command = " ".join(("ctxgate", *path))
         out.append(f"\n## `{command}`\n\n")
@@ -453,8 +496,10 @@ def cli_page() -> str:
         if rows:
             lines = ["| Argument | Value | Default | Description |", "| --- | --- | --- | --- |"]
             for row in rows:
-                lines.append(f"| {_cell(row.name, True)} | {_cell(row.type)} | {_cell(row.default, True)} | "
-                             f"{_cell(row.description)} |")
+                lines.append(
+                    f"| {_cell(row.name, True)} | {_cell(row.type)} | {_cell(row.default, True)} | "
+                    f"{_cell(row.description)} |"
+                )
             out.append("\n".join(lines) + "\n")
     return "".join(out)
 
@@ -530,31 +575,55 @@ def metric_groups() -> list[tuple[str, str, list[MetricDoc]]]:
     engine_docs = [doc for doc in everything if doc.name in plain]
     vllm = [doc for doc in everything if doc.name.startswith(VLLM_PREFIX)]
     return [
-        ("Gateway", "Requests, compression, tokens, spend, quotas, policies and admission "
-         "(`gateway/metrics.py`, `gateway/admission.py`).", own),
-        ("Upstreams", "In upstream mode, per upstream URL (credentials removed from the label) "
-         "(`backend/routing/upstream_metrics.py`).", upstream),
-        ("Model groups", "With a `model_list`, per served model and deployment (a URL without credentials, or "
-         "`builtin`) (`backend/routing/deployment_metrics.py`; [Routing](../routing.md)).", deployments),
-        ("Engine", "The built-in engine, on the gateway's `/metrics` (in-process engine) and on "
-         "`ctxgate engine serve`'s (`backend/engine/metrics.py`).", engine_docs),
-        ("vLLM names", "With `metrics.vllm_names` (or `--vllm-metric-names`), the engine's "
-         "vLLM-compatible metrics are exported a second time under vLLM's names, so dashboards and "
-         "autoscalers written for vLLM work unchanged.", vllm),
+        (
+            "Gateway",
+            "Requests, compression, tokens, spend, quotas, policies and admission "
+            "(`gateway/metrics.py`, `gateway/admission.py`).",
+            own,
+        ),
+        (
+            "Upstreams",
+            "In upstream mode, per upstream URL (credentials removed from the label) "
+            "(`backend/routing/upstream_metrics.py`).",
+            upstream,
+        ),
+        (
+            "Model groups",
+            "With a `model_list`, per served model and deployment (a URL without credentials, or "
+            "`builtin`) (`backend/routing/deployment_metrics.py`; [Routing](../routing.md)).",
+            deployments,
+        ),
+        (
+            "Engine",
+            "The built-in engine, on the gateway's `/metrics` (in-process engine) and on "
+            "`ctxgate engine serve`'s (`backend/engine/metrics.py`).",
+            engine_docs,
+        ),
+        (
+            "vLLM names",
+            "With `metrics.vllm_names` (or `--vllm-metric-names`), the engine's "
+            "vLLM-compatible metrics are exported a second time under vLLM's names, so dashboards and "
+            "autoscalers written for vLLM work unchanged.",
+            vllm,
+        ),
         ("Process", "The gateway process's own (prometheus-client's standard collectors).", process),
     ]
 
 
 def metrics_page() -> str:
-    out = ["# Metrics reference\n\n",
-           "Every Prometheus metric on `/metrics`, read from the metric registries the gateway and "
-           "the engine build (generated at build time). Counters are listed with their `_total` "
-           "suffix and histograms by their base name (`_bucket`, `_sum` and `_count` series); "
-           "prometheus-client also exports a `_created` timestamp beside each counter and histogram "
-           "(`PROMETHEUS_DISABLE_CREATED_SERIES=True` turns those off). "
-           "Dashboards and alerts: [Deploying](../deploying.md#metrics-logs-and-the-dashboard).\n"]
+    out = [
+        "# Metrics reference\n\n",
+        "Every Prometheus metric on `/metrics`, read from the metric registries the gateway and "
+        "the engine build (generated at build time). Counters are listed with their `_total` "
+        "suffix and histograms by their base name (`_bucket`, `_sum` and `_count` series); "
+        "prometheus-client also exports a `_created` timestamp beside each counter and histogram "
+        "(`PROMETHEUS_DISABLE_CREATED_SERIES=True` turns those off). "
+        "Dashboards and alerts: [Deploying](../deploying.md#metrics-logs-and-the-dashboard).\n",
+    ]
     for title, note, docs in metric_groups():
-        out.append(f"\n## {title}\n\n{note}\n\n| Metric | Type | Labels | Help |\n| --- | --- | --- | --- |\n")
+        out.append(
+            f"\n## {title}\n\n{note}\n\n| Metric | Type | Labels | Help |\n| --- | --- | --- | --- |\n"
+        )
         for doc in docs:
             labels = ", ".join(f"`{label}`" for label in doc.labels)
             out.append(f"| `{doc.name}` | {doc.type} | {labels} | {_cell(doc.help)} |\n")

@@ -59,13 +59,22 @@ def tagged(messages: list[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
     return [{**m, "content": str(m.get("content", "")).replace(TAG_PLACEHOLDER, tag)} for m in messages]
 
 
-def request_body(arm: str, example: EvalExample, ideal_messages: list[dict[str, Any]] | None,
-                 options: E2EOptions, model: str) -> dict[str, Any]:
+def request_body(
+    arm: str,
+    example: EvalExample,
+    ideal_messages: list[dict[str, Any]] | None,
+    options: E2EOptions,
+    model: str,
+) -> dict[str, Any]:
     """The chat request an arm sends for one question (a fresh tag first in the system prompt)."""
     tag = new_tag()
     body: dict[str, Any] = {
-        "model": model, "max_tokens": options.output_tokens, "temperature": 0, "stream": True,
-        "stream_options": {"include_usage": True}, "ignore_eos": True,
+        "model": model,
+        "max_tokens": options.output_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
     }
     if arm in ("full", "compressed"):
         body["messages"] = question_messages(example, cache_buster=tag)
@@ -92,8 +101,11 @@ async def local_generate(engine: Any, messages: list[dict[str, Any]], max_tokens
 
     started = time.perf_counter()
     ids = engine.tokenizer.encode_chat(messages)
-    request = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids,
-                                sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    request = GenerationRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=ids,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+    )
     first: float | None = None
     totals = DeltaTotals(prompt_tokens=len(ids))
     async for delta in engine.generate(request):
@@ -102,26 +114,47 @@ async def local_generate(engine: Any, messages: list[dict[str, Any]], max_tokens
         totals.add(delta)
     ended = time.perf_counter()
     metrics = totals.metrics
-    usage = {"prompt_tokens": len(ids), "completion_tokens": totals.completion_tokens,
-             "ctxgate": {"prefill_ms": metrics.prefill_ms if metrics else None,
-                         "queue_ms": metrics.queue_ms if metrics else None}}
-    return {"ttft_ms": ((first or ended) - started) * 1000, "e2e_ms": (ended - started) * 1000, "usage": usage}
+    usage = {
+        "prompt_tokens": len(ids),
+        "completion_tokens": totals.completion_tokens,
+        "ctxgate": {
+            "prefill_ms": metrics.prefill_ms if metrics else None,
+            "queue_ms": metrics.queue_ms if metrics else None,
+        },
+    }
+    return {
+        "ttft_ms": ((first or ended) - started) * 1000,
+        "e2e_ms": (ended - started) * 1000,
+        "usage": usage,
+    }
 
 
-def sample_of(arm: str, pass_name: str, concurrency: int, example: EvalExample, reply: dict[str, Any]) -> Sample:
+def sample_of(
+    arm: str, pass_name: str, concurrency: int, example: EvalExample, reply: dict[str, Any]
+) -> Sample:
     usage = reply["usage"]
     extra = usage.get("ctxgate") or {}
     compression = extra.get("compression_ms")
     return Sample(
-        arm=arm, pass_name=pass_name, concurrency=concurrency, question_id=example.id,
-        ttft_ms=reply["ttft_ms"], e2e_ms=reply["e2e_ms"],
-        output_tokens=int(usage.get("completion_tokens") or 0), prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        arm=arm,
+        pass_name=pass_name,
+        concurrency=concurrency,
+        question_id=example.id,
+        ttft_ms=reply["ttft_ms"],
+        e2e_ms=reply["e2e_ms"],
+        output_tokens=int(usage.get("completion_tokens") or 0),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
         original_prompt_tokens=extra.get("original_prompt_tokens"),
-        cached_prompt_tokens=int(extra.get("cached_prompt_tokens") or
-                                 (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+        cached_prompt_tokens=int(
+            extra.get("cached_prompt_tokens")
+            or (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            or 0
+        ),
         prefill_ms=extra.get("prefill_ms"),
         compression_ms=sum(float(v) for v in compression.values()) if isinstance(compression, dict) else None,
-        compression_stage_ms={k: float(v) for k, v in compression.items()} if isinstance(compression, dict) else {},
+        compression_stage_ms={k: float(v) for k, v in compression.items()}
+        if isinstance(compression, dict)
+        else {},
         compression_wait_ms=extra.get("compression_wait_ms"),
         queue_ms=extra.get("queue_ms"),
         compression_engine_ms=extra.get("compression_engine_ms"),
@@ -166,8 +199,9 @@ class E2ERun:
             await self.fetch_ideal(client, [copy])
             await self.engine_request(client, copy, max_tokens=2)
 
-    async def engine_request(self, client: httpx.AsyncClient, example: EvalExample,
-                             max_tokens: int | None = None) -> dict[str, Any]:
+    async def engine_request(
+        self, client: httpx.AsyncClient, example: EvalExample, max_tokens: int | None = None
+    ) -> dict[str, Any]:
         """The ideal messages to the engine alone: over HTTP, or as token ids to the local engine."""
         body = request_body("engine", example, self.ideal[example.id], self.options, self.endpoints.model)
         if max_tokens is not None:
@@ -182,16 +216,25 @@ class E2ERun:
         for example in examples:
             if example.id in self.ideal:
                 continue
-            body = {"model": self.endpoints.model, "messages": question_messages(example, TAG_PLACEHOLDER),
-                    **ctxgate_extra(example, self.options.policy)}
+            body = {
+                "model": self.endpoints.model,
+                "messages": question_messages(example, TAG_PLACEHOLDER),
+                **ctxgate_extra(example, self.options.policy),
+            }
             response = await client.post(self.endpoints.gateway + "/v1/ctxgate/compress", json=body)
             response.raise_for_status()
             payload = response.json()
             self.ideal[example.id] = payload["messages"]
             self.compress_reports[example.id] = payload["report"]
 
-    async def run_arm(self, client: httpx.AsyncClient, arm: str, pass_name: str,
-                      examples: list[EvalExample], chunk_index: int = 0) -> ArmRun:
+    async def run_arm(
+        self,
+        client: httpx.AsyncClient,
+        arm: str,
+        pass_name: str,
+        examples: list[EvalExample],
+        chunk_index: int = 0,
+    ) -> ArmRun:
         positions = {id(example): index for index, example in enumerate(examples)}
 
         async def one(example: EvalExample) -> Sample:
@@ -204,7 +247,9 @@ class E2ERun:
                 if arm == "engine":
                     reply = await self.engine_request(client, example)
                 else:
-                    body = request_body(arm, example, self.ideal.get(example.id), self.options, self.endpoints.model)
+                    body = request_body(
+                        arm, example, self.ideal.get(example.id), self.options, self.endpoints.model
+                    )
                     reply = await stream_chat(client, self.endpoints.gateway, body)
             except (httpx.HTTPError, RuntimeError) as exc:
                 return Sample(arm, pass_name, self.concurrency, example.id, 0.0, 0.0, 0, 0, error=str(exc))
@@ -222,7 +267,7 @@ class E2ERun:
 
     async def run(self, examples: list[EvalExample]) -> None:
         chunk_size = self.options.chunk_size(self.concurrency)
-        chunks = [examples[i:i + chunk_size] for i in range(0, len(examples), chunk_size)]
+        chunks = [examples[i : i + chunk_size] for i in range(0, len(examples), chunk_size)]
         passes = PASSES if self.options.warm_pass else PASSES[:1]
         limits = httpx.Limits(max_connections=(self.concurrency or chunk_size) + 4)
         async with httpx.AsyncClient(timeout=httpx.Timeout(900), limits=limits) as client:
@@ -233,12 +278,17 @@ class E2ERun:
                     for arm in order:
                         if arm in ("ideal", "engine"):
                             await self.fetch_ideal(client, chunk)
-                        self.runs.append((pass_name, await self.run_arm(client, arm, pass_name, chunk, index)))
+                        self.runs.append(
+                            (pass_name, await self.run_arm(client, arm, pass_name, chunk, index))
+                        )
                         if self.options.progress:
                             last = self.runs[-1][1]
-                            print(f"  {level_label(self.concurrency, self.options.arrival_rate)} {pass_name} chunk {index + 1}/{len(chunks)} {arm}: "
-                                  f"{len(last.samples)} req in {last.wall_s:.1f} s "
-                                  f"(others' CPU {100 * last.others_cpu_frac:.0f}%)", flush=True)
+                            print(
+                                f"  {level_label(self.concurrency, self.options.arrival_rate)} {pass_name} chunk {index + 1}/{len(chunks)} {arm}: "
+                                f"{len(last.samples)} req in {last.wall_s:.1f} s "
+                                f"(others' CPU {100 * last.others_cpu_frac:.0f}%)",
+                                flush=True,
+                            )
 
 
 # ---------------------------------------------------------------------------- summaries
@@ -273,28 +323,49 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
     from ctxgate.gateway.settings import DEFAULT_COMPRESSION_NICE, default_compression_workers
 
     compression_workers = options.compression_workers or default_compression_workers()
-    compression_nice = DEFAULT_COMPRESSION_NICE if options.compression_nice is None else options.compression_nice
-    step_budget = (["--max-num-batched-tokens", str(options.max_num_batched_tokens)]
-                   if options.max_num_batched_tokens else [])
+    compression_nice = (
+        DEFAULT_COMPRESSION_NICE if options.compression_nice is None else options.compression_nice
+    )
+    step_budget = (
+        ["--max-num-batched-tokens", str(options.max_num_batched_tokens)]
+        if options.max_num_batched_tokens
+        else []
+    )
     with contextlib.ExitStack() as stack:
         engine_url, engine_pid, local_engine = None, None, None
         if options.engine_server:
-            engine_server = EngineServerProcess(model=options.model, log_path=target / "engine.log",
-                                                extra_args=step_budget)
+            engine_server = EngineServerProcess(
+                model=options.model, log_path=target / "engine.log", extra_args=step_budget
+            )
             engine_url, engine_pid = stack.enter_context(engine_server), engine_server.pid
         else:
             local_engine = start_local_engine(options.model, options.max_num_batched_tokens)
             stack.callback(local_engine.shutdown)
         for concurrency in options.levels:
             # A fresh gateway per level, without a shared (Redis) cache: the documents are new to it.
-            gateway = GatewayProcess(policy_dir=options.policy_dir, model=options.model,
-                                     log_path=target / f"gateway-c{concurrency}.log", env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None},
-                                     extra_args=["--embed-on", options.embed_on, "--compression-workers",
-                                                 str(compression_workers), "--compression-nice",
-                                                 str(compression_nice)] + step_budget)
+            gateway = GatewayProcess(
+                policy_dir=options.policy_dir,
+                model=options.model,
+                log_path=target / f"gateway-c{concurrency}.log",
+                env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None},
+                extra_args=[
+                    "--embed-on",
+                    options.embed_on,
+                    "--compression-workers",
+                    str(compression_workers),
+                    "--compression-nice",
+                    str(compression_nice),
+                ]
+                + step_budget,
+            )
             with gateway as gateway_url:
-                endpoints = Endpoints(gateway_url, engine_url, asyncio.run(model_name(gateway_url)),
-                                      [pid for pid in (gateway.pid, engine_pid) if pid], local_engine)
+                endpoints = Endpoints(
+                    gateway_url,
+                    engine_url,
+                    asyncio.run(model_name(gateway_url)),
+                    [pid for pid in (gateway.pid, engine_pid) if pid],
+                    local_engine,
+                )
                 level = E2ERun(endpoints, options, concurrency)
                 asyncio.run(level.run(dataset.examples))
             all_runs += [run for _, run in level.runs]
@@ -319,7 +390,9 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
         "arrival_rate": options.arrival_rate,
         "cpu_path": cpu_path_line(),
         "others_cpu_frac_max": round(max((r.others_cpu_frac for r in all_runs), default=0.0), 3),
-        "others_cpu_frac_mean": round(statistics.fmean(r.others_cpu_frac for r in all_runs), 3) if all_runs else 0.0,
+        "others_cpu_frac_mean": round(statistics.fmean(r.others_cpu_frac for r in all_runs), 3)
+        if all_runs
+        else 0.0,
         "levels": levels,
         "plot": "bench_e2e.png",
     }
@@ -327,4 +400,3 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
     (target / "bench_e2e.json").write_text(json.dumps(report, indent=2))
     (target / "bench_e2e.md").write_text(render_markdown(report))
     return report
-

@@ -79,9 +79,7 @@ _WORDS = (
 ).split()
 
 
-def make_prompt_messages(
-    tokenizer, workload: Workload, seed: int
-) -> list[list[dict[str, str]]]:
+def make_prompt_messages(tokenizer, workload: Workload, seed: int) -> list[list[dict[str, str]]]:
     """One chat conversation per request, each about `workload.prompt_tokens` long with the chat
     template applied, all different from the first token on (no shared prefix beyond the template)."""
     rng = random.Random(seed)
@@ -138,7 +136,9 @@ class CpuMeter:
         with open("/proc/stat") as stat:
             fields = [int(v) for v in stat.readline().split()[1:]]
         # user nice system idle iowait irq softirq steal (guest is already inside user).
-        return fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + (fields[7] if len(fields) > 7 else 0)
+        return (
+            fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + (fields[7] if len(fields) > 7 else 0)
+        )
 
     def _own_pids(self) -> set[int]:
         """The excluded processes and all their descendants (a server's engine and worker
@@ -240,7 +240,9 @@ class EngineRunner:
                 num_tokens += len(delta.token_ids)
             end = time.perf_counter()
             return RequestResult(
-                ttft_s=(first or end) - start, e2e_s=end - start, output_tokens=num_tokens,
+                ttft_s=(first or end) - start,
+                e2e_s=end - start,
+                output_tokens=num_tokens,
                 prompt_tokens=len(prompt_ids),
             )
 
@@ -252,8 +254,14 @@ class OpenAIServerRunner:
 
     name = "server"
 
-    def __init__(self, base_url: str, model_name: str | None = None, tokenizer=None, name: str | None = None,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        model_name: str | None = None,
+        tokenizer=None,
+        name: str | None = None,
+        api_key: str | None = None,
+    ):
         import httpx
 
         if name is not None:
@@ -281,14 +289,21 @@ class OpenAIServerRunner:
         import httpx
 
         limits = httpx.Limits(max_connections=workload.concurrency + 2)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits, headers=self.headers) as client:
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(600), limits=limits, headers=self.headers
+        ) as client:
 
             async def one(messages) -> RequestResult:
                 body = {
-                    "model": self.model_name, "messages": messages, "max_tokens": workload.output_tokens,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                    "model": self.model_name,
+                    "messages": messages,
+                    "max_tokens": workload.output_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
                     # vLLM / llama.cpp / ctxgate names for "generate exactly max_tokens".
-                    "ignore_eos": True, "min_tokens": workload.output_tokens,
+                    "ignore_eos": True,
+                    "min_tokens": workload.output_tokens,
                 }
                 timing = await stream_chat(client, self.base_url, body)
                 usage = timing.usage
@@ -296,12 +311,15 @@ class OpenAIServerRunner:
                     self.tokenizer.count_chat(messages) if self.tokenizer else 0
                 )
                 return RequestResult(
-                    ttft_s=timing.ttft_s, e2e_s=timing.e2e_s,
+                    ttft_s=timing.ttft_s,
+                    e2e_s=timing.e2e_s,
                     output_tokens=(usage or {}).get("completion_tokens") or timing.content_chunks,
                     prompt_tokens=prompt_tokens,
                 )
 
-            return await _closed_loop(conversations, workload.concurrency, one, f"{self.name} {workload.name}")
+            return await _closed_loop(
+                conversations, workload.concurrency, one, f"{self.name} {workload.name}"
+            )
 
 
 _PROGRESS = {"enabled": True}
@@ -318,8 +336,13 @@ async def _closed_loop(items: list, concurrency: int, one: Callable, label: str 
 
     from tqdm import tqdm
 
-    bar = tqdm(total=len(items), desc=label or "requests", unit="req", leave=False,
-               disable=not (_PROGRESS["enabled"] and sys.stderr.isatty()))
+    bar = tqdm(
+        total=len(items),
+        desc=label or "requests",
+        unit="req",
+        leave=False,
+        disable=not (_PROGRESS["enabled"] and sys.stderr.isatty()),
+    )
     try:
         results = await closed_loop(items, concurrency, one, on_result=lambda _: bar.update(1))
     finally:
@@ -336,7 +359,9 @@ class HFGenerateRunner:
 
     name = "hf_generate"
 
-    def __init__(self, model_dir: str, torch_dtype, tokenizer, num_threads: int | None = None, device: str = "cpu"):
+    def __init__(
+        self, model_dir: str, torch_dtype, tokenizer, num_threads: int | None = None, device: str = "cpu"
+    ):
         import torch
 
         # The in-process engine leaves this thread one OpenMP thread (backend/platform/openmp.py); the
@@ -351,7 +376,9 @@ class HFGenerateRunner:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(self.device)
         self.model.eval()
         self.tokenizer = tokenizer
-        self.pad_id = tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = (
+            tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else tokenizer.eos_token_id
+        )
 
     def run(self, conversations: list[list[dict[str, str]]], workload: Workload) -> list[RequestResult]:
         prompts = [self.tokenizer.encode_chat(messages) for messages in conversations]
@@ -382,15 +409,21 @@ class HFGenerateRunner:
         start = time.perf_counter()
         with torch.inference_mode():
             output = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=output_tokens,
-                min_new_tokens=output_tokens, do_sample=False, pad_token_id=self.pad_id,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=output_tokens,
+                min_new_tokens=output_tokens,
+                do_sample=False,
+                pad_token_id=self.pad_id,
                 streamer=_TokenClock(token_times),
             )
         end = time.perf_counter()
         num_new = output.shape[1] - width
         first = token_times[0] if token_times else end
         return [
-            RequestResult(ttft_s=first - start, e2e_s=end - start, output_tokens=num_new, prompt_tokens=len(p))
+            RequestResult(
+                ttft_s=first - start, e2e_s=end - start, output_tokens=num_new, prompt_tokens=len(p)
+            )
             for p in prompts
         ]
 
@@ -429,8 +462,9 @@ class BenchOptions:
     exclude_pids: list[int] = field(default_factory=list)
 
 
-def measure(runner, conversations_for: Callable[[int], list], workload: Workload, options: BenchOptions,
-            seed: int) -> dict[str, Any]:
+def measure(
+    runner, conversations_for: Callable[[int], list], workload: Workload, options: BenchOptions, seed: int
+) -> dict[str, Any]:
     """Run once; repeat (with fresh prompts) while other processes took more than the threshold."""
     attempts = []
     for attempt in range(options.max_attempts):
@@ -446,7 +480,10 @@ def measure(runner, conversations_for: Callable[[int], list], workload: Workload
         attempts.append(summary)
         logger.info(
             "%s %s: %.1f out tok/s, others used %.0f%% of the CPU",
-            workload.name, runner.name, summary["output_tok_s"], 100 * summary["cpu"]["others_cpu_frac"],
+            workload.name,
+            runner.name,
+            summary["output_tok_s"],
+            100 * summary["cpu"]["others_cpu_frac"],
         )
         if not summary["busy_neighbour"]:
             break
@@ -505,7 +542,10 @@ def run_benchmark(
         if name not in WORKLOADS:
             raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
         workload = scaled_workload(
-            WORKLOADS[name], options.num_requests, options.prompt_tokens, options.output_tokens,
+            WORKLOADS[name],
+            options.num_requests,
+            options.prompt_tokens,
+            options.output_tokens,
             options.concurrency,
         )
 
@@ -527,9 +567,14 @@ def run_benchmark(
         if peers:
             entry["ratios_vs"] = {peer.name: _ratios(entry[target.name], entry[peer.name]) for peer in peers}
         report_data["workloads"][name] = entry
-        report(format_workload(
-            entry, target.name, baseline.name if baseline is not None else None, [peer.name for peer in peers]
-        ))
+        report(
+            format_workload(
+                entry,
+                target.name,
+                baseline.name if baseline is not None else None,
+                [peer.name for peer in peers],
+            )
+        )
     return report_data
 
 
@@ -555,7 +600,9 @@ def format_workload(
             f"{tpot['p50']:>7.1f} / {tpot['p95']:>6.1f} / {tpot['p99']:>6.1f}  "
             f"{100 * row['others_cpu_frac_max']:>9.0f}%"
         )
-    comparisons = [(peer, entry["ratios_vs"][peer]) for peer in peer_names if peer in entry.get("ratios_vs", {})]
+    comparisons = [
+        (peer, entry["ratios_vs"][peer]) for peer in peer_names if peer in entry.get("ratios_vs", {})
+    ]
     if "ratios" in entry:
         comparisons.append((baseline_name, entry["ratios"]))
     for other, ratios in comparisons:

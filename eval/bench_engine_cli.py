@@ -32,10 +32,17 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     if args.repeats <= 0 or args.max_attempts <= 0:
         raise ValueError("--repeats and --max-attempts must be positive")
     return BenchOptions(
-        workloads=workloads, num_requests=args.num_requests, prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens, concurrency=args.concurrency, repeats=args.repeats,
-        baseline=not args.no_baseline, busy_threshold=args.busy_threshold, max_attempts=args.max_attempts,
-        seed=args.seed, exclude_pids=list(args.server_pid),
+        workloads=workloads,
+        num_requests=args.num_requests,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        concurrency=args.concurrency,
+        repeats=args.repeats,
+        baseline=not args.no_baseline,
+        busy_threshold=args.busy_threshold,
+        max_attempts=args.max_attempts,
+        seed=args.seed,
+        exclude_pids=list(args.server_pid),
     )
 
 
@@ -69,13 +76,21 @@ def bench_engine_command(args: argparse.Namespace) -> int:
 
     from ctxgate.backend.platform.cpu_features import cpu_path
 
-    settings: dict = {"mode": "url" if args.url else "in-process", "model": model_dir, "threads": torch.get_num_threads()}
+    settings: dict = {
+        "mode": "url" if args.url else "in-process",
+        "model": model_dir,
+        "threads": torch.get_num_threads(),
+    }
     # Every figure names the CPU path that produced it: this machine's, and the engine's own choice.
     settings["cpu_path"] = cpu_path().as_dict()
     if args.url:
         tokenizer = load_tokenizer(model_dir)
-        target = OpenAIServerRunner(args.url, args.served_model_name, tokenizer,
-                                    api_key=args.api_key or os.environ.get("OPENAI_API_KEY"))
+        target = OpenAIServerRunner(
+            args.url,
+            args.served_model_name,
+            tokenizer,
+            api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        )
         settings["url"] = args.url
         baseline_dtype = {"auto": torch.bfloat16}.get(args.dtype) or getattr(torch, args.dtype)
     else:
@@ -96,12 +111,15 @@ def bench_engine_command(args: argparse.Namespace) -> int:
     baseline_device = "cpu" if args.url else str(async_engine.path_info["device"])
     baseline = (
         HFGenerateRunner(model_dir, baseline_dtype, tokenizer, baseline_threads, baseline_device)
-        if options.baseline else None
+        if options.baseline
+        else None
     )
     settings["baseline_device"] = baseline_device if baseline is not None else None
     settings["baseline_dtype"] = str(baseline_dtype) if baseline is not None else None
-    print(f"bench engine: {settings['mode']}, model {model_dir}, torch threads {settings['threads']}, "
-          f"baseline {settings['baseline_dtype']}")
+    print(
+        f"bench engine: {settings['mode']}, model {model_dir}, torch threads {settings['threads']}, "
+        f"baseline {settings['baseline_dtype']}"
+    )
     print(f"bench engine: {cpu_path().summary()}")
     if "engine_path" in settings:
         print(f"bench engine: engine path {settings['engine_path']}")

@@ -16,13 +16,24 @@ from ctxgate.backend.engine.llm_engine import LLMEngine
 from ctxgate.backend.engine.sampler import apply_guides
 from ctxgate.backend.engine.sequence import Sequence
 
-SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
-    "answer": {"type": "string"}, "passage_ids": {"type": "array", "items": {"type": "integer"}}},
-    "required": ["answer", "passage_ids"], "additionalProperties": False}}
+SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string"},
+            "passage_ids": {"type": "array", "items": {"type": "integer"}},
+        },
+        "required": ["answer", "passage_ids"],
+        "additionalProperties": False,
+    },
+}
 PROMPT = "List facts about rivers as JSON objects with an answer and the passage ids."
 
 
-def _decode_rate(engine: LLMEngine, prompt: list[int], sampling: SamplingParams, batch: int, tag: str) -> float:
+def _decode_rate(
+    engine: LLMEngine, prompt: list[int], sampling: SamplingParams, batch: int, tag: str
+) -> float:
     """Output tokens per second over the decode-only steps of one batch."""
     for row in range(batch):
         engine.add_request(GenerationRequest(f"{tag}-{row}", prompt, sampling))
@@ -49,7 +60,9 @@ def _mask_cost_s(engine: LLMEngine, guide: Any, batch: int, repeats: int = 50) -
     return (time.perf_counter() - started) / (repeats * batch)
 
 
-def guided_arm(engine: LLMEngine, batch: int = 16, output_tokens: int = 32, rounds: int = 3) -> dict[str, Any]:
+def guided_arm(
+    engine: LLMEngine, batch: int = 16, output_tokens: int = 32, rounds: int = 3
+) -> dict[str, Any]:
     guide = compiler_for(engine.tokenizer).compile_now(GuideSpec.json_schema(SCHEMA, "bench"))
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     # Same length both ways: the grammar cannot end early (its array goes on) and EOS is ignored.
@@ -61,8 +74,11 @@ def guided_arm(engine: LLMEngine, batch: int = 16, output_tokens: int = 32, roun
         constrained.append(_decode_rate(engine, prompt, guided, batch, f"guided{round_index}"))
     plain_rate, guided_rate = statistics.median(unconstrained), statistics.median(constrained)
     return {
-        "batch": batch, "output_tokens": output_tokens, "rounds": rounds,
-        "unconstrained_tokens_per_s": round(plain_rate, 1), "json_schema_tokens_per_s": round(guided_rate, 1),
+        "batch": batch,
+        "output_tokens": output_tokens,
+        "rounds": rounds,
+        "unconstrained_tokens_per_s": round(plain_rate, 1),
+        "json_schema_tokens_per_s": round(guided_rate, 1),
         "throughput_ratio": round(guided_rate / plain_rate, 3) if plain_rate else None,
         "mask_us_per_token": round(_mask_cost_s(engine, guide, batch) * 1e6, 1),
     }

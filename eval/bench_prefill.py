@@ -40,8 +40,12 @@ class LinearFit:
     n: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"intercept_ms": round(self.intercept_ms, 4), "ms_per_token": round(self.ms_per_token, 6),
-                "r2": round(self.r2, 4), "n": self.n}
+        return {
+            "intercept_ms": round(self.intercept_ms, 4),
+            "ms_per_token": round(self.ms_per_token, 6),
+            "r2": round(self.r2, 4),
+            "n": self.n,
+        }
 
     def predict(self, tokens: float) -> float:
         return self.intercept_ms + self.ms_per_token * tokens
@@ -67,8 +71,11 @@ def fit_quadratic(tokens: list[float], milliseconds: list[float]) -> dict[str, f
     if np.unique(x).size < 3:
         return None
     c, b, a = np.polyfit(x, np.asarray(milliseconds, dtype=float), 2)
-    return {"intercept_ms": round(float(a), 4), "ms_per_token": round(float(b), 6),
-            "ms_per_token_squared": float(f"{c:.6g}")}
+    return {
+        "intercept_ms": round(float(a), 4),
+        "ms_per_token": round(float(b), 6),
+        "ms_per_token_squared": float(f"{c:.6g}"),
+    }
 
 
 def computed_tokens(sample: dict[str, Any]) -> float:
@@ -89,18 +96,25 @@ def summarize_pairs(pairs: list[dict[str, Any]]) -> dict[str, Any]:
             round(1000 * sum(saved) / total_removed, 3) if total_removed > 0 else None
         )
         rates = [1000 * s / r for s, r in zip(saved, removed, strict=True) if r > 0]
-        summary[f"{key}_saved_per_1k_tokens_removed_median"] = round(float(np.median(rates)), 3) if rates else None
+        summary[f"{key}_saved_per_1k_tokens_removed_median"] = (
+            round(float(np.median(rates)), 3) if rates else None
+        )
     for arm in ("full", "compressed"):
         summary[f"cached_prompt_tokens_{arm}_mean"] = round(
-            float(np.mean([p[arm].get("cached_prompt_tokens") or 0 for p in pairs])), 2)
+            float(np.mean([p[arm].get("cached_prompt_tokens") or 0 for p in pairs])), 2
+        )
     compression = [p["compressed"].get("compression_ms_total", 0.0) for p in pairs]
     summary["compression_ms_mean"] = round(float(np.mean(compression)), 3)
     # What the user gains: engine TTFT saved minus the time spent compressing (the full arm has none).
-    summary["net_ttft_saved_ms_mean"] = round(summary["ttft_ms_saved_mean"] - summary["compression_ms_mean"], 3)
+    summary["net_ttft_saved_ms_mean"] = round(
+        summary["ttft_ms_saved_mean"] - summary["compression_ms_mean"], 3
+    )
     return summary
 
 
-def cost_model_document(samples: list[dict[str, Any]], model: str, policy: str, dataset: Dataset) -> dict[str, Any]:
+def cost_model_document(
+    samples: list[dict[str, Any]], model: str, policy: str, dataset: Dataset
+) -> dict[str, Any]:
     tokens = [computed_tokens(sample) for sample in samples]
     prefill = fit_linear(tokens, [sample["prefill_ms"] for sample in samples])
     ttft = fit_linear(tokens, [sample["ttft_ms"] for sample in samples])
@@ -121,9 +135,12 @@ def cost_model_document(samples: list[dict[str, Any]], model: str, policy: str, 
 def scrambled_copy(example: EvalExample) -> EvalExample:
     """Same lengths, different text: every passage's words reversed."""
     passages = tuple(
-        replace(passage, text=" ".join(reversed(passage.text.split())), sentences=()) for passage in example.passages
+        replace(passage, text=" ".join(reversed(passage.text.split())), sentences=())
+        for passage in example.passages
     )
-    return replace(example, id=f"warmup-{example.id}", question=f"(warm-up) {example.question}", passages=passages)
+    return replace(
+        example, id=f"warmup-{example.id}", question=f"(warm-up) {example.question}", passages=passages
+    )
 
 
 def _sample(chat: Any, arm: str, question_id: str) -> dict[str, Any] | None:
@@ -144,8 +161,15 @@ def _sample(chat: Any, arm: str, question_id: str) -> dict[str, Any] | None:
     }
 
 
-async def _measure(url: str, dataset: Dataset, policy: str, full_policy: str, warmup: int,
-                   api_key: str | None, progress: bool) -> tuple[list[dict[str, Any]], list[str], str]:
+async def _measure(
+    url: str,
+    dataset: Dataset,
+    policy: str,
+    full_policy: str,
+    warmup: int,
+    api_key: str | None,
+    progress: bool,
+) -> tuple[list[dict[str, Any]], list[str], str]:
     from tqdm.auto import tqdm
 
     client = GatewayClient(url, api_key=api_key)
@@ -157,8 +181,12 @@ async def _measure(url: str, dataset: Dataset, policy: str, full_policy: str, wa
         # Warm-up requests (first-call allocations, lazy imports) are not measured. They use
         # scrambled copies of the questions so no measured prompt finds its blocks in the prefix cache.
         for example in dataset.examples[:warmup]:
-            await client.chat(scrambled_copy(example), policy, max_tokens=1, cache_buster=f"{uuid.uuid4().hex[:12]} warm-up")
-        for index, example in enumerate(tqdm(dataset.examples, desc="bench prefill", unit="q", disable=not progress)):
+            await client.chat(
+                scrambled_copy(example), policy, max_tokens=1, cache_buster=f"{uuid.uuid4().hex[:12]} warm-up"
+            )
+        for index, example in enumerate(
+            tqdm(dataset.examples, desc="bench prefill", unit="q", disable=not progress)
+        ):
             arms = [("full", full_policy), ("compressed", policy)]
             if index % 2:
                 arms.reverse()
@@ -202,11 +230,13 @@ def run_bench_prefill(
     target.mkdir(parents=True, exist_ok=True)
     if url:
         pairs, errors, model_name = asyncio.run(
-            _measure(url, dataset, policy, full_policy, warmup, api_key, progress))
+            _measure(url, dataset, policy, full_policy, warmup, api_key, progress)
+        )
     else:
         with GatewayProcess(policy_dir=policy_dir, model=model, log_path=target / "gateway.log") as local_url:
             pairs, errors, model_name = asyncio.run(
-                _measure(local_url, dataset, policy, full_policy, warmup, api_key, progress))
+                _measure(local_url, dataset, policy, full_policy, warmup, api_key, progress)
+            )
     if not pairs:
         raise RuntimeError("no request pair completed:\n" + "\n".join(errors[:10]))
     samples = [pair[arm] for pair in pairs for arm in ("full", "compressed")]
@@ -231,24 +261,26 @@ def render_markdown(result: dict[str, Any]) -> str:
     summary = result["summary"]
     prefill = result["cost_model"]["prefill_ms"]
     ttft = result["cost_model"]["ttft_ms"]
-    return "\n".join([
-        f"# Prefill saved: `{result['policy']}` vs `{result['full_policy']}`",
-        "",
-        f"- Dataset: `{result['dataset']}`; {summary['pairs']} question pairs, interleaved, one request at a time",
-        f"- Machine: {result.get('cpu_path', 'not recorded')}",
-        f"- Tokens removed per request (mean): {summary['tokens_removed_mean']:.0f}",
-        f"- Prefill ms: full {summary['prefill_ms_full_mean']:.1f} → compressed "
-        f"{summary['prefill_ms_compressed_mean']:.1f}; saved {summary['prefill_ms_saved_mean']:.1f} ms "
-        f"= {summary['prefill_ms_saved_per_1k_tokens_removed']} ms per 1k tokens removed "
-        f"(median per question {summary['prefill_ms_saved_per_1k_tokens_removed_median']})",
-        f"- Engine TTFT ms: full {summary['ttft_ms_full_mean']:.1f} → compressed "
-        f"{summary['ttft_ms_compressed_mean']:.1f}; saved {summary['ttft_ms_saved_per_1k_tokens_removed']} "
-        "ms per 1k tokens removed",
-        f"- Compression time (mean, passages seen for the first time): {summary['compression_ms_mean']:.1f} ms; "
-        f"net TTFT saved per request {summary['net_ttft_saved_ms_mean']:.1f} ms",
-        f"- Cost model: prefill_ms = {prefill['intercept_ms']:.2f} + {prefill['ms_per_token']:.4f} × tokens "
-        f"(R² {prefill['r2']:.3f}, n {prefill['n']}); "
-        f"ttft_ms = {ttft['intercept_ms']:.2f} + {ttft['ms_per_token']:.4f} × tokens (R² {ttft['r2']:.3f})",
-        f"- Errors: {len(result['errors'])}",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"# Prefill saved: `{result['policy']}` vs `{result['full_policy']}`",
+            "",
+            f"- Dataset: `{result['dataset']}`; {summary['pairs']} question pairs, interleaved, one request at a time",
+            f"- Machine: {result.get('cpu_path', 'not recorded')}",
+            f"- Tokens removed per request (mean): {summary['tokens_removed_mean']:.0f}",
+            f"- Prefill ms: full {summary['prefill_ms_full_mean']:.1f} → compressed "
+            f"{summary['prefill_ms_compressed_mean']:.1f}; saved {summary['prefill_ms_saved_mean']:.1f} ms "
+            f"= {summary['prefill_ms_saved_per_1k_tokens_removed']} ms per 1k tokens removed "
+            f"(median per question {summary['prefill_ms_saved_per_1k_tokens_removed_median']})",
+            f"- Engine TTFT ms: full {summary['ttft_ms_full_mean']:.1f} → compressed "
+            f"{summary['ttft_ms_compressed_mean']:.1f}; saved {summary['ttft_ms_saved_per_1k_tokens_removed']} "
+            "ms per 1k tokens removed",
+            f"- Compression time (mean, passages seen for the first time): {summary['compression_ms_mean']:.1f} ms; "
+            f"net TTFT saved per request {summary['net_ttft_saved_ms_mean']:.1f} ms",
+            f"- Cost model: prefill_ms = {prefill['intercept_ms']:.2f} + {prefill['ms_per_token']:.4f} × tokens "
+            f"(R² {prefill['r2']:.3f}, n {prefill['n']}); "
+            f"ttft_ms = {ttft['intercept_ms']:.2f} + {ttft['ms_per_token']:.4f} × tokens (R² {ttft['r2']:.3f})",
+            f"- Errors: {len(result['errors'])}",
+            "",
+        ]
+    )

@@ -37,7 +37,9 @@ METRIC = re.compile(r"^ctxgate:prefix_cache_(queries|hits)_total\{[^}]*\}\s+([0-
 def recurring_workload(examples: list[EvalExample], pool_size: int = 8, seed: int = 0) -> list[EvalExample]:
     """Each example keeps half its passages (gold first) and gets as many from a shared pool."""
     rng = random.Random(seed)
-    pool = [p for example in examples[-pool_size:] for p in example.passages if not p.is_gold][:pool_size * 2]
+    pool = [p for example in examples[-pool_size:] for p in example.passages if not p.is_gold][
+        : pool_size * 2
+    ]
     out = []
     for example in examples[:-pool_size] if len(examples) > pool_size else examples:
         own = sorted(example.passages, key=lambda p: not p.is_gold)[: max(1, len(example.passages) // 2)]
@@ -65,7 +67,9 @@ def prefix_counters(metrics_text: str) -> dict[str, float]:
     return counters
 
 
-async def measure_hits(url: str, model: str, workload: list[EvalExample], arms: dict[str, str]) -> dict[str, Any]:
+async def measure_hits(
+    url: str, model: str, workload: list[EvalExample], arms: dict[str, str]
+) -> dict[str, Any]:
     """Interleaved requests (1 output token); each arm's share of the engine's prefix-cache counters."""
     totals = {arm: {"queries": 0.0, "hits": 0.0, "requests": 0} for arm in arms}
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -73,10 +77,16 @@ async def measure_hits(url: str, model: str, workload: list[EvalExample], arms: 
             order = list(arms) if index % 2 == 0 else list(arms)[::-1]
             for arm in order:
                 before = prefix_counters((await client.get("/metrics")).text)
-                body = {"model": model, "max_tokens": 1, "temperature": 0,
-                        "messages": [{"role": "system", "content": f"[app {arm}] {SYSTEM_PROMPT}"},
-                                     {"role": "user", "content": example.question}],
-                        **ctxgate_extra(example, arms[arm])}
+                body = {
+                    "model": model,
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    "messages": [
+                        {"role": "system", "content": f"[app {arm}] {SYSTEM_PROMPT}"},
+                        {"role": "user", "content": example.question},
+                    ],
+                    **ctxgate_extra(example, arms[arm]),
+                }
                 (await client.post("/v1/chat/completions", json=body)).raise_for_status()
                 after = prefix_counters((await client.get("/metrics")).text)
                 for key in ("queries", "hits"):
@@ -87,22 +97,32 @@ async def measure_hits(url: str, model: str, workload: list[EvalExample], arms: 
     return totals
 
 
-async def measure_retention(url: str, model: str, examples: list[EvalExample], arms: dict[str, str]) -> dict[str, Any]:
+async def measure_retention(
+    url: str, model: str, examples: list[EvalExample], arms: dict[str, str]
+) -> dict[str, Any]:
     retained = {arm: 0 for arm in arms}
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for example in examples:
             for arm, policy in arms.items():
-                body = {"model": model, "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                                                     {"role": "user", "content": example.question}],
-                        **ctxgate_extra(example, policy)}
+                body = {
+                    "model": model,
+                    "messages": [
+                        {"role": "system", "content": SYSTEM_PROMPT},
+                        {"role": "user", "content": example.question},
+                    ],
+                    **ctxgate_extra(example, policy),
+                }
                 response = await client.post("/v1/ctxgate/compress", json=body)
                 response.raise_for_status()
                 retained[arm] += answer_in_text(messages_text(response.json()["messages"]), example.answers)
-    return {arm: round(count / len(examples), 4) for arm, count in retained.items()} | {"questions": len(examples)}
+    return {arm: round(count / len(examples), 4) for arm, count in retained.items()} | {
+        "questions": len(examples)
+    }
 
 
-def run_bench_prefix(dataset: str, policy: str, limit: int, retention_limit: int, out_dir: str | Path,
-                     model: str | None = None) -> dict[str, Any]:
+def run_bench_prefix(
+    dataset: str, policy: str, limit: int, retention_limit: int, out_dir: str | Path, model: str | None = None
+) -> dict[str, Any]:
     from ctxgate.eval.report import cpu_path_line
     from ctxgate.eval.server import GatewayProcess
 
@@ -115,15 +135,25 @@ def run_bench_prefix(dataset: str, policy: str, limit: int, retention_limit: int
     arms = {"policy order": policy, "stable": stable["name"]}
     data = load_dataset(resolve_dataset_path(dataset), limit=max(limit, retention_limit))
     workload = recurring_workload(data.examples[: limit + 8])
-    with GatewayProcess(policy_dir=policy_dir, model=model, log_path=target / "gateway.log",
-                        env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None}) as url:
+    with GatewayProcess(
+        policy_dir=policy_dir,
+        model=model,
+        log_path=target / "gateway.log",
+        env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None},
+    ) as url:
         model_name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         hits = asyncio.run(measure_hits(url, model_name, workload, arms))
         retention = asyncio.run(measure_retention(url, model_name, data.examples[:retention_limit], arms))
-    report = {"schema": "ctxgate.bench_prefix/v1", "dataset": data.path, "policy": policy,
-              "requests_per_arm": len(workload), "cpu_path": cpu_path_line(), "prefix_cache": hits,
-              "retention": retention,
-              "retention_drop": round(retention["policy order"] - retention["stable"], 4)}
+    report = {
+        "schema": "ctxgate.bench_prefix/v1",
+        "dataset": data.path,
+        "policy": policy,
+        "requests_per_arm": len(workload),
+        "cpu_path": cpu_path_line(),
+        "prefix_cache": hits,
+        "retention": retention,
+        "retention_drop": round(retention["policy order"] - retention["stable"], 4),
+    }
     (target / "bench_prefix.json").write_text(json.dumps(report, indent=2))
     (target / "bench_prefix.md").write_text(render_markdown(report))
     return report
@@ -141,8 +171,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for arm, row in report["prefix_cache"].items():
-        lines.append(f"| {arm} | {row['requests']} | {row['queries']:.0f} | {row['hits']:.0f} | "
-                     f"{row['hit_rate']} | {report['retention'][arm]} |")
-    lines += ["", f"Retention on {report['retention']['questions']} questions via /v1/ctxgate/compress; "
-              f"drop with the stable assembly: {report['retention_drop']}", ""]
+        lines.append(
+            f"| {arm} | {row['requests']} | {row['queries']:.0f} | {row['hits']:.0f} | "
+            f"{row['hit_rate']} | {report['retention'][arm]} |"
+        )
+    lines += [
+        "",
+        f"Retention on {report['retention']['questions']} questions via /v1/ctxgate/compress; "
+        f"drop with the stable assembly: {report['retention_drop']}",
+        "",
+    ]
     return "\n".join(lines)

@@ -40,8 +40,11 @@ from ctxgate.eval.server import free_port, wait_until_ok
 from ctxgate.eval.stats import percentiles
 from ctxgate.gateway.affinity import affinity_key
 
-ARMS: dict[str, Strategy] = {"round robin": "weighted_round_robin", "least outstanding": "least_outstanding",
-                             "affinity": "cache_affinity"}
+ARMS: dict[str, Strategy] = {
+    "round robin": "weighted_round_robin",
+    "least outstanding": "least_outstanding",
+    "affinity": "cache_affinity",
+}
 HITS = re.compile(r"^ctxgate:prefix_cache_hits_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
 AFFINITY_PREFIX_CHARS = 2048
 KV_BLOCKS = re.compile(r"^ctxgate:num_kv_blocks_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
@@ -92,9 +95,24 @@ class Replicas:
         self.processes: list[subprocess.Popen[bytes]] = []
         for index in range(count):
             port = free_port()
-            command = [sys.executable, "-m", "ctxgate", "--log-level", "WARNING", "engine", "serve", "--port",
-                       str(port), "--num-threads", "1", "--kv-cache-memory-mb", str(config.kv_cache_memory_mb),
-                       "--max-model-len", "2048", *(["--model", config.model] if config.model else [])]
+            command = [
+                sys.executable,
+                "-m",
+                "ctxgate",
+                "--log-level",
+                "WARNING",
+                "engine",
+                "serve",
+                "--port",
+                str(port),
+                "--num-threads",
+                "1",
+                "--kv-cache-memory-mb",
+                str(config.kv_cache_memory_mb),
+                "--max-model-len",
+                "2048",
+                *(["--model", config.model] if config.model else []),
+            ]
             log = (out / f"engine{index}.log").open("wb")
             self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
             self.urls.append(f"http://127.0.0.1:{port}")
@@ -159,9 +177,14 @@ class InProcessFront:
 
     async def send(self, item: Item, max_tokens: int) -> dict[str, Any]:
         key = affinity_key("bench", item.messages, None, AFFINITY_PREFIX_CHARS)
-        request = GenerationRequest(request_id=f"{item.workload}-{time.perf_counter_ns()}", prompt_token_ids=[],
-                                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
-                                    messages=item.messages, model="bench", route_key=key)
+        request = GenerationRequest(
+            request_id=f"{item.workload}-{time.perf_counter_ns()}",
+            prompt_token_ids=[],
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
+            messages=item.messages,
+            model="bench",
+            route_key=key,
+        )
         seen: dict[str, Any] = {"ttft_s": None, "error": None}
         sent = time.perf_counter()
         async for delta in self.group.generate(request):
@@ -176,13 +199,20 @@ class InProcessFront:
 def group_for(urls: list[str], strategy: Strategy, load_factor: float = 1.25) -> ModelGroup:
     policy = HealthPolicy(failures_to_eject=1, eject_s=30, probe_interval_s=1.0)
     deployments = [
-        Deployment(name=url, client=UpstreamClient(UpstreamConfig(urls=[url], retries=0, down_for_s=0.0,
-                                                                  connect_timeout_s=1.0), served_model_name="bench"),
-                   health_url=f"{url}/health", health=DeploymentHealth(policy))
+        Deployment(
+            name=url,
+            client=UpstreamClient(
+                UpstreamConfig(urls=[url], retries=0, down_for_s=0.0, connect_timeout_s=1.0),
+                served_model_name="bench",
+            ),
+            health_url=f"{url}/health",
+            health=DeploymentHealth(policy),
+        )
         for url in urls
     ]
-    return ModelGroup("bench", deployments, make_router(strategy, load_factor), DeploymentMetrics(),
-                      probe_interval_s=1.0)
+    return ModelGroup(
+        "bench", deployments, make_router(strategy, load_factor), DeploymentMetrics(), probe_interval_s=1.0
+    )
 
 
 # -- one schedule --------------------------------------------------------------------------------
@@ -200,8 +230,9 @@ async def _one(front: Front, item: Item, max_tokens: int, started: float) -> Out
     return outcome
 
 
-async def run_schedule(front: Front, items: list[Item], max_tokens: int,
-                       at_half: Callable[[], None] | None = None) -> list[Outcome]:
+async def run_schedule(
+    front: Front, items: list[Item], max_tokens: int, at_half: Callable[[], None] | None = None
+) -> list[Outcome]:
     started = time.perf_counter()
     tasks = []
     half = items[len(items) // 2].at_s if items else 0.0
@@ -219,9 +250,12 @@ def summarize(outcomes: list[Outcome], hit_tokens: float) -> dict[str, Any]:
     span = (max((o.done_at or 0) for o in outcomes) - min(o.sent_at for o in outcomes)) if outcomes else 0.0
     ttft = percentiles([o.ttft_s * 1000 for o in done if o.ttft_s is not None], (50, 95))
     row: dict[str, Any] = {
-        "requests": len(outcomes), "failed": len(outcomes) - len(done),
+        "requests": len(outcomes),
+        "failed": len(outcomes) - len(done),
         "failed_before_streaming": sum(1 for o in outcomes if o.error is not None and not o.started),
-        "prefix_cache_hit_tokens": hit_tokens, "ttft_ms_p50": ttft["p50"], "ttft_ms_p95": ttft["p95"],
+        "prefix_cache_hit_tokens": hit_tokens,
+        "ttft_ms_p50": ttft["p50"],
+        "ttft_ms_p95": ttft["p95"],
         "requests_per_s": round(len(done) / span, 3) if span > 0 else None,
     }
     return row | by_turn(done) | previous_turn_hits(done)
@@ -266,12 +300,19 @@ def previous_turn_hits(done: list[Outcome], block_tokens: int = BLOCK_TOKENS) ->
             kinds["full" if cached >= reusable else "partial" if cached > 0 else "none"] += 1
     if hittable == 0:
         return {}
-    return {"previous_turn": {"reusable_tokens": hittable, "found_tokens": found,
-                              "found_share": round(found / hittable, 3), "turns": kinds}}
+    return {
+        "previous_turn": {
+            "reusable_tokens": hittable,
+            "found_tokens": found,
+            "found_share": round(found / hittable, 3),
+            "turns": kinds,
+        }
+    }
 
 
-async def _front(replicas: Replicas, strategy: Strategy, config: RouteBenchConfig,
-                 out: Path) -> GatewayFront | InProcessFront:
+async def _front(
+    replicas: Replicas, strategy: Strategy, config: RouteBenchConfig, out: Path
+) -> GatewayFront | InProcessFront:
     if config.via == "in-process":
         front = InProcessFront(replicas.urls, strategy, config.load_factor)
         await front.start()
@@ -293,8 +334,14 @@ async def _stop(front: GatewayFront | InProcessFront) -> None:
         await front.stop()
 
 
-async def _arm(replicas: Replicas, strategy: Strategy, workloads: dict[str, list[Item]], config: RouteBenchConfig,
-               out: Path, kill_half: bool = False) -> dict[str, Any]:
+async def _arm(
+    replicas: Replicas,
+    strategy: Strategy,
+    workloads: dict[str, list[Item]],
+    config: RouteBenchConfig,
+    out: Path,
+    kill_half: bool = False,
+) -> dict[str, Any]:
     front = await _front(replicas, strategy, config, out)
     max_tokens = config.max_tokens
     results = {}
@@ -302,8 +349,12 @@ async def _arm(replicas: Replicas, strategy: Strategy, workloads: dict[str, list
     try:
         for name, items in workloads.items():
             before = await asyncio.to_thread(replicas.hit_tokens)
-            outcomes = await run_schedule(front, items, max_tokens, (lambda: replicas.kill(0)) if kill_half else None)
-            results[name] = summarize(outcomes, hits_gained(before, await asyncio.to_thread(replicas.hit_tokens)))
+            outcomes = await run_schedule(
+                front, items, max_tokens, (lambda: replicas.kill(0)) if kill_half else None
+            )
+            results[name] = summarize(
+                outcomes, hits_gained(before, await asyncio.to_thread(replicas.hit_tokens))
+            )
             if isinstance(front, GatewayFront):
                 routed = await asyncio.to_thread(front.routing_counts)
                 results[name]["gateway"] = {k: v - routed_before.get(k, 0.0) for k, v in routed.items()}
@@ -317,8 +368,9 @@ async def _arm(replicas: Replicas, strategy: Strategy, workloads: dict[str, list
 
 def _workloads(config: RouteBenchConfig, tag: str) -> dict[str, list[Item]]:
     return {
-        "multi-turn": multi_turn(tag, config.conversations, config.turns, config.turn_gap_s,
-                                 config.conversation_every_s),
+        "multi-turn": multi_turn(
+            tag, config.conversations, config.turns, config.turn_gap_s, config.conversation_every_s
+        ),
         "rag": rag(tag, config.rag_requests, config.rag_every_s),
     }
 
@@ -327,8 +379,12 @@ async def _run(config: RouteBenchConfig, replicas: Replicas, out: Path) -> dict[
     arms = {}
     for label, strategy in ARMS.items():
         arms[label] = await _arm(replicas, strategy, _workloads(config, label), config, out)
-    report: dict[str, Any] = {"config": asdict(config), "replicas": replicas.urls,
-                              "kv_pool_tokens": await asyncio.to_thread(replicas.kv_pool_tokens), "arms": arms}
+    report: dict[str, Any] = {
+        "config": asdict(config),
+        "replicas": replicas.urls,
+        "kv_pool_tokens": await asyncio.to_thread(replicas.kv_pool_tokens),
+        "arms": arms,
+    }
     if config.kill:
         kill_items = {"multi-turn": _workloads(config, "kill")["multi-turn"]}
         report["kill"] = await _arm(replicas, "cache_affinity", kill_items, config, out, kill_half=True)
@@ -342,7 +398,8 @@ def bars(report: dict[str, Any]) -> dict[str, Any]:
     rr, affinity = report["arms"]["round robin"]["multi-turn"], report["arms"]["affinity"]["multi-turn"]
     hits_ratio = affinity["prefix_cache_hit_tokens"] / max(1.0, rr["prefix_cache_hit_tokens"])
     out: dict[str, Any] = {
-        "hit_tokens_ratio": round(hits_ratio, 2), "hit_tokens_2x": hits_ratio >= 2,
+        "hit_tokens_ratio": round(hits_ratio, 2),
+        "hit_tokens_2x": hits_ratio >= 2,
         "ttft_p95_lower": (affinity["ttft_ms_p95"] or 0) < (rr["ttft_ms_p95"] or 0),
     }
     if "kill" in report:
@@ -365,16 +422,20 @@ def run_bench_route(config: RouteBenchConfig, out: str | Path) -> dict[str, Any]
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    lines = ["| strategy | workload | requests | failed | prefix-cache hit tokens | TTFT P50 ms | TTFT P95 ms | req/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| strategy | workload | requests | failed | prefix-cache hit tokens | TTFT P50 ms | TTFT P95 ms | req/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     runs = [(label, arm) for label, arm in report["arms"].items()]
     if "kill" in report:
         runs.append(("affinity, 1 replica killed", report["kill"]))
     for label, arm in runs:
         for workload, row in arm.items():
-            lines.append(f"| {label} | {workload} | {row['requests']} | {row['failed']} "
-                         f"({row['failed_before_streaming']} before streaming) | {row['prefix_cache_hit_tokens']:.0f} | "
-                         f"{row['ttft_ms_p50']} | {row['ttft_ms_p95']} | {row['requests_per_s']} |")
+            lines.append(
+                f"| {label} | {workload} | {row['requests']} | {row['failed']} "
+                f"({row['failed_before_streaming']} before streaming) | {row['prefix_cache_hit_tokens']:.0f} | "
+                f"{row['ttft_ms_p50']} | {row['ttft_ms_p95']} | {row['requests_per_s']} |"
+            )
     lines += _reuse_table(runs)
     lines.append("")
     lines.append("Bars: " + json.dumps(report["bars"]))
@@ -383,14 +444,25 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def _reuse_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """How much of each later turn's reusable prefix (its previous turn's prompt) it found."""
-    rows = [(label, workload, row) for label, arm in runs for workload, row in arm.items() if "previous_turn" in row]
+    rows = [
+        (label, workload, row)
+        for label, arm in runs
+        for workload, row in arm.items()
+        if "previous_turn" in row
+    ]
     if not rows:
         return []
-    lines = ["", "| strategy | workload | reusable tokens | found | share | turns full / partial / none | "
-             "to ring owner / routed |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "",
+        "| strategy | workload | reusable tokens | found | share | turns full / partial / none | "
+        "to ring owner / routed |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for label, workload, row in rows:
         reuse, turns, routed = row["previous_turn"], row["previous_turn"]["turns"], row.get("gateway")
         owner = f"{routed['served_by_ring_owner']:.0f} / {routed['requests']:.0f}" if routed else "-"
-        lines.append(f"| {label} | {workload} | {reuse['reusable_tokens']} | {reuse['found_tokens']} | "
-                     f"{reuse['found_share']} | {turns['full']} / {turns['partial']} / {turns['none']} | {owner} |")
+        lines.append(
+            f"| {label} | {workload} | {reuse['reusable_tokens']} | {reuse['found_tokens']} | "
+            f"{reuse['found_share']} | {turns['full']} / {turns['partial']} / {turns['none']} | {owner} |"
+        )
     return lines

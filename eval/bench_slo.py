@@ -87,7 +87,7 @@ def arm_order(arms: Sequence[str], chunk: int) -> list[str]:
 
 
 def chunks_of(examples: Sequence[EvalExample], size: int) -> list[list[EvalExample]]:
-    return [list(examples[i:i + size]) for i in range(0, len(examples), size)]
+    return [list(examples[i : i + size]) for i in range(0, len(examples), size)]
 
 
 def schedule_seed(seed: int, rate_index: int, chunk: int) -> int:
@@ -97,22 +97,34 @@ def schedule_seed(seed: int, rate_index: int, chunk: int) -> int:
 
 def request_body(example: EvalExample, policy: str, model: str, output_tokens: int) -> dict[str, Any]:
     return {
-        "model": model, "messages": question_messages(example, cache_buster=new_tag()),
-        "max_tokens": output_tokens, "temperature": 0, "stream": True,
-        "stream_options": {"include_usage": True}, "ignore_eos": True,
+        "model": model,
+        "messages": question_messages(example, cache_buster=new_tag()),
+        "max_tokens": output_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
         **ctxgate_extra(example, policy),
     }
 
 
-def sample_of(arm: str, rate: float, chunk: int, position: int, example: EvalExample,
-              timing: streaming.StreamTiming) -> SloSample:
+def sample_of(
+    arm: str, rate: float, chunk: int, position: int, example: EvalExample, timing: streaming.StreamTiming
+) -> SloSample:
     extra = timing.usage.get("ctxgate") or {}
     budget = extra.get("budget") or {}
     return SloSample(
-        arm=arm, rate=rate, chunk=chunk, position=position, question_id=example.id,
-        ttft_ms=round(timing.ttft_s * 1000, 2), e2e_ms=round(timing.e2e_s * 1000, 2),
-        prompt_tokens=timing.usage.get("prompt_tokens"), original_prompt_tokens=extra.get("original_prompt_tokens"),
-        budget_tokens=budget.get("documents_tokens"), budget_reason=budget.get("reason"),
+        arm=arm,
+        rate=rate,
+        chunk=chunk,
+        position=position,
+        question_id=example.id,
+        ttft_ms=round(timing.ttft_s * 1000, 2),
+        e2e_ms=round(timing.e2e_s * 1000, 2),
+        prompt_tokens=timing.usage.get("prompt_tokens"),
+        original_prompt_tokens=extra.get("original_prompt_tokens"),
+        budget_tokens=budget.get("documents_tokens"),
+        budget_reason=budget.get("reason"),
         gateway_ttft_s=budget.get("measured_ttft_s"),
     )
 
@@ -120,7 +132,9 @@ def sample_of(arm: str, rate: float, chunk: int, position: int, example: EvalExa
 class SloRun:
     """The arms over the chunks at each rate, against one running gateway."""
 
-    def __init__(self, url: str, model: str, options: SloOptions, slo_s: float, server_pids: Sequence[int] = ()):
+    def __init__(
+        self, url: str, model: str, options: SloOptions, slo_s: float, server_pids: Sequence[int] = ()
+    ):
         self.url = url
         self.model = model
         self.options = options
@@ -132,23 +146,46 @@ class SloRun:
         self.chunk_runs: list[dict[str, Any]] = []
         self._sent: dict[tuple[str, str, int | None], list[dict[str, Any]]] = {}  # prompts, for retention
 
-    async def one(self, client: httpx.AsyncClient, arm: str, rate: float, chunk: int, position: int,
-                  example: EvalExample) -> SloSample:
+    async def one(
+        self,
+        client: httpx.AsyncClient,
+        arm: str,
+        rate: float,
+        chunk: int,
+        position: int,
+        example: EvalExample,
+    ) -> SloSample:
         body = request_body(example, arm, self.model, self.options.output_tokens)
         try:
             timing = await streaming.stream_chat(client, self.url, body, first_token_timeout_s=self.give_up_s)
         except TimeoutError:
-            return SloSample(arm, rate, chunk, position, example.id, None, abandoned=True,
-                             error=f"no first token within {self.give_up_s:g} s (abandoned)")
+            return SloSample(
+                arm,
+                rate,
+                chunk,
+                position,
+                example.id,
+                None,
+                abandoned=True,
+                error=f"no first token within {self.give_up_s:g} s (abandoned)",
+            )
         except (httpx.HTTPError, RuntimeError) as exc:
             return SloSample(arm, rate, chunk, position, example.id, None, error=str(exc)[:300])
         return sample_of(arm, rate, chunk, position, example, timing)
 
-    async def run_arm(self, client: httpx.AsyncClient, arm: str, rate: float, chunk: int,
-                      examples: list[EvalExample], offsets: list[float]) -> list[SloSample]:
+    async def run_arm(
+        self,
+        client: httpx.AsyncClient,
+        arm: str,
+        rate: float,
+        chunk: int,
+        examples: list[EvalExample],
+        offsets: list[float],
+    ) -> list[SloSample]:
         places = list(enumerate(examples))
         return await loadgen.open_loop(
-            places, offsets, lambda place: self.one(client, arm, rate, chunk, place[0], place[1]))
+            places, offsets, lambda place: self.one(client, arm, rate, chunk, place[0], place[1])
+        )
 
     async def warm_up(self, client: httpx.AsyncClient, examples: list[EvalExample]) -> None:
         """Load what loads lazily (the embedder, first-call allocations) and give the adaptive
@@ -160,34 +197,50 @@ class SloRun:
                 body = request_body(scrambled_copy(example), arm, self.model, 2)
                 await streaming.stream_chat(client, self.url, body)
 
-    async def run_rate(self, client: httpx.AsyncClient, rate_index: int, rate: float,
-                       examples: list[EvalExample]) -> None:
+    async def run_rate(
+        self, client: httpx.AsyncClient, rate_index: int, rate: float, examples: list[EvalExample]
+    ) -> None:
         for chunk, members in enumerate(chunks_of(examples, self.options.chunk_size)):
-            offsets = loadgen.poisson_offsets(len(members), rate, schedule_seed(self.options.seed, rate_index, chunk))
+            offsets = loadgen.poisson_offsets(
+                len(members), rate, schedule_seed(self.options.seed, rate_index, chunk)
+            )
             for arm in arm_order(self.options.arms, chunk):
                 meter = CpuMeter(exclude_pids=self.server_pids)
                 meter.start()
                 started = time.perf_counter()
                 results = await self.run_arm(client, arm, rate, chunk, members, offsets)
                 self.samples += results
-                self.chunk_runs.append({"rate": rate, "chunk": chunk, "arm": arm,
-                                        "wall_s": round(time.perf_counter() - started, 2),
-                                        "others_cpu_frac": round(meter.stop()["others_cpu_frac"], 3)})
+                self.chunk_runs.append(
+                    {
+                        "rate": rate,
+                        "chunk": chunk,
+                        "arm": arm,
+                        "wall_s": round(time.perf_counter() - started, 2),
+                        "others_cpu_frac": round(meter.stop()["others_cpu_frac"], 3),
+                    }
+                )
                 if self.options.progress:
                     met = sum(s.met(self.slo_s) for s in results)
-                    print(f"  {rate:g} req/s chunk {chunk + 1} {arm}: {met}/{len(results)} within "
-                          f"{self.slo_s:g} s in {time.perf_counter() - started:.1f} s", flush=True)
+                    print(
+                        f"  {rate:g} req/s chunk {chunk + 1} {arm}: {met}/{len(results)} within "
+                        f"{self.slo_s:g} s in {time.perf_counter() - started:.1f} s",
+                        flush=True,
+                    )
 
     # -- retention, after the timed requests ------------------------------------------------------
-    async def sent_messages(self, client: httpx.AsyncClient, example: EvalExample, arm: str,
-                            budget: int | None) -> list[dict[str, Any]]:
+    async def sent_messages(
+        self, client: httpx.AsyncClient, example: EvalExample, arm: str, budget: int | None
+    ) -> list[dict[str, Any]]:
         """The messages the gateway sends for this question under the arm's policy (at `budget`
         documents tokens: the adaptive arm's chosen budget); cached per (question, arm, budget)."""
         key = (example.id, arm, budget)
         if key not in self._sent:
             overrides = {"documents.max_tokens": budget} if budget is not None else None
-            body = {"model": self.model, "messages": question_messages(example),
-                    **ctxgate_extra(example, arm, overrides)}
+            body = {
+                "model": self.model,
+                "messages": question_messages(example),
+                **ctxgate_extra(example, arm, overrides),
+            }
             # Scoring replays every question under every arm at once, far faster than any tenant's
             # quota allows: a 429 is waited out, since the quota is not what this scores.
             for _ in range(QUOTA_WAITS):
@@ -231,11 +284,15 @@ async def gateway_facts(url: str, adaptive: str) -> tuple[float | None, Any]:
     return slo, models[0].get("engine_path")
 
 
-def others_cpu(chunk_runs: Sequence[dict[str, Any]], rate: float, arms: Sequence[str]) -> dict[str, float | None]:
+def others_cpu(
+    chunk_runs: Sequence[dict[str, Any]], rate: float, arms: Sequence[str]
+) -> dict[str, float | None]:
     """Per arm at this rate: the mean share of the machine other processes took while it ran."""
     out: dict[str, float | None] = {}
     for arm in arms:
-        shares = [item["others_cpu_frac"] for item in chunk_runs if item["rate"] == rate and item["arm"] == arm]
+        shares = [
+            item["others_cpu_frac"] for item in chunk_runs if item["rate"] == rate and item["arm"] == arm
+        ]
         out[arm] = round(statistics.fmean(shares), 3) if shares else None
     return out
 
@@ -243,7 +300,7 @@ def others_cpu(chunk_runs: Sequence[dict[str, Any]], rate: float, arms: Sequence
 def questions(options: SloOptions) -> tuple[str, list[EvalExample]]:
     dataset = load_dataset(resolve_dataset_path(options.dataset))
     held_out = split_examples(dataset.examples, options.split)
-    return dataset.path, held_out[:options.requests]
+    return dataset.path, held_out[: options.requests]
 
 
 def run_bench_slo(options: SloOptions, out_dir: str | Path, command: str = "") -> dict[str, Any]:
@@ -253,18 +310,28 @@ def run_bench_slo(options: SloOptions, out_dir: str | Path, command: str = "") -
     dataset_path, examples = questions(options)
     target = Path(out_dir)
     target.mkdir(parents=True, exist_ok=True)
-    step_budget = (["--max-num-batched-tokens", str(options.max_num_batched_tokens)]
-                   if options.max_num_batched_tokens else [])
+    step_budget = (
+        ["--max-num-batched-tokens", str(options.max_num_batched_tokens)]
+        if options.max_num_batched_tokens
+        else []
+    )
     started = time.perf_counter()
     # No shared (Redis) cache: the passages are new to the gateway, as a live stream's mostly are.
-    gateway = GatewayProcess(policy_dir=options.policy_dir, model=options.model, log_path=target / "gateway.log",
-                             env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None}, extra_args=step_budget)
+    gateway = GatewayProcess(
+        policy_dir=options.policy_dir,
+        model=options.model,
+        log_path=target / "gateway.log",
+        env={"REDIS_URL": None, "CTXGATE_EMBED_CACHE_URL": None},
+        extra_args=step_budget,
+    )
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(gateway)
         slo_from_policy, engine_path = asyncio.run(gateway_facts(url, options.adaptive))
         slo_s = options.slo_s or slo_from_policy
         if slo_s is None:
-            raise ValueError(f"policy '{options.adaptive}' has no adaptive section on this gateway: pass --slo-s")
+            raise ValueError(
+                f"policy '{options.adaptive}' has no adaptive section on this gateway: pass --slo-s"
+            )
         run = SloRun(url, asyncio.run(model_name(url)), options, slo_s, [gateway.pid] if gateway.pid else [])
         asyncio.run(run.run(examples))
     rates: dict[str, Any] = {}
@@ -275,7 +342,9 @@ def run_bench_slo(options: SloOptions, out_dir: str | Path, command: str = "") -
             "side": knee_side(rate, options.knee),
             "arms": summary,
             "others_cpu": others_cpu(run.chunk_runs, rate, options.arms),
-            "acceptance": acceptance(samples, rate, slo_s, summary, options.adaptive, options.fixed, options.knee),
+            "acceptance": acceptance(
+                samples, rate, slo_s, summary, options.adaptive, options.fixed, options.knee
+            ),
         }
     shares = [item["others_cpu_frac"] for item in run.chunk_runs]
     verdicts = [check["met"] for level in rates.values() for check in level["acceptance"]]

@@ -25,8 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_bench_engine(bench_sub)
     _register_bench_prefill(bench_sub)
     _register_bench_e2e(bench_sub)
-    gpu = bench_sub.add_parser("gpu", help="the offline GPU check in stages (eval/gpu/check.py): install, "
-                               "random-weight models at real shapes, HF parity, W1-W3 vs HF and the roofline, e2e")
+    gpu = bench_sub.add_parser(
+        "gpu",
+        help="the offline GPU check in stages (eval/gpu/check.py): install, "
+        "random-weight models at real shapes, HF parity, W1-W3 vs HF and the roofline, e2e",
+    )
     from ctxgate.eval.gpu.check import add_arguments
 
     add_arguments(gpu)
@@ -50,51 +53,105 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     eval_sub = evaluation.add_subparsers(dest="eval_command", required=True)
 
     run = eval_sub.add_parser("run", help="run a QA dataset through the gateway under each policy")
-    run.add_argument("--input", "--dataset", dest="dataset", required=True, action=StoreWithDeprecatedAliases,
-                     deprecated=["--dataset"], help="JSONL with question, answers, passages (or a file "
-                     "name in ../shared/data/eval); --dataset is deprecated")
-    run.add_argument("--policy", action="append", required=True, dest="policies",
-                     help="policy to evaluate (repeat; the first is the A/B baseline)")
-    run.add_argument("--sweep", help="FIELD=V1,V2,...: variants of the last --policy, e.g. "
-                     "documents.max_tokens=100,200,400,800")
+    run.add_argument(
+        "--input",
+        "--dataset",
+        dest="dataset",
+        required=True,
+        action=StoreWithDeprecatedAliases,
+        deprecated=["--dataset"],
+        help="JSONL with question, answers, passages (or a file "
+        "name in ../shared/data/eval); --dataset is deprecated",
+    )
+    run.add_argument(
+        "--policy",
+        action="append",
+        required=True,
+        dest="policies",
+        help="policy to evaluate (repeat; the first is the A/B baseline)",
+    )
+    run.add_argument(
+        "--sweep",
+        help="FIELD=V1,V2,...: variants of the last --policy, e.g. documents.max_tokens=100,200,400,800",
+    )
     run.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
     run.add_argument("--max-tokens", type=int, default=32, help="answer length cap (default 32)")
-    run.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    run.add_argument("--compress-only", action="store_true",
-                     help="no generation: only evidence retention and tokens from /v1/ctxgate/compress (fast)")
+    run.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)"
+    )
+    run.add_argument(
+        "--compress-only",
+        action="store_true",
+        help="no generation: only evidence retention and tokens from /v1/ctxgate/compress (fast)",
+    )
     run.add_argument("--out", required=True, help="output directory for the report")
     _add_gateway_args(run)
     run.set_defaults(func=_eval_run)
 
     retention = eval_sub.add_parser(
-        "retention", help="answer retention, compression ratio and time per question, in process (fast)")
-    retention.add_argument("--input", action="append", required=True, dest="datasets",
-                           help="JSONL dataset (repeat); a bare name is looked up in ../shared/data/eval")
+        "retention", help="answer retention, compression ratio and time per question, in process (fast)"
+    )
+    retention.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        dest="datasets",
+        help="JSONL dataset (repeat); a bare name is looked up in ../shared/data/eval",
+    )
     retention.add_argument("--policy", required=True, help="policy name")
     retention.add_argument("--policy-dir", help="policy directory (default: the shipped policies)")
-    retention.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
-                           help="dotted policy field override, e.g. documents.max_tokens=200 (repeat)")
-    retention.add_argument("--split", choices=["all", "tune", "test", "halves"], default="all",
-                           help="the tune half, the test half (halves share no gold passage), all, or "
-                           "halves: tune and test reported side by side (with --ratios)")
-    retention.add_argument("--ratios", default=None, metavar="R,R,...",
-                           help="fixed compression ratios, e.g. 3,5,10: each question's documents budget cut "
-                           "to reach them; per hop count, with 95%% bootstrap intervals")
+    retention.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="dotted policy field override, e.g. documents.max_tokens=200 (repeat)",
+    )
+    retention.add_argument(
+        "--split",
+        choices=["all", "tune", "test", "halves"],
+        default="all",
+        help="the tune half, the test half (halves share no gold passage), all, or "
+        "halves: tune and test reported side by side (with --ratios)",
+    )
+    retention.add_argument(
+        "--ratios",
+        default=None,
+        metavar="R,R,...",
+        help="fixed compression ratios, e.g. 3,5,10: each question's documents budget cut "
+        "to reach them; per hop count, with 95%% bootstrap intervals",
+    )
     retention.add_argument("--limit", type=int, help="first N questions of the split")
     retention.add_argument("--out", help="write the per-question JSON here")
     retention.set_defaults(func=_eval_retention)
 
     curve = eval_sub.add_parser(
         "retention-curve",
-        help="answer retention against compression ratio over a budget sweep, beside a peer compressor's output")
-    curve.add_argument("--input", action="append", required=True, dest="datasets",
-                       help="JSONL dataset (repeat); a bare name is looked up in ../shared/data/eval")
+        help="answer retention against compression ratio over a budget sweep, beside a peer compressor's output",
+    )
+    curve.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        dest="datasets",
+        help="JSONL dataset (repeat); a bare name is looked up in ../shared/data/eval",
+    )
     curve.add_argument("--policy", default="rag-default", help="policy name (default rag-default)")
-    curve.add_argument("--split", choices=["all", "tune", "test"], default="test",
-                       help="first half of each file (tune), second half (test), or all (default test)")
-    curve.add_argument("--limit", type=at_least_one, default=60, help="scored questions per dataset (default 60)")
-    curve.add_argument("--budgets", default=None, metavar="N,N,...",
-                       help="documents.max_tokens values of the sweep (default 1000,700,560,400,300,200,150,100,60)")
+    curve.add_argument(
+        "--split",
+        choices=["all", "tune", "test"],
+        default="test",
+        help="first half of each file (tune), second half (test), or all (default test)",
+    )
+    curve.add_argument(
+        "--limit", type=at_least_one, default=60, help="scored questions per dataset (default 60)"
+    )
+    curve.add_argument(
+        "--budgets",
+        default=None,
+        metavar="N,N,...",
+        help="documents.max_tokens values of the sweep (default 1000,700,560,400,300,200,150,100,60)",
+    )
     curve.add_argument("--peer", help="the peer's JSON (eval/peers/longllmlingua_peer.py --out)")
     curve.add_argument("--reuse", help="take the policy's points from this curve.json instead of running it")
     curve.add_argument("--out", required=True, help="directory for curve.json and retention_vs_ratio.png")
@@ -102,37 +159,63 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
 
     message_context = eval_sub.add_parser(
         "message-context",
-        help="context inside the messages: LangChain stuff-documents prompts through /v1/ctxgate/compress")
-    message_context.add_argument("--input", default="nq-multidoc-dev.jsonl",
-                                 help="NQ-style JSONL (default nq-multidoc-dev.jsonl)")
-    message_context.add_argument("--offset", type=int, default=0,
-                                 help="skip this many questions first (e.g. 100: questions held out from tuning)")
+        help="context inside the messages: LangChain stuff-documents prompts through /v1/ctxgate/compress",
+    )
+    message_context.add_argument(
+        "--input", default="nq-multidoc-dev.jsonl", help="NQ-style JSONL (default nq-multidoc-dev.jsonl)"
+    )
+    message_context.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        help="skip this many questions first (e.g. 100: questions held out from tuning)",
+    )
     message_context.add_argument("--limit", type=at_least_one, default=100, help="questions (default 100)")
     message_context.add_argument("--policy", default="rag-default", help="policy (default rag-default)")
     message_context.add_argument(
-        "--document-prompt", default="{page_content}",
+        "--document-prompt",
+        default="{page_content}",
         help="LangChain document prompt (default {page_content}, create_stuff_documents_chain's; "
-        "'{title}\\n{page_content}' shows each passage's title)")
+        "'{title}\\n{page_content}' shows each passage's title)",
+    )
     message_context.set_defaults(func=_eval_message_context)
 
     gate = eval_sub.add_parser("gate", help="fail when quality regressed against a baseline report")
     gate.add_argument("--baseline", required=True, help="OLD/report.json")
     gate.add_argument("--current", required=True, help="NEW/report.json")
-    gate.add_argument("--max-accuracy-drop", type=float, default=0.02,
-                      help="fail when a policy's accuracy fell by more than this, absolute 0..1 (default 0.02)")
-    gate.add_argument("--max-retention-drop", type=float, default=0.02,
-                      help="fail when evidence retention fell by more than this, absolute 0..1 (default 0.02)")
+    gate.add_argument(
+        "--max-accuracy-drop",
+        type=float,
+        default=0.02,
+        help="fail when a policy's accuracy fell by more than this, absolute 0..1 (default 0.02)",
+    )
+    gate.add_argument(
+        "--max-retention-drop",
+        type=float,
+        default=0.02,
+        help="fail when evidence retention fell by more than this, absolute 0..1 (default 0.02)",
+    )
     gate.add_argument("--max-f1-drop", type=float, help="also gate token F1")
     gate.set_defaults(func=_eval_gate)
 
 
 def _register_bench_prefill(bench_sub: argparse._SubParsersAction) -> None:
-    prefill = bench_sub.add_parser("prefill", help="measured prefill/TTFT saved by a policy, and the cost model")
-    prefill.add_argument("--input", "--dataset", dest="dataset", required=True, action=StoreWithDeprecatedAliases,
-                         deprecated=["--dataset"],
-                         help="QA dataset JSONL, as for `eval run` (--dataset is deprecated)")
+    prefill = bench_sub.add_parser(
+        "prefill", help="measured prefill/TTFT saved by a policy, and the cost model"
+    )
+    prefill.add_argument(
+        "--input",
+        "--dataset",
+        dest="dataset",
+        required=True,
+        action=StoreWithDeprecatedAliases,
+        deprecated=["--dataset"],
+        help="QA dataset JSONL, as for `eval run` (--dataset is deprecated)",
+    )
     prefill.add_argument("--policy", required=True, help="the compressing policy")
-    prefill.add_argument("--full-policy", default="passthrough", help="the full-context arm (default passthrough)")
+    prefill.add_argument(
+        "--full-policy", default="passthrough", help="the full-context arm (default passthrough)"
+    )
     prefill.add_argument("--warmup", type=int, default=2, help="unmeasured warm-up requests (default 2)")
     prefill.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     _add_gateway_args(prefill)
@@ -183,7 +266,8 @@ def _eval_run(args: argparse.Namespace) -> int:
     for label, arm in report["arms"].items():
         accuracy = arm["accuracy"]
         accuracy_text = (
-            "not measured" if accuracy["value"] is None
+            "not measured"
+            if accuracy["value"] is None
             else f"{accuracy['value']:.3f} [{accuracy['ci_low']:.3f}, {accuracy['ci_high']:.3f}]"
         )
         ttft = arm["ttft_ms"]["p95"]
@@ -212,21 +296,31 @@ def _eval_retention(args: argparse.Namespace) -> int:
         if not ratios or min(ratios) < 1:
             raise ValueError("--ratios must be compression ratios of at least 1, e.g. 3,5,10")
         splits = ("tune", "test") if args.split == "halves" else (args.split,)
-        report = run_ratio_report(args.datasets, args.policy, parse_overrides(args.override), ratios, splits,
-                                  args.limit, args.policy_dir)
+        report = run_ratio_report(
+            args.datasets,
+            args.policy,
+            parse_overrides(args.override),
+            ratios,
+            splits,
+            args.limit,
+            args.policy_dir,
+        )
         print("\n".join(ratio_table(report)))
         if args.out:
             write_json(report, args.out)
         return 0
     if args.split == "halves":
         raise ValueError("--split halves needs --ratios")
-    report = run_retention(args.datasets, args.policy, parse_overrides(args.override), args.split, args.limit,
-                           args.policy_dir)
+    report = run_retention(
+        args.datasets, args.policy, parse_overrides(args.override), args.split, args.limit, args.policy_dir
+    )
     for name, result in report["datasets"].items():
         summary = result["summary"]
-        print(f"{name} [{args.policy} {args.split}]: answer retained {summary['answer_retention']} "
-              f"(n={summary['n_scored']}), ratio {summary['compression_ratio']}, compression ms "
-              f"mean {summary['compression_ms_mean']} p95 {summary['compression_ms_p95']}")
+        print(
+            f"{name} [{args.policy} {args.split}]: answer retained {summary['answer_retention']} "
+            f"(n={summary['n_scored']}), ratio {summary['compression_ratio']}, compression ms "
+            f"mean {summary['compression_ms_mean']} p95 {summary['compression_ms_p95']}"
+        )
     if args.out:
         write_json(report, args.out)
     return 0
@@ -243,8 +337,16 @@ def _eval_retention_curve(args: argparse.Namespace) -> int:
     budgets = [int(value) for value in args.budgets.split(",") if value.strip()] if args.budgets else None
     if budgets is not None and (not budgets or min(budgets) <= 0):
         raise ValueError("--budgets must be positive token counts, e.g. 1000,400,200")
-    report = run_retention_curve(args.datasets, args.out, policy=args.policy, split=args.split, limit=args.limit,
-                                 budgets=budgets, peer_path=args.peer, reuse_path=args.reuse)
+    report = run_retention_curve(
+        args.datasets,
+        args.out,
+        policy=args.policy,
+        split=args.split,
+        limit=args.limit,
+        budgets=budgets,
+        peer_path=args.peer,
+        reuse_path=args.reuse,
+    )
     for dataset, arms in report["curves"].items():
         for arm, points in arms.items():
             curve = ", ".join(f"{p['compression_ratio']}x: {p['answer_retention']}" for p in points)
@@ -263,8 +365,13 @@ def _eval_message_context(args: argparse.Namespace) -> int:
 
     if args.offset < 0:
         raise ValueError("--offset must be 0 or more")
-    result = measure(resolve_dataset_path(args.input), args.limit, args.policy,
-                     args.document_prompt.replace("\\n", "\n"), args.offset)
+    result = measure(
+        resolve_dataset_path(args.input),
+        args.limit,
+        args.policy,
+        args.document_prompt.replace("\\n", "\n"),
+        args.offset,
+    )
     print(json.dumps(asdict(result) | {"passed": result.passed}, indent=2))
     return 0 if result.passed else 1
 
@@ -319,19 +426,33 @@ def _register_bench_engine(bench_sub: argparse._SubParsersAction) -> None:
         help="workloads W1-W3 against the engine (or --url server) and the HF generate baseline",
     )
     engine.add_argument("--url", default=None, help="benchmark this OpenAI-compatible server instead")
-    engine.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
-                        action=StoreWithDeprecatedAliases, deprecated=["--model-name"],
-                        help="model id to request in --url mode (default: the server's first; --model-name is "
-                        "deprecated)")
-    engine.add_argument("--api-key", default=None,
-                        help="bearer key for --url (a ctxgate gateway with a keys file); default $OPENAI_API_KEY")
+    engine.add_argument(
+        "--served-model-name",
+        "--model-name",
+        dest="served_model_name",
+        default=None,
+        action=StoreWithDeprecatedAliases,
+        deprecated=["--model-name"],
+        help="model id to request in --url mode (default: the server's first; --model-name is deprecated)",
+    )
+    engine.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer key for --url (a ctxgate gateway with a keys file); default $OPENAI_API_KEY",
+    )
     engine.add_argument("--no-progress", action="store_true", help="no progress bars")
     engine.add_argument(
-        "--server-pid", type=int, action="append", default=[],
+        "--server-pid",
+        type=int,
+        action="append",
+        default=[],
         help="in --url mode, the server's pid: its CPU time is not counted as a neighbour's",
     )
     engine.add_argument(
-        "--peer", action="append", default=[], metavar="NAME=URL",
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
         help="another OpenAI-compatible server (vLLM, llama.cpp) run interleaved with the target on the "
         "same prompts; repeatable. Pass its pid with --server-pid so its CPU is not a neighbour's",
     )
@@ -342,11 +463,16 @@ def _register_bench_engine(bench_sub: argparse._SubParsersAction) -> None:
     engine.add_argument("--concurrency", type=int, default=None, help="override concurrency")
     engine.add_argument("--repeats", type=int, default=1, help="A/B repetitions per workload (interleaved)")
     engine.add_argument("--no-baseline", action="store_true", help="skip the HF generate baseline")
-    engine.add_argument("--guided-arm", action="store_true",
-                        help="also measure decode at batch 16 with a JSON-schema grammar mask against unconstrained "
-                             "(interleaved), and the mask's cost per token (in-process engine only)")
     engine.add_argument(
-        "--busy-threshold", type=float, default=0.10,
+        "--guided-arm",
+        action="store_true",
+        help="also measure decode at batch 16 with a JSON-schema grammar mask against unconstrained "
+        "(interleaved), and the mask's cost per token (in-process engine only)",
+    )
+    engine.add_argument(
+        "--busy-threshold",
+        type=float,
+        default=0.10,
         help="repeat a run when other processes used more than this share of the machine's CPU",
     )
     engine.add_argument("--max-attempts", type=int, default=3, help="attempts per run with a busy neighbour")
@@ -366,34 +492,76 @@ def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
     e2e = bench_sub.add_parser(
         "e2e", help="full / compressed / ideal / engine-alone arms: do saved prompt tokens become saved time?"
     )
-    e2e.add_argument("--input", dest="dataset", default="nq-multidoc-dev.jsonl", help="QA JSONL (default nq-multidoc-dev.jsonl)")
+    e2e.add_argument(
+        "--input",
+        dest="dataset",
+        default="nq-multidoc-dev.jsonl",
+        help="QA JSONL (default nq-multidoc-dev.jsonl)",
+    )
     e2e.add_argument("--limit", type=int, default=24, help="first N questions (default 24)")
     e2e.add_argument("--concurrency", default="4", help="comma-separated levels, e.g. 1,4,16 (default 4)")
-    e2e.add_argument("--output-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    e2e.add_argument(
+        "--output-tokens", type=int, default=32, help="tokens generated per request (default 32)"
+    )
     e2e.add_argument("--policy", default="rag-default", help="the compressing policy (default rag-default)")
-    e2e.add_argument("--full-policy", default="passthrough", help="the full-context policy (default passthrough)")
+    e2e.add_argument(
+        "--full-policy", default="passthrough", help="the full-context policy (default passthrough)"
+    )
     e2e.add_argument("--no-warm-pass", action="store_true", help="skip the second (warm-cache) pass")
-    e2e.add_argument("--rounds-per-chunk", type=int, default=2,
-                     help="closed-loop rounds per interleaved chunk (chunk = concurrency x this; default 2)")
-    e2e.add_argument("--model", help="model directory for the gateway and the engine (default: the default model)")
+    e2e.add_argument(
+        "--rounds-per-chunk",
+        type=int,
+        default=2,
+        help="closed-loop rounds per interleaved chunk (chunk = concurrency x this; default 2)",
+    )
+    e2e.add_argument(
+        "--model", help="model directory for the gateway and the engine (default: the default model)"
+    )
     e2e.add_argument("--policy-dir", help="extra policy directory for the gateway")
     e2e.add_argument("--out", default="bench-out/e2e", help="output directory (default bench-out/e2e)")
     e2e.add_argument("--no-progress", action="store_true", help="no per-chunk progress lines")
-    e2e.add_argument("--engine-server", action="store_true",
-                     help="engine-alone arm over HTTP (`ctxgate engine serve`) instead of the engine in this process")
-    e2e.add_argument("--embed-on", choices=("engine", "process"), default="engine",
-                     help="the gateway's `serve --embed-on`: where its embedding model runs (default engine)")
-    e2e.add_argument("--compression-workers", type=at_least_one, default=None, metavar="N",
-                     help="the gateway's `serve --compression-workers` (default: its own, one per two cores)")
-    e2e.add_argument("--compression-nice", type=nice_increment, default=None, metavar="N",
-                     help="the gateway's `serve --compression-nice` (default: its own)")
-    e2e.add_argument("--max-num-batched-tokens", type=at_least_one, default=None, metavar="N",
-                     help="the engine's token budget per step, for the gateway's engine and the engine-alone arm "
-                          "(default: the engine's own)")
-    e2e.add_argument("--arrival-rate", type=positive_number, default=None, metavar="R",
-                     help="open loop: requests arrive at R requests/s (Poisson, the same schedule for every arm) "
-                          "instead of --concurrency clients that wait for their replies; one level, chunks of "
-                          "4 x --rounds-per-chunk requests; req/s-based checks are left to closed-loop runs")
+    e2e.add_argument(
+        "--engine-server",
+        action="store_true",
+        help="engine-alone arm over HTTP (`ctxgate engine serve`) instead of the engine in this process",
+    )
+    e2e.add_argument(
+        "--embed-on",
+        choices=("engine", "process"),
+        default="engine",
+        help="the gateway's `serve --embed-on`: where its embedding model runs (default engine)",
+    )
+    e2e.add_argument(
+        "--compression-workers",
+        type=at_least_one,
+        default=None,
+        metavar="N",
+        help="the gateway's `serve --compression-workers` (default: its own, one per two cores)",
+    )
+    e2e.add_argument(
+        "--compression-nice",
+        type=nice_increment,
+        default=None,
+        metavar="N",
+        help="the gateway's `serve --compression-nice` (default: its own)",
+    )
+    e2e.add_argument(
+        "--max-num-batched-tokens",
+        type=at_least_one,
+        default=None,
+        metavar="N",
+        help="the engine's token budget per step, for the gateway's engine and the engine-alone arm "
+        "(default: the engine's own)",
+    )
+    e2e.add_argument(
+        "--arrival-rate",
+        type=positive_number,
+        default=None,
+        metavar="R",
+        help="open loop: requests arrive at R requests/s (Poisson, the same schedule for every arm) "
+        "instead of --concurrency clients that wait for their replies; one level, chunks of "
+        "4 x --rounds-per-chunk requests; req/s-based checks are left to closed-loop runs",
+    )
     e2e.set_defaults(func=_bench_e2e)
 
 
@@ -414,11 +582,21 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     if not levels or min(levels) <= 0 or args.output_tokens <= 0 or args.rounds_per_chunk <= 0:
         raise ValueError("--concurrency, --output-tokens and --rounds-per-chunk must be positive")
     options = E2EOptions(
-        dataset=args.dataset, limit=args.limit, concurrencies=levels, output_tokens=args.output_tokens,
-        policy=args.policy, full_policy=args.full_policy, warm_pass=not args.no_warm_pass,
-        rounds_per_chunk=args.rounds_per_chunk, model=args.model, policy_dir=args.policy_dir,
-        progress=not args.no_progress, engine_server=args.engine_server, embed_on=args.embed_on,
-        compression_workers=args.compression_workers, compression_nice=args.compression_nice,
+        dataset=args.dataset,
+        limit=args.limit,
+        concurrencies=levels,
+        output_tokens=args.output_tokens,
+        policy=args.policy,
+        full_policy=args.full_policy,
+        warm_pass=not args.no_warm_pass,
+        rounds_per_chunk=args.rounds_per_chunk,
+        model=args.model,
+        policy_dir=args.policy_dir,
+        progress=not args.no_progress,
+        engine_server=args.engine_server,
+        embed_on=args.embed_on,
+        compression_workers=args.compression_workers,
+        compression_nice=args.compression_nice,
         max_num_batched_tokens=args.max_num_batched_tokens,
         arrival_rate=args.arrival_rate,
     )
@@ -449,36 +627,86 @@ QUICK_SLO = {"requests": 3, "rates": [0.5, 2.0], "output_tokens": 4, "chunk_size
 
 def _register_bench_slo(bench_sub: argparse._SubParsersAction) -> None:
     slo = bench_sub.add_parser(
-        "slo", help="goodput under a TTFT objective at several open-loop arrival rates: passthrough, fixed "
-        "policies and the adaptive one, interleaved on the same held-out questions")
-    slo.add_argument("--input", dest="dataset", default="nq-multidoc-dev.jsonl",
-                     help="QA JSONL (default nq-multidoc-dev.jsonl)")
-    slo.add_argument("--split", choices=["test", "tune", "all"], default="test",
-                     help="which half of the questions (eval/splits.py; default test: held out from tuning)")
-    slo.add_argument("--requests", type=at_least_one, default=24,
-                     help="questions, so requests per arm and rate (default 24)")
-    slo.add_argument("--rates", type=_rates, default=[0.3, 0.6, 1.0], metavar="R,R,...",
-                     help="arrival rates in requests/s, below, at and above the knee (default 0.3,0.6,1.0)")
-    slo.add_argument("--knee", type=positive_number, default=0.6, metavar="R",
-                     help="the rate taken as the knee: the retention bar applies below it, the 1.3x goodput "
-                          "bar above it (default 0.6)")
-    slo.add_argument("--policy", action="append", dest="policies", default=None,
-                     help="a fixed policy arm (repeat; default rag-default and rag-fast)")
-    slo.add_argument("--adaptive-policy", default="rag-adaptive", help="the adaptive arm (default rag-adaptive)")
-    slo.add_argument("--slo-s", type=positive_number, default=None, metavar="S",
-                     help="the TTFT objective in seconds (default: the adaptive policy's ttft_slo_s)")
-    slo.add_argument("--give-up-s", type=positive_number, default=None, metavar="S",
-                     help="abandon a request without a first token after S seconds (a miss; default 4 x the objective)")
+        "slo",
+        help="goodput under a TTFT objective at several open-loop arrival rates: passthrough, fixed "
+        "policies and the adaptive one, interleaved on the same held-out questions",
+    )
+    slo.add_argument(
+        "--input",
+        dest="dataset",
+        default="nq-multidoc-dev.jsonl",
+        help="QA JSONL (default nq-multidoc-dev.jsonl)",
+    )
+    slo.add_argument(
+        "--split",
+        choices=["test", "tune", "all"],
+        default="test",
+        help="which half of the questions (eval/splits.py; default test: held out from tuning)",
+    )
+    slo.add_argument(
+        "--requests",
+        type=at_least_one,
+        default=24,
+        help="questions, so requests per arm and rate (default 24)",
+    )
+    slo.add_argument(
+        "--rates",
+        type=_rates,
+        default=[0.3, 0.6, 1.0],
+        metavar="R,R,...",
+        help="arrival rates in requests/s, below, at and above the knee (default 0.3,0.6,1.0)",
+    )
+    slo.add_argument(
+        "--knee",
+        type=positive_number,
+        default=0.6,
+        metavar="R",
+        help="the rate taken as the knee: the retention bar applies below it, the 1.3x goodput "
+        "bar above it (default 0.6)",
+    )
+    slo.add_argument(
+        "--policy",
+        action="append",
+        dest="policies",
+        default=None,
+        help="a fixed policy arm (repeat; default rag-default and rag-fast)",
+    )
+    slo.add_argument(
+        "--adaptive-policy", default="rag-adaptive", help="the adaptive arm (default rag-adaptive)"
+    )
+    slo.add_argument(
+        "--slo-s",
+        type=positive_number,
+        default=None,
+        metavar="S",
+        help="the TTFT objective in seconds (default: the adaptive policy's ttft_slo_s)",
+    )
+    slo.add_argument(
+        "--give-up-s",
+        type=positive_number,
+        default=None,
+        metavar="S",
+        help="abandon a request without a first token after S seconds (a miss; default 4 x the objective)",
+    )
     slo.add_argument("--output-tokens", type=at_least_one, default=16, help="tokens per answer (default 16)")
-    slo.add_argument("--chunk-size", type=at_least_one, default=8,
-                     help="requests per interleaved chunk (default 8)")
+    slo.add_argument(
+        "--chunk-size", type=at_least_one, default=8, help="requests per interleaved chunk (default 8)"
+    )
     slo.add_argument("--seed", type=int, default=0, help="arrival schedule seed (default 0)")
-    slo.add_argument("--quick", action="store_true",
-                     help="a smoke run: 3 requests per arm at 0.5 and 2 requests/s, 4 output tokens")
+    slo.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 3 requests per arm at 0.5 and 2 requests/s, 4 output tokens",
+    )
     slo.add_argument("--model", help="model directory for the gateway (default: the default model)")
     slo.add_argument("--policy-dir", help="extra policy directory for the gateway")
-    slo.add_argument("--max-num-batched-tokens", type=at_least_one, default=None, metavar="N",
-                     help="the engine's token budget per step (default: the engine's own)")
+    slo.add_argument(
+        "--max-num-batched-tokens",
+        type=at_least_one,
+        default=None,
+        metavar="N",
+        help="the engine's token budget per step (default: the engine's own)",
+    )
     slo.add_argument("--out", default="bench-out/slo", help="output directory (default bench-out/slo)")
     slo.add_argument("--no-progress", action="store_true", help="no per-chunk progress lines")
     slo.set_defaults(func=_bench_slo)
@@ -492,11 +720,22 @@ def _bench_slo(args: argparse.Namespace) -> int:
     from ctxgate.eval.slo_report import render_markdown
 
     options = SloOptions(
-        dataset=args.dataset, split=args.split, requests=args.requests, rates=args.rates,
-        policies=args.policies or ["rag-default", "rag-fast"], adaptive=args.adaptive_policy, slo_s=args.slo_s,
-        knee=args.knee, output_tokens=args.output_tokens, chunk_size=args.chunk_size, model=args.model,
-        policy_dir=args.policy_dir, max_num_batched_tokens=args.max_num_batched_tokens,
-        progress=not args.no_progress, seed=args.seed, give_up_s=args.give_up_s,
+        dataset=args.dataset,
+        split=args.split,
+        requests=args.requests,
+        rates=args.rates,
+        policies=args.policies or ["rag-default", "rag-fast"],
+        adaptive=args.adaptive_policy,
+        slo_s=args.slo_s,
+        knee=args.knee,
+        output_tokens=args.output_tokens,
+        chunk_size=args.chunk_size,
+        model=args.model,
+        policy_dir=args.policy_dir,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        progress=not args.no_progress,
+        seed=args.seed,
+        give_up_s=args.give_up_s,
     )
     if args.quick:
         for name, value in QUICK_SLO.items():
@@ -510,14 +749,24 @@ def _bench_slo(args: argparse.Namespace) -> int:
 
 def _register_bench_prefix(bench_sub: argparse._SubParsersAction) -> None:
     prefix = bench_sub.add_parser(
-        "prefix", help="prefix-cache hit rate across compressed prompts sharing passages: policy order vs stable"
+        "prefix",
+        help="prefix-cache hit rate across compressed prompts sharing passages: policy order vs stable",
     )
-    prefix.add_argument("--input", dest="dataset", default="nq-multidoc-dev.jsonl", help="QA JSONL (default nq-multidoc-dev.jsonl)")
-    prefix.add_argument("--policy", default="rag-default", help="packaged compressing policy (default rag-default)")
+    prefix.add_argument(
+        "--input",
+        dest="dataset",
+        default="nq-multidoc-dev.jsonl",
+        help="QA JSONL (default nq-multidoc-dev.jsonl)",
+    )
+    prefix.add_argument(
+        "--policy", default="rag-default", help="packaged compressing policy (default rag-default)"
+    )
     prefix.add_argument("--limit", type=int, default=24, help="requests per arm (default 24)")
     prefix.add_argument("--retention-limit", type=int, default=100, help="questions for the retention check")
     prefix.add_argument("--model", help="model directory for the gateway (default: the default model)")
-    prefix.add_argument("--out", default="bench-out/prefix", help="output directory (default bench-out/prefix)")
+    prefix.add_argument(
+        "--out", default="bench-out/prefix", help="output directory (default bench-out/prefix)"
+    )
     prefix.set_defaults(func=_bench_prefix_reuse)
 
 
@@ -527,31 +776,53 @@ def _bench_prefix_reuse(args: argparse.Namespace) -> int:
 
     if args.limit <= 0 or args.retention_limit <= 0:
         raise ValueError("--limit and --retention-limit must be positive")
-    report = run_bench_prefix(args.dataset, args.policy, args.limit, args.retention_limit, args.out, args.model)
+    report = run_bench_prefix(
+        args.dataset, args.policy, args.limit, args.retention_limit, args.out, args.model
+    )
     print(render_markdown(report))
     return 0
 
 
 def _register_bench_route(bench_sub: argparse._SubParsersAction) -> None:
     route = bench_sub.add_parser(
-        "route", help="routing strategies of a model group over real engine processes: prefix-cache hits, TTFT, "
-        "requests/s; and a replica killed mid-way")
+        "route",
+        help="routing strategies of a model group over real engine processes: prefix-cache hits, TTFT, "
+        "requests/s; and a replica killed mid-way",
+    )
     route.add_argument("--replicas", type=at_least_one, default=2, help="engine processes (default 2)")
-    route.add_argument("--conversations", type=at_least_one, default=8, help="multi-turn conversations (default 8)")
+    route.add_argument(
+        "--conversations", type=at_least_one, default=8, help="multi-turn conversations (default 8)"
+    )
     route.add_argument("--turns", type=at_least_one, default=4, help="turns per conversation (default 4)")
-    route.add_argument("--rag-requests", type=at_least_one, default=12,
-                       help="requests of the shared-system-prompt RAG workload (default 12)")
+    route.add_argument(
+        "--rag-requests",
+        type=at_least_one,
+        default=12,
+        help="requests of the shared-system-prompt RAG workload (default 12)",
+    )
     route.add_argument("--max-tokens", type=at_least_one, default=8, help="answer length (default 8)")
-    route.add_argument("--kv-cache-memory-mb", type=at_least_one, default=64,
-                       help="each replica's KV pool (default 64: too small to hold every conversation)")
+    route.add_argument(
+        "--kv-cache-memory-mb",
+        type=at_least_one,
+        default=64,
+        help="each replica's KV pool (default 64: too small to hold every conversation)",
+    )
     route.add_argument("--model", help="model directory for the engines (default: the default model)")
     route.add_argument("--no-kill", action="store_true", help="skip the run with one replica killed half-way")
-    route.add_argument("--load-factor", type=float, default=1.25,
-                       help="cache affinity's bounded load: a replica takes a key while under this times its share of "
-                       "the requests in flight (default 1.25, as model_list[].load_factor)")
-    route.add_argument("--via", choices=("gateway", "in-process"), default="gateway",
-                       help="gateway (default): through a real `ctxgate serve` process whose model list fronts the "
-                       "replicas, over HTTP; in-process: through a model group in the bench's own process")
+    route.add_argument(
+        "--load-factor",
+        type=float,
+        default=1.25,
+        help="cache affinity's bounded load: a replica takes a key while under this times its share of "
+        "the requests in flight (default 1.25, as model_list[].load_factor)",
+    )
+    route.add_argument(
+        "--via",
+        choices=("gateway", "in-process"),
+        default="gateway",
+        help="gateway (default): through a real `ctxgate serve` process whose model list fronts the "
+        "replicas, over HTTP; in-process: through a model group in the bench's own process",
+    )
     route.add_argument("--out", default="bench-out/route", help="output directory (default bench-out/route)")
     route.set_defaults(func=_bench_route)
 
@@ -560,10 +831,18 @@ def _bench_route(args: argparse.Namespace) -> int:
     _quiet_http_logs()
     from ctxgate.eval.bench_route import RouteBenchConfig, render_markdown, run_bench_route
 
-    config = RouteBenchConfig(replicas=args.replicas, conversations=args.conversations, turns=args.turns,
-                              rag_requests=args.rag_requests, max_tokens=args.max_tokens,
-                              kv_cache_memory_mb=args.kv_cache_memory_mb, model=args.model, kill=not args.no_kill,
-                              via=args.via, load_factor=args.load_factor)
+    config = RouteBenchConfig(
+        replicas=args.replicas,
+        conversations=args.conversations,
+        turns=args.turns,
+        rag_requests=args.rag_requests,
+        max_tokens=args.max_tokens,
+        kv_cache_memory_mb=args.kv_cache_memory_mb,
+        model=args.model,
+        kill=not args.no_kill,
+        via=args.via,
+        load_factor=args.load_factor,
+    )
     if config.kill and config.replicas < 2:
         raise ValueError("the kill run needs --replicas 2 or more (or --no-kill)")
     print(render_markdown(run_bench_route(config, args.out)))

@@ -30,7 +30,9 @@ def question_messages(example: EvalExample, cache_buster: str | None = None) -> 
     ]
 
 
-def ctxgate_extra(example: EvalExample, policy: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def ctxgate_extra(
+    example: EvalExample, policy: str, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The `ctxgate` request extension for a question: its passages, the policy, any overrides."""
     return ctxgate_extra_body(example.documents(), policy=policy, overrides=overrides)
 
@@ -93,7 +95,10 @@ class GatewayClient:
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
         # max_retries=0: a retried request would hide errors and distort latencies.
         self._openai = AsyncOpenAI(
-            base_url=f"{self.base_url}/v1", api_key=api_key or "ctxgate-eval", timeout=timeout_s, max_retries=0
+            base_url=f"{self.base_url}/v1",
+            api_key=api_key or "ctxgate-eval",
+            timeout=timeout_s,
+            max_retries=0,
         )
         self._model: str | None = None
 

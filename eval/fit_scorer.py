@@ -79,20 +79,41 @@ async def question_rows(harness: RetentionHarness, example: EvalExample, policy:
     ensure_candidates(ctx, state)
     question_vector = ctx.question_vector(state)
     units = sentence_units(state.passages)
-    vectors, wanted = embed_units(units, state.passages, len(question_vector), pipeline.services.embedder.embed)
+    vectors, wanted = embed_units(
+        units, state.passages, len(question_vector), pipeline.services.embedder.embed
+    )
     features = unit_features(state.question_text, question_vector, state.passages, units, vectors, wanted)
     keep_titles = policy.extraction.keep_titles
-    titled = {i for i, p in enumerate(state.passages) if keep_titles and answer_in_text(p.title or "", example.answers)}
-    labels = np.array([unit.passage_index in titled or answer_in_text(unit.text, example.answers) for unit in units],
-                      dtype=np.float64)
+    titled = {
+        i
+        for i, p in enumerate(state.passages)
+        if keep_titles and answer_in_text(p.title or "", example.answers)
+    }
+    labels = np.array(
+        [unit.passage_index in titled or answer_in_text(unit.text, example.answers) for unit in units],
+        dtype=np.float64,
+    )
     counter = pipeline.counter
     costs = np.array(counter.count_many([unit.text for unit in units]), dtype=np.float64) + 1
-    headers = np.array([passage_header_cost(counter.count, min(i + 1, 99), p, policy.extraction.keep_titles)
-                        for i, p in enumerate(state.passages)], dtype=np.float64)
-    return Question(features, labels, costs, np.array([u.passage_index for u in units]), headers,
-                    documents_budget(state, ctx), state.question_text,
-                    [(u.passage_index, u.sentence_index, u.text) for u in units], list(state.passages),
-                    tuple(example.answers))
+    headers = np.array(
+        [
+            passage_header_cost(counter.count, min(i + 1, 99), p, policy.extraction.keep_titles)
+            for i, p in enumerate(state.passages)
+        ],
+        dtype=np.float64,
+    )
+    return Question(
+        features,
+        labels,
+        costs,
+        np.array([u.passage_index for u in units]),
+        headers,
+        documents_budget(state, ctx),
+        state.question_text,
+        [(u.passage_index, u.sentence_index, u.text) for u in units],
+        list(state.passages),
+        tuple(example.answers),
+    )
 
 
 def dataset_questions(
@@ -137,14 +158,21 @@ def fit_rounds(datasets: Sequence[list[Question]], c: float) -> tuple[np.ndarray
     from ctxgate.compression.sentence_features import hop_features
 
     answered = [[q for q in questions if q.labels.any()] for questions in datasets]
-    first = softmax_fit([(q.features, q.labels > 0, 1.0 / len(qs), np.zeros(len(q.labels)))
-                         for qs in answered for q in qs], c)
+    first = softmax_fit(
+        [(q.features, q.labels > 0, 1.0 / len(qs), np.zeros(len(q.labels))) for qs in answered for q in qs], c
+    )
     hops = []
     for qs in answered:
         for q in qs:
             offset = q.features @ first
-            hops.append((hop_features(q.question, q.passages_seen, q.positions, offset), q.labels > 0,
-                         1.0 / len(qs), offset))
+            hops.append(
+                (
+                    hop_features(q.question, q.passages_seen, q.positions, offset),
+                    q.labels > 0,
+                    1.0 / len(qs),
+                    offset,
+                )
+            )
     return first, softmax_fit(hops, c)
 
 
@@ -163,8 +191,10 @@ def kept_answer(question: Question, scores: np.ndarray, counter: Any, extraction
     from ctxgate.compression.scoring import VALUE_TEMPERATURE, SentenceUnit, store_sentence_scores
 
     passages = copy.deepcopy(question.passages_seen)
-    units = [SentenceUnit(p, s, text, float(VALUE_TEMPERATURE * score))
-             for (p, s, text), score in zip(question.positions, scores, strict=True)]
+    units = [
+        SentenceUnit(p, s, text, float(VALUE_TEMPERATURE * score))
+        for (p, s, text), score in zip(question.positions, scores, strict=True)
+    ]
     store_sentence_scores(units, passages)
     select_sentences(units, passages, question.budget, counter, extraction)
     return answer_in_text(render_context(passages, extraction.keep_titles), question.answers)
@@ -176,13 +206,19 @@ def retention_by_ratio(
     """Share of questions (their rows are ratio-major per example) whose answer the selection keeps."""
     shares = []
     for ratio_index in range(len(ratios)):
-        at = questions[ratio_index::len(ratios)]
-        shares.append(float(np.mean([q.labels.any() and kept_answer(q, score(q), counter, extraction) for q in at])))
+        at = questions[ratio_index :: len(ratios)]
+        shares.append(
+            float(np.mean([q.labels.any() and kept_answer(q, score(q), counter, extraction) for q in at]))
+        )
     return shares
 
 
 def choose_c(
-    datasets: Sequence[list[Question]], ratios: Sequence[float], grid: Sequence[float], counter: Any, extraction: Any
+    datasets: Sequence[list[Question]],
+    ratios: Sequence[float],
+    grid: Sequence[float],
+    counter: Any,
+    extraction: Any,
 ) -> float:
     """The L2 strength whose weights, fitted on one half of the tune examples, keep the most answers
     on the other half (both ways round; mean over datasets and ratios)."""
@@ -197,8 +233,13 @@ def choose_c(
         for which in (0, 1):
             first, hop = fit_rounds([half(qs, 1 - which) for qs in datasets], c)
             for questions in datasets:
-                shares += retention_by_ratio(half(questions, which), ratios,
-                                             lambda q, w=first, h=hop: final_scores(q, w, h), counter, extraction)
+                shares += retention_by_ratio(
+                    half(questions, which),
+                    ratios,
+                    lambda q, w=first, h=hop: final_scores(q, w, h),
+                    counter,
+                    extraction,
+                )
         share = float(np.mean(shares))
         print(f"c={c:g}: held-out half of tune keeps {share:.4f}")
         if share > best_share:
@@ -216,15 +257,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policy", default="rag-default")
     parser.add_argument("--ratios", default="3,5,10")
     parser.add_argument("--limit", type=int, help="first N tune questions per dataset")
-    parser.add_argument("--c", default="auto",
-                        help="inverse L2 strength, or 'auto': chosen on halves of the tune questions")
+    parser.add_argument(
+        "--c", default="auto", help="inverse L2 strength, or 'auto': chosen on halves of the tune questions"
+    )
     parser.add_argument("--cache", help="pickle of the feature rows (read if it exists, else written)")
     parser.add_argument("--out", help="write the weights here as JSON")
     args = parser.parse_args(argv)
     from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
-    policy = policy_with_overrides(load_policy_file(packaged_policy_dir() / f"{args.policy}.yaml"),
-                                   {"rerank.top_k": None})
+    policy = policy_with_overrides(
+        load_policy_file(packaged_policy_dir() / f"{args.policy}.yaml"), {"rerank.top_k": None}
+    )
     ratios = [float(r) for r in args.ratios.split(",")]
     cache = Path(args.cache) if args.cache else None
     harness = RetentionHarness()
@@ -245,19 +288,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = choose_c(datasets, ratios, C_GRID, counter, policy.extraction) if args.c == "auto" else float(args.c)
     first, hop = fit_rounds(datasets, c)
     for name, questions in per_dataset.items():
-        fused = retention_by_ratio(questions, ratios, lambda q: q.features @ FUSED, counter, policy.extraction)
-        both = retention_by_ratio(questions, ratios, lambda q: final_scores(q, first, hop), counter,
-                                  policy.extraction)
+        fused = retention_by_ratio(
+            questions, ratios, lambda q: q.features @ FUSED, counter, policy.extraction
+        )
+        both = retention_by_ratio(
+            questions, ratios, lambda q: final_scores(q, first, hop), counter, policy.extraction
+        )
         for ratio, before, after in zip(ratios, fused, both, strict=True):
-            print(f"{name} {ratio:g}x answer kept on tune (fitted on it): fused {before:.3f} learned {after:.3f}")
+            print(
+                f"{name} {ratio:g}x answer kept on tune (fitted on it): fused {before:.3f} learned {after:.3f}"
+            )
     print("WEIGHTS = (" + ", ".join(f"{w:.4f}" for w in first) + ")")
     print("HOP_WEIGHTS = (" + ", ".join(f"{w:.4f}" for w in hop) + ")")
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump({"weights": dict(zip(FEATURES, map(float, first), strict=True)),
-                       "hop_weights": dict(zip(HOP_FEATURES, map(float, hop), strict=True)),
-                       "datasets": list(per_dataset), "ratios": ratios, "c": c, "split": "tune"},
-                      handle, indent=1)
+            json.dump(
+                {
+                    "weights": dict(zip(FEATURES, map(float, first), strict=True)),
+                    "hop_weights": dict(zip(HOP_FEATURES, map(float, hop), strict=True)),
+                    "datasets": list(per_dataset),
+                    "ratios": ratios,
+                    "c": c,
+                    "split": "tune",
+                },
+                handle,
+                indent=1,
+            )
     return 0
 
 

@@ -30,7 +30,9 @@ class MetricCheck:
         if self.drop is None:
             return f"{status} {self.arm}: {self.metric}: {self.note or 'not measured'}"
         interval = (
-            f"95% CI of drop [{self.drop_ci[0]:+.3f}, {self.drop_ci[1]:+.3f}]" if self.drop_ci else "no interval"
+            f"95% CI of drop [{self.drop_ci[0]:+.3f}, {self.drop_ci[1]:+.3f}]"
+            if self.drop_ci
+            else "no interval"
         )
         verb = "dropped" if self.drop > 0 else "changed"
         return (
@@ -65,15 +67,30 @@ def _per_question(arm: dict[str, Any], metric: str) -> dict[str, float | None]:
 
 
 def check_metric(
-    arm_label: str, metric: str, baseline_arm: dict[str, Any], current_arm: dict[str, Any], allowed_drop: float
+    arm_label: str,
+    metric: str,
+    baseline_arm: dict[str, Any],
+    current_arm: dict[str, Any],
+    allowed_drop: float,
 ) -> MetricCheck:
     baseline_value = (baseline_arm.get(metric) or {}).get("value")
     current_value = (current_arm.get(metric) or {}).get("value")
     if baseline_value is None or current_value is None:
-        return MetricCheck(arm_label, metric, baseline_value, current_value, None, None, allowed_drop, True,
-                           note="not measured in both reports (skipped)")
+        return MetricCheck(
+            arm_label,
+            metric,
+            baseline_value,
+            current_value,
+            None,
+            None,
+            allowed_drop,
+            True,
+            note="not measured in both reports (skipped)",
+        )
     drop = round(baseline_value - current_value, 6)
-    difference = paired_bootstrap_difference(_per_question(baseline_arm, metric), _per_question(current_arm, metric))
+    difference = paired_bootstrap_difference(
+        _per_question(baseline_arm, metric), _per_question(current_arm, metric)
+    )
     note = ""
     drop_ci = None
     if difference.n and difference.ci_low is not None and difference.ci_high is not None:
@@ -85,7 +102,9 @@ def check_metric(
     else:
         note = "no shared per-question scores for an interval"
     passed = drop <= allowed_drop + 1e-12
-    return MetricCheck(arm_label, metric, baseline_value, current_value, drop, drop_ci, allowed_drop, passed, note)
+    return MetricCheck(
+        arm_label, metric, baseline_value, current_value, drop, drop_ci, allowed_drop, passed, note
+    )
 
 
 def run_gate(

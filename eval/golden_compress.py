@@ -27,7 +27,9 @@ from ctxgate.eval.client import question_messages
 from ctxgate.eval.datasets import EvalExample, load_dataset, resolve_dataset_path
 
 DEFAULT_SETS = ("nq-multidoc", "hotpotqa-distractor", "musique")
-INSTRUCTIONS = "Answer the question using only the context below. If the context does not say, answer 'unknown'."
+INSTRUCTIONS = (
+    "Answer the question using only the context below. If the context does not say, answer 'unknown'."
+)
 
 
 def _documents_field(example: EvalExample) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
@@ -37,38 +39,55 @@ def _documents_field(example: EvalExample) -> tuple[list[dict[str, str]], list[d
 def _context_numbered(example: EvalExample) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """LangChain-style: instructions, a "Context:" section of "[n] Title" passages, in the system message."""
     block = "\n\n".join(f"[{i + 1}] {p.title}\n{p.text}" for i, p in enumerate(example.passages))
-    return [{"role": "system", "content": f"{INSTRUCTIONS}\n\nContext:\n{block}"},
-            {"role": "user", "content": example.question}], []
+    return [
+        {"role": "system", "content": f"{INSTRUCTIONS}\n\nContext:\n{block}"},
+        {"role": "user", "content": example.question},
+    ], []
 
 
 def _tagged(example: EvalExample) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    block = "\n".join(f'<document id="p{i}" title="{p.title}">\n{p.text}\n</document>'
-                      for i, p in enumerate(example.passages))
-    return [{"role": "system", "content": f"{INSTRUCTIONS}\n\n<documents>\n{block}\n</documents>"},
-            {"role": "user", "content": example.question}], []
+    block = "\n".join(
+        f'<document id="p{i}" title="{p.title}">\n{p.text}\n</document>'
+        for i, p in enumerate(example.passages)
+    )
+    return [
+        {"role": "system", "content": f"{INSTRUCTIONS}\n\n<documents>\n{block}\n</documents>"},
+        {"role": "user", "content": example.question},
+    ], []
 
 
 def _document_title(example: EvalExample) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """"Document [n](Title: ...)" passages in the user message, closed by a "Question:" line."""
-    block = "\n".join(f"Document [{i + 1}](Title: {p.title}) {p.text}" for i, p in enumerate(example.passages))
-    return [{"role": "system", "content": INSTRUCTIONS},
-            {"role": "user", "content": f"{block}\n\nQuestion: {example.question}\nAnswer:"}], []
+    """ "Document [n](Title: ...)" passages in the user message, closed by a "Question:" line."""
+    block = "\n".join(
+        f"Document [{i + 1}](Title: {p.title}) {p.text}" for i, p in enumerate(example.passages)
+    )
+    return [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": f"{block}\n\nQuestion: {example.question}\nAnswer:"},
+    ], []
 
 
 def _dashed_sources(example: EvalExample) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """LlamaIndex-style dashed block of "Source n:" passages."""
     block = "\n\n".join(f"Source {i + 1}: {p.title}\n{p.text}" for i, p in enumerate(example.passages))
     dashes = "-" * 21
-    return [{"role": "user", "content": f"Context information is below.\n{dashes}\n{block}\n{dashes}\n"
-             f"Given the context information and not prior knowledge, answer the query.\nQuery: {example.question}"
-             "\nAnswer: "}], []
+    return [
+        {
+            "role": "user",
+            "content": f"Context information is below.\n{dashes}\n{block}\n{dashes}\n"
+            f"Given the context information and not prior knowledge, answer the query.\nQuery: {example.question}"
+            "\nAnswer: ",
+        }
+    ], []
 
 
 def _bare_paragraphs(example: EvalExample) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """LangChain's stuff-documents prompt with a "{title}\\n{page_content}" document prompt."""
     block = "\n\n".join(f"{p.title}\n{p.text}" for p in example.passages)
-    return [{"role": "system", "content": f"{INSTRUCTIONS}\n\n{block}"},
-            {"role": "user", "content": example.question}], []
+    return [
+        {"role": "system", "content": f"{INSTRUCTIONS}\n\n{block}"},
+        {"role": "user", "content": example.question},
+    ], []
 
 
 LAYOUTS: dict[str, Callable[[EvalExample], tuple[list[dict[str, str]], list[dict[str, str]]]]] = {
@@ -103,14 +122,19 @@ class GoldenRunner:
         neutral = self.neutraliser
         return CompressionInput(
             messages=[{"role": m["role"], "content": neutral.text(m["content"])} for m in messages],
-            documents=[Document(text=neutral.document(d["text"]), id=d["id"], title=neutral.document(d["title"]))
-                       for d in documents],
+            documents=[
+                Document(text=neutral.document(d["text"]), id=d["id"], title=neutral.document(d["title"]))
+                for d in documents
+            ],
         )
 
     def compress(self, messages: list[dict[str, str]], documents: list[dict[str, str]]) -> dict[str, Any]:
         result = asyncio.run(self.pipeline.run(self.request(messages, documents), self.policy))
-        return {"messages": result.messages, "prompt_tokens": result.prompt_tokens,
-                "original_prompt_tokens": result.original_prompt_tokens}
+        return {
+            "messages": result.messages,
+            "prompt_tokens": result.prompt_tokens,
+            "original_prompt_tokens": result.original_prompt_tokens,
+        }
 
 
 def write_golden(out: Path, limit: int, policy: str, sets: list[str], layouts: list[str]) -> dict[str, int]:
@@ -122,7 +146,9 @@ def write_golden(out: Path, limit: int, policy: str, sets: list[str], layouts: l
             for example in examples:
                 for layout in layouts:
                     messages, documents = LAYOUTS[layout](example)
-                    row = {"set": name, "layout": layout, "id": example.id} | runner.compress(messages, documents)
+                    row = {"set": name, "layout": layout, "id": example.id} | runner.compress(
+                        messages, documents
+                    )
                     handle.write(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n")
                     counts[f"{name}/{layout}"] = counts.get(f"{name}/{layout}", 0) + 1
     return counts

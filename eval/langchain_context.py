@@ -44,12 +44,14 @@ class Acceptance:
 
     @property
     def passed(self) -> bool:
-        return (self.refused == 0 and self.over_budget == 0 and self.retention >= 0.95
-                and self.reduction >= 4.0)
+        return (
+            self.refused == 0 and self.over_budget == 0 and self.retention >= 0.95 and self.reduction >= 4.0
+        )
 
 
-def langchain_messages(question: str, passages: list[dict[str, Any]],
-                       document_template: str = "{page_content}") -> list[dict[str, str]]:
+def langchain_messages(
+    question: str, passages: list[dict[str, Any]], document_template: str = "{page_content}"
+) -> list[dict[str, str]]:
     """The messages LangChain sends for this question: its stuff-documents formatting (each document
     through the document prompt, default "{page_content}", joined by blank lines) inside a
     ChatPromptTemplate, converted to OpenAI messages as ChatOpenAI does."""
@@ -61,11 +63,19 @@ def langchain_messages(question: str, passages: list[dict[str, Any]],
     document_prompt = PromptTemplate.from_template(document_template)
     context = "\n\n".join(format_document(document, document_prompt) for document in documents)
     prompt = ChatPromptTemplate.from_messages([("system", SYSTEM_PROMPT), ("human", "{input}")])
-    return [_convert_message_to_dict(m) for m in prompt.invoke({"context": context, "input": question}).to_messages()]
+    return [
+        _convert_message_to_dict(m)
+        for m in prompt.invoke({"context": context, "input": question}).to_messages()
+    ]
 
 
-def measure(dataset: Path, limit: int, policy: str = "rag-default",
-            document_template: str = "{page_content}", offset: int = 0) -> Acceptance:
+def measure(
+    dataset: Path,
+    limit: int,
+    policy: str = "rag-default",
+    document_template: str = "{page_content}",
+    offset: int = 0,
+) -> Acceptance:
     from fastapi.testclient import TestClient
 
     from ctxgate.backend.model.model_prepare import prepare_default_model
@@ -73,15 +83,24 @@ def measure(dataset: Path, limit: int, policy: str = "rag-default",
     from ctxgate.gateway.app import create_app
     from ctxgate.gateway.settings import GatewaySettings
 
-    settings = GatewaySettings(upstreams=["http://127.0.0.1:9"], upstream_model="m", served_model_name="m",
-                               tokenizer=str(prepare_default_model()), default_policy=policy)
-    examples = [json.loads(line) for line in dataset.read_text().splitlines()[offset:offset + limit]
-                if line.strip()]
+    settings = GatewaySettings(
+        upstreams=["http://127.0.0.1:9"],
+        upstream_model="m",
+        served_model_name="m",
+        tokenizer=str(prepare_default_model()),
+        default_policy=policy,
+    )
+    examples = [
+        json.loads(line) for line in dataset.read_text().splitlines()[offset : offset + limit] if line.strip()
+    ]
     refused = over = original = sent = answerable = retained = found = 0
     lost: list[str] = []
     with TestClient(create_app(settings)) as client:
-        budget = next(p["effective"]["max_input_tokens"] for p in client.get("/v1/ctxgate/policies").json()[
-            "policies"] if p["name"] == policy)
+        budget = next(
+            p["effective"]["max_input_tokens"]
+            for p in client.get("/v1/ctxgate/policies").json()["policies"]
+            if p["name"] == policy
+        )
         for example in examples:
             messages = langchain_messages(example["question"], example["passages"], document_template)
             response = client.post("/v1/ctxgate/compress", json={"model": "m", "messages": messages})
@@ -103,8 +122,16 @@ def measure(dataset: Path, limit: int, policy: str = "rag-default",
                     lost.append(example.get("id", str(len(lost))))
     done = len(examples) - refused
     return Acceptance(
-        requests=len(examples), refused=refused, over_budget=over, budget=budget, original_tokens=original,
-        sent_tokens=sent, reduction=round(original / sent, 2) if sent else 0.0, answerable=answerable,
-        retained=retained, retention=round(retained / answerable, 4) if answerable else 0.0,
-        passages_found_mean=round(found / done, 2) if done else 0.0, lost=lost,
+        requests=len(examples),
+        refused=refused,
+        over_budget=over,
+        budget=budget,
+        original_tokens=original,
+        sent_tokens=sent,
+        reduction=round(original / sent, 2) if sent else 0.0,
+        answerable=answerable,
+        retained=retained,
+        retention=round(retained / answerable, 4) if answerable else 0.0,
+        passages_found_mean=round(found / done, 2) if done else 0.0,
+        lost=lost,
     )

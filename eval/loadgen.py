@@ -15,8 +15,12 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 
-async def closed_loop(items: Sequence[Item], concurrency: int, one: Callable[[Item], Awaitable[Result]],
-                      on_result: Callable[[Result], None] | None = None) -> list[Result]:
+async def closed_loop(
+    items: Sequence[Item],
+    concurrency: int,
+    one: Callable[[Item], Awaitable[Result]],
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
     """`concurrency` clients take the items in order, each the next one when its previous request
     finished; `on_result` sees each result as it comes (a progress bar)."""
     pending = list(enumerate(items))
@@ -49,8 +53,12 @@ def uniform_offsets(count: int, rate_per_s: float) -> list[float]:
     return [index / rate_per_s for index in range(count)]
 
 
-async def open_loop(items: Sequence[Item], offsets: Sequence[float], one: Callable[[Item], Awaitable[Result]],
-                    max_outstanding: int | None = None) -> list[Result]:
+async def open_loop(
+    items: Sequence[Item],
+    offsets: Sequence[float],
+    one: Callable[[Item], Awaitable[Result]],
+    max_outstanding: int | None = None,
+) -> list[Result]:
     """Send each item at its offset (seconds from now) without waiting for earlier replies; at most
     `max_outstanding` in flight when given (a late item then waits for a free place)."""
     started = time.perf_counter()

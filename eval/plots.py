@@ -42,14 +42,26 @@ def plot_quality_vs_compression(report: dict[str, Any], path: Path) -> None:
                 [0 if v is None else v - lo for v, lo in zip(values, lows, strict=True)],
                 [0 if v is None else hi - v for v, hi in zip(values, highs, strict=True)],
             ]
-            axis.errorbar(ratios, [v if v is not None else float("nan") for v in values], yerr=errors,
-                          marker=marker, linestyle=style, capsize=3, label=f"{group}: {metric.replace('_', ' ')}")
+            axis.errorbar(
+                ratios,
+                [v if v is not None else float("nan") for v in values],
+                yerr=errors,
+                marker=marker,
+                linestyle=style,
+                capsize=3,
+                label=f"{group}: {metric.replace('_', ' ')}",
+            )
         for (_label, arm), ratio in zip(members, ratios, strict=True):
             if arm.get("sweep_field"):
                 anchor = arm["accuracy"]["value"]
                 anchor = anchor if anchor is not None else arm["answer_retention"]["value"] or 0
-                axis.annotate(str(arm["sweep_value"]), (ratio, anchor),
-                              textcoords="offset points", xytext=(4, 4), fontsize=7)
+                axis.annotate(
+                    str(arm["sweep_value"]),
+                    (ratio, anchor),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                )
     axis.set_xlabel("compression ratio (original / sent prompt tokens)")
     axis.set_ylabel("share of questions")
     axis.set_ylim(-0.02, 1.02)
@@ -68,7 +80,9 @@ def plot_ttft_distribution(rows: list[dict[str, Any]], arms: list[str], path: Pa
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for label in arms:
-        values = np.sort([row["ttft_ms"] for row in rows if row["arm"] == label and row.get("ttft_ms") is not None])
+        values = np.sort(
+            [row["ttft_ms"] for row in rows if row["arm"] == label and row.get("ttft_ms") is not None]
+        )
         if values.size == 0:
             continue
         shares = np.arange(1, values.size + 1) / values.size
@@ -76,8 +90,14 @@ def plot_ttft_distribution(rows: list[dict[str, Any]], arms: list[str], path: Pa
         (line,) = axis.step(values, shares, where="post", label=f"{label} (P95 {p95:.0f} ms)")
         axis.axvline(p95, color=line.get_color(), linestyle=":", alpha=0.7)
     if not axis.lines:
-        axis.text(0.5, 0.5, "no TTFT measured (compress-only run or every request failed)",
-                  ha="center", va="center", transform=axis.transAxes)
+        axis.text(
+            0.5,
+            0.5,
+            "no TTFT measured (compress-only run or every request failed)",
+            ha="center",
+            va="center",
+            transform=axis.transAxes,
+        )
     axis.set_xlabel("time to first token, client-side (ms)")
     axis.set_ylabel("share of requests")
     axis.set_title("TTFT distribution per arm")

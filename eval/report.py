@@ -58,7 +58,8 @@ def summarize_arm(rows: list[dict[str, Any]], concurrency: int, seed: int = 0) -
     summary["compression_ratio"] = round(sum(original) / sum(sent), 3) if sent and sum(sent) else None
     summary["tokens_saved_mean"] = (
         round(summary["original_prompt_tokens_mean"] - summary["prompt_tokens_mean"], 3)
-        if original and sent else None
+        if original and sent
+        else None
     )
 
     saved_by_stage: dict[str, list[float]] = defaultdict(list)
@@ -72,13 +73,17 @@ def summarize_arm(rows: list[dict[str, Any]], concurrency: int, seed: int = 0) -
             ms_by_stage[stage].append(float(ms))
         compression_total_ms.append(sum(float(ms) for ms in stage_ms.values()))
     count = max(1, len(ok_rows))
-    summary["tokens_saved_by_stage"] = {stage: round(sum(v) / count, 3) for stage, v in saved_by_stage.items()}
+    summary["tokens_saved_by_stage"] = {
+        stage: round(sum(v) / count, 3) for stage, v in saved_by_stage.items()
+    }
     summary["compression_ms"] = {
         **{key: value for key, value in percentiles(compression_total_ms, (50, 95)).items()},
         "by_stage": {stage: percentiles(values, (50, 95)) for stage, values in ms_by_stage.items()},
     }
 
-    summary["compression_ms_first_sight"] = percentiles(_numbers(ok_rows, "compression_ms_first_sight"), (50, 95))
+    summary["compression_ms_first_sight"] = percentiles(
+        _numbers(ok_rows, "compression_ms_first_sight"), (50, 95)
+    )
     for key in ("ttft_ms", "tpot_ms", "latency_ms", "server_ttft_ms", "prefill_ms", "queue_ms"):
         summary[key] = percentiles(_numbers(ok_rows, key))
     summary["cached_prompt_tokens_mean"] = _mean(_numbers(ok_rows, "cached_prompt_tokens"))
@@ -156,8 +161,12 @@ def build_report(
         "schema_version": REPORT_SCHEMA_VERSION,
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": config.command,
-        "dataset": {"path": dataset.path, "name": dataset.name, "sha256": dataset.sha256,
-                    "questions": len(dataset.examples)},
+        "dataset": {
+            "path": dataset.path,
+            "name": dataset.name,
+            "sha256": dataset.sha256,
+            "questions": len(dataset.examples),
+        },
         "settings": {
             "policies": config.policies,
             "sweep": config.sweep.label("|".join(map(str, config.sweep.values))) if config.sweep else None,
@@ -226,8 +235,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Machine: {settings.get('cpu_path', 'not recorded')}",
         "",
         "Intervals are 95% percentile-bootstrap intervals over questions."
-        + (" Compress-only run: nothing was generated, so answer scores and latencies are not measured."
-           if settings.get("compress_only") else ""),
+        + (
+            " Compress-only run: nothing was generated, so answer scores and latencies are not measured."
+            if settings.get("compress_only")
+            else ""
+        ),
         "",
         "## Quality",
         "",
@@ -235,38 +247,80 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += _table(
         ["arm", "n", "errors", "accuracy", "exact match", "F1", "answer retained", "gold passage kept"],
         [
-            [label, str(arm["n"]), str(arm["errors"]), _fmt_estimate(arm["accuracy"]),
-             _fmt_estimate(arm["exact_match"]), _fmt_estimate(arm["f1"]),
-             _fmt_estimate(arm["answer_retention"]), _fmt_estimate(arm["gold_passage_retention"])]
+            [
+                label,
+                str(arm["n"]),
+                str(arm["errors"]),
+                _fmt_estimate(arm["accuracy"]),
+                _fmt_estimate(arm["exact_match"]),
+                _fmt_estimate(arm["f1"]),
+                _fmt_estimate(arm["answer_retention"]),
+                _fmt_estimate(arm["gold_passage_retention"]),
+            ]
             for label, arm in arms.items()
         ],
     )
     lines += ["## Tokens and compression", ""]
     lines += _table(
-        ["arm", "original tokens (mean)", "sent tokens (mean)", "ratio", "saved by stage (mean)",
-         "compression ms P50", "compression ms P95", "first-sight P50", "first-sight P95"],
         [
-            [label, _fmt(arm["original_prompt_tokens_mean"], 1), _fmt(arm["prompt_tokens_mean"], 1),
-             _fmt(arm["compression_ratio"], 2),
-             ", ".join(f"{stage} {tokens:.0f}" for stage, tokens in arm["tokens_saved_by_stage"].items()) or "–",
-             _fmt(arm["compression_ms"]["p50"], 2), _fmt(arm["compression_ms"]["p95"], 2),
-             _fmt(arm.get("compression_ms_first_sight", {}).get("p50"), 2),
-             _fmt(arm.get("compression_ms_first_sight", {}).get("p95"), 2)]
+            "arm",
+            "original tokens (mean)",
+            "sent tokens (mean)",
+            "ratio",
+            "saved by stage (mean)",
+            "compression ms P50",
+            "compression ms P95",
+            "first-sight P50",
+            "first-sight P95",
+        ],
+        [
+            [
+                label,
+                _fmt(arm["original_prompt_tokens_mean"], 1),
+                _fmt(arm["prompt_tokens_mean"], 1),
+                _fmt(arm["compression_ratio"], 2),
+                ", ".join(f"{stage} {tokens:.0f}" for stage, tokens in arm["tokens_saved_by_stage"].items())
+                or "–",
+                _fmt(arm["compression_ms"]["p50"], 2),
+                _fmt(arm["compression_ms"]["p95"], 2),
+                _fmt(arm.get("compression_ms_first_sight", {}).get("p50"), 2),
+                _fmt(arm.get("compression_ms_first_sight", {}).get("p95"), 2),
+            ]
             for label, arm in arms.items()
         ],
     )
-    lines += ["Compression ms is measured on the chat request; \"first sight\" on the preceding "
-              "/v1/ctxgate/compress call, when the passages are new to the embedding cache.", ""]
+    lines += [
+        'Compression ms is measured on the chat request; "first sight" on the preceding '
+        "/v1/ctxgate/compress call, when the passages are new to the embedding cache.",
+        "",
+    ]
     lines += ["## Latency (ms; client-side TTFT/TPOT/end-to-end, server-side prefill)", ""]
     lines += _table(
-        ["arm", "TTFT P50", "TTFT P95", "TTFT P99", "TPOT P50", "TPOT P95", "e2e P50", "e2e P95", "e2e P99",
-         "prefill P50", "prefill P95", "req/s", "out tok/s"],
         [
-            [label] + [_fmt(arm["ttft_ms"][p], 1) for p in ("p50", "p95", "p99")]
+            "arm",
+            "TTFT P50",
+            "TTFT P95",
+            "TTFT P99",
+            "TPOT P50",
+            "TPOT P95",
+            "e2e P50",
+            "e2e P95",
+            "e2e P99",
+            "prefill P50",
+            "prefill P95",
+            "req/s",
+            "out tok/s",
+        ],
+        [
+            [label]
+            + [_fmt(arm["ttft_ms"][p], 1) for p in ("p50", "p95", "p99")]
             + [_fmt(arm["tpot_ms"][p], 1) for p in ("p50", "p95")]
             + [_fmt(arm["latency_ms"][p], 1) for p in ("p50", "p95", "p99")]
             + [_fmt(arm["prefill_ms"][p], 1) for p in ("p50", "p95")]
-            + [_fmt(arm["throughput"]["requests_per_s"], 3), _fmt(arm["throughput"]["output_tokens_per_s"], 1)]
+            + [
+                _fmt(arm["throughput"]["requests_per_s"], 3),
+                _fmt(arm["throughput"]["output_tokens_per_s"], 1),
+            ]
             for label, arm in arms.items()
         ],
     )
@@ -277,18 +331,39 @@ def render_markdown(report: dict[str, Any]) -> str:
             for metric in ("accuracy", "answer_retention", "f1"):
                 diff = comparison["difference"][metric]
                 verdict = "real difference" if diff["significant"] else "within noise"
-                rows.append([comparison["candidate"], comparison["baseline"], metric,
-                             _fmt_estimate(diff), verdict if diff["value"] is not None else "–"])
+                rows.append(
+                    [
+                        comparison["candidate"],
+                        comparison["baseline"],
+                        metric,
+                        _fmt_estimate(diff),
+                        verdict if diff["value"] is not None else "–",
+                    ]
+                )
         lines += _table(["candidate", "baseline", "metric", "difference [95% CI]", "verdict"], rows)
     if report.get("sweep"):
         sweep = report["sweep"]
         lines += [f"## Sweep of `{sweep['field']}` on `{sweep['base_policy']}`", ""]
         lines += _table(
-            [sweep["field"], "ratio", "sent tokens", "accuracy", "answer retained", "gold passage kept", "TTFT P95"],
             [
-                [str(row["value"]), _fmt(row["compression_ratio"], 2), _fmt(row["prompt_tokens_mean"], 1),
-                 _fmt_estimate(row["accuracy"]), _fmt_estimate(row["answer_retention"]),
-                 _fmt_estimate(row["gold_passage_retention"]), _fmt(row["ttft_ms_p95"], 1)]
+                sweep["field"],
+                "ratio",
+                "sent tokens",
+                "accuracy",
+                "answer retained",
+                "gold passage kept",
+                "TTFT P95",
+            ],
+            [
+                [
+                    str(row["value"]),
+                    _fmt(row["compression_ratio"], 2),
+                    _fmt(row["prompt_tokens_mean"], 1),
+                    _fmt_estimate(row["accuracy"]),
+                    _fmt_estimate(row["answer_retention"]),
+                    _fmt_estimate(row["gold_passage_retention"]),
+                    _fmt(row["ttft_ms_p95"], 1),
+                ]
                 for row in sweep["rows"]
             ],
         )

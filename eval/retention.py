@@ -108,10 +108,15 @@ class RetentionHarness:
         from ctxgate.compression.types import CompressionInput, Document
 
         messages = [
-            {"role": m["role"], "content": self.neutraliser.text(m["content"])} for m in question_messages(example)
+            {"role": m["role"], "content": self.neutraliser.text(m["content"])}
+            for m in question_messages(example)
         ]
         documents = [
-            Document(text=self.neutraliser.document(d["text"]), id=d["id"], title=self.neutraliser.document(d["title"]))
+            Document(
+                text=self.neutraliser.document(d["text"]),
+                id=d["id"],
+                title=self.neutraliser.document(d["title"]),
+            )
             for d in example.documents()
         ]
         return CompressionInput(messages=messages, documents=documents)
@@ -149,8 +154,10 @@ class RetentionHarness:
 
         request = self.request_of(example)
         system, question = request.messages[0], request.messages[1]["content"]
-        context = "\n\n".join(f"[{i + 1}] {d.title}\n{d.text}" if d.title else f"[{i + 1}]\n{d.text}"
-                                for i, d in enumerate(request.documents))
+        context = "\n\n".join(
+            f"[{i + 1}] {d.title}\n{d.text}" if d.title else f"[{i + 1}]\n{d.text}"
+            for i, d in enumerate(request.documents)
+        )
         count = self.pipeline.counter.count_chat
         original = count([system, {"role": "user", "content": question_with_context(context, question)}])
         pinned = count([system, {"role": "user", "content": question_with_context("x", question)}]) - 1
@@ -188,7 +195,9 @@ def summarize(results: Sequence[QuestionResult]) -> dict[str, Any]:
         "gold_passage_retention": round(float(np.mean(gold)), 4) if gold else None,
         # Ratio of totals, as eval/report.py computes it.
         "compression_ratio": round(original / sent, 3) if sent else None,
-        "compression_ratio_median": round(float(np.median([r.ratio for r in results])), 3) if results else None,
+        "compression_ratio_median": round(float(np.median([r.ratio for r in results])), 3)
+        if results
+        else None,
         "compression_ms_mean": round(float(times.mean()), 2) if results else None,
         "compression_ms_p50": round(percentile(times.tolist(), 50), 2) if results else None,
         "compression_ms_p95": round(percentile(times.tolist(), 95), 2) if results else None,
@@ -239,7 +248,12 @@ def run_ratio_report(
     directory = Path(policy_dir) if policy_dir else packaged_policy_dir()
     policy = policy_with_overrides(load_policy_file(directory / f"{policy_name}.yaml"), overrides)
     harness = harness or RetentionHarness()
-    report: dict[str, Any] = {"policy": policy_name, "overrides": overrides, "ratios": list(ratios), "datasets": {}}
+    report: dict[str, Any] = {
+        "policy": policy_name,
+        "overrides": overrides,
+        "ratios": list(ratios),
+        "datasets": {},
+    }
     for name in datasets:
         dataset = load_dataset(resolve_dataset_path(name))
         rows: dict[str, Any] = {}
@@ -250,7 +264,9 @@ def run_ratio_report(
             rows[split] = {
                 f"{ratio:g}": {
                     "summary": summarize_at_ratio(results, hops, timed=index == 0),
-                    "questions": [asdict(r) | {"ratio": round(r.ratio, 3), "hops": hops[r.id]} for r in results],
+                    "questions": [
+                        asdict(r) | {"ratio": round(r.ratio, 3), "hops": hops[r.id]} for r in results
+                    ],
                 }
                 for index, (ratio, results) in enumerate(by_ratio.items())
             }
@@ -269,12 +285,23 @@ def ratio_table(report: dict[str, Any]) -> list[str]:
                 ci = summary["answer_retention_ci"]
                 hops = " ".join(
                     f"{count}-hop {h['answer_retention_ci']['value']:.3f} (n={h['answer_retention_ci']['n']})"
-                    for count, h in summary["by_hops"].items() if h["answer_retention_ci"]["value"] is not None
+                    for count, h in summary["by_hops"].items()
+                    if h["answer_retention_ci"]["value"] is not None
                 )
-                value = "-" if ci["value"] is None else f"{ci['value']:.3f} [{ci['ci_low']:.3f}, {ci['ci_high']:.3f}]"
-                timing = "" if summary["compression_ms_p50"] is None else f" first-sight ms p50 {summary['compression_ms_p50']}"
-                lines.append(f"{dataset} {split} {target}x (reached {summary['compression_ratio']}x): answer retained "
-                             f"{value} n={ci['n']}; {hops}{timing}")
+                value = (
+                    "-"
+                    if ci["value"] is None
+                    else f"{ci['value']:.3f} [{ci['ci_low']:.3f}, {ci['ci_high']:.3f}]"
+                )
+                timing = (
+                    ""
+                    if summary["compression_ms_p50"] is None
+                    else f" first-sight ms p50 {summary['compression_ms_p50']}"
+                )
+                lines.append(
+                    f"{dataset} {split} {target}x (reached {summary['compression_ratio']}x): answer retained "
+                    f"{value} n={ci['n']}; {hops}{timing}"
+                )
     return lines
 
 

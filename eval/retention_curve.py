@@ -39,7 +39,11 @@ def ctxgate_curve(
     from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
     base = load_policy_file(packaged_policy_dir() / f"{policy_name}.yaml")
-    examples = [e for e in split_examples(load_dataset(resolve_dataset_path(dataset)).examples, split) if not e.is_yes_no]
+    examples = [
+        e
+        for e in split_examples(load_dataset(resolve_dataset_path(dataset)).examples, split)
+        if not e.is_yes_no
+    ]
     examples = examples[:limit]
     points = []
     for index, budget in enumerate(budgets):
@@ -50,7 +54,14 @@ def ctxgate_curve(
             for key in ("compression_ms_mean", "compression_ms_p50", "compression_ms_p95"):
                 summary[key] = None  # warm caches: not a first-sight time
         retained = {r.id: r.answer_retained for r in results}
-        points.append({"budget": budget, **summary, "retained": retained, "ratios": {r.id: round(r.ratio, 3) for r in results}})
+        points.append(
+            {
+                "budget": budget,
+                **summary,
+                "retained": retained,
+                "ratios": {r.id: round(r.ratio, 3) for r in results},
+            }
+        )
     return points
 
 
@@ -69,11 +80,25 @@ def peer_curve(harness: RetentionHarness, peer: dict[str, Any], dataset: str) ->
             example = examples[row["id"]]
             messages = question_messages(example)
             original = harness.request_of(example)
-            full = [messages[0], {"role": "user", "content": question_with_context(
-                "\n\n".join(f"[{i + 1}] {d.title}\n{d.text}" for i, d in enumerate(original.documents)),
-                example.question)}]
-            sent = [messages[0], {"role": "user", "content": question_with_context(
-                row["compressed_context"], example.question)}]
+            full = [
+                messages[0],
+                {
+                    "role": "user",
+                    "content": question_with_context(
+                        "\n\n".join(
+                            f"[{i + 1}] {d.title}\n{d.text}" for i, d in enumerate(original.documents)
+                        ),
+                        example.question,
+                    ),
+                },
+            ]
+            sent = [
+                messages[0],
+                {
+                    "role": "user",
+                    "content": question_with_context(row["compressed_context"], example.question),
+                },
+            ]
             originals.append(harness.pipeline.counter.count_chat(full))
             sents.append(harness.pipeline.counter.count_chat(sent))
             retained = evidence_retention(example, sent).answer_retained
@@ -82,16 +107,20 @@ def peer_curve(harness: RetentionHarness, peer: dict[str, Any], dataset: str) ->
                 kept.append(retained)
             times.append(row["compression_ms"])
             cpu.append(row.get("compression_cpu_ms"))
-        points.append({
-            "target_ratio": ratio,
-            "n": len(times),
-            "n_scored": len(kept),
-            "answer_retention": round(sum(kept) / len(kept), 4) if kept else None,
-            "compression_ratio": round(sum(originals) / sum(sents), 3) if sents else None,
-            "compression_ms_mean": round(sum(times) / len(times), 1) if times else None,
-            "compression_cpu_ms_mean": round(sum(c for c in cpu if c) / len(cpu), 1) if cpu and all(cpu) else None,
-            "retained": retained_by_id,
-        })
+        points.append(
+            {
+                "target_ratio": ratio,
+                "n": len(times),
+                "n_scored": len(kept),
+                "answer_retention": round(sum(kept) / len(kept), 4) if kept else None,
+                "compression_ratio": round(sum(originals) / sum(sents), 3) if sents else None,
+                "compression_ms_mean": round(sum(times) / len(times), 1) if times else None,
+                "compression_cpu_ms_mean": round(sum(c for c in cpu if c) / len(cpu), 1)
+                if cpu and all(cpu)
+                else None,
+                "retained": retained_by_id,
+            }
+        )
     return points
 
 
@@ -119,9 +148,16 @@ def plot(curves: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None
     figure.savefig(path, dpi=120)
 
 
-def run_retention_curve(datasets: list[str], out_dir: str | Path, policy: str = "rag-default",
-                        split: str = "test", limit: int = 60, budgets: list[int] | None = None,
-                        peer_path: str | None = None, reuse_path: str | None = None) -> dict[str, Any]:
+def run_retention_curve(
+    datasets: list[str],
+    out_dir: str | Path,
+    policy: str = "rag-default",
+    split: str = "test",
+    limit: int = 60,
+    budgets: list[int] | None = None,
+    peer_path: str | None = None,
+    reuse_path: str | None = None,
+) -> dict[str, Any]:
     """Both curves per dataset; writes curve.json and retention_vs_ratio.png into `out_dir`.
     `reuse_path`: take the policy's points from an earlier curve.json instead of running it."""
     out = Path(out_dir)

@@ -58,8 +58,11 @@ def score_record(
     report = compressed.report or {}
     retention = evidence_retention(example, compressed.messages) if not compressed.error else None
     reply = chat.reply
-    scores = _answer_scores(example, reply, chat.error) if generated else {
-        "correct": None, "exact_match": None, "f1": None}
+    scores = (
+        _answer_scores(example, reply, chat.error)
+        if generated
+        else {"correct": None, "exact_match": None, "f1": None}
+    )
     return {
         "id": example.id,
         "arm": variant.label,
@@ -71,9 +74,15 @@ def score_record(
         "answers": list(example.answers),
         "reply": reply,
         **scores,
-        **(retention.to_dict() if retention else {
-            "answer_retained": None, "gold_passages_retained": None, "supporting_sentences_retained": None,
-        }),
+        **(
+            retention.to_dict()
+            if retention
+            else {
+                "answer_retained": None,
+                "gold_passages_retained": None,
+                "supporting_sentences_retained": None,
+            }
+        ),
         "sent_messages": compressed.messages,
         "original_prompt_tokens": usage.get("original_prompt_tokens", report.get("original_prompt_tokens")),
         "prompt_tokens": usage.get("prompt_tokens", chat.prompt_tokens or report.get("prompt_tokens")),
@@ -84,7 +93,8 @@ def score_record(
         # is warm. Both are kept: online traffic sees a mix.
         "compression_ms_first_sight": (
             round(sum(float(ms) for ms in (report.get("compression_ms") or {}).values()), 3)
-            if not compressed.error else None
+            if not compressed.error
+            else None
         ),
         "queue_ms": usage.get("queue_ms"),
         "prefill_ms": usage.get("prefill_ms"),

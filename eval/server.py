@@ -61,7 +61,10 @@ class GatewayProcess:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         repo_root = Path(__file__).resolve().parent.parent
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")])),
+        }
         for name, value in self.env_changes.items():
             if value is None:
                 env.pop(name, None)
@@ -85,8 +88,12 @@ class GatewayProcess:
     def _wait_ready(self) -> None:
         assert self._process is not None
         try:
-            wait_until_ok(f"{self.url}{self.ready_path}", self._process, "gateway",
-                          time.monotonic() + self.ready_timeout_s)
+            wait_until_ok(
+                f"{self.url}{self.ready_path}",
+                self._process,
+                "gateway",
+                time.monotonic() + self.ready_timeout_s,
+            )
         except RuntimeError as exc:
             tail = self._log_tail()
             self.stop()
@@ -121,7 +128,17 @@ class EngineServerProcess(GatewayProcess):
     ready_path = "/health"
 
     def command(self) -> list[str]:
-        command = [sys.executable, "-m", "ctxgate", "engine", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        command = [
+            sys.executable,
+            "-m",
+            "ctxgate",
+            "engine",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         if self.model:
             command += ["--model", self.model]
         return command + self.extra_args
@@ -132,7 +149,9 @@ class InProcessGateway:
     process, on a free port. Lets a caller share one already-loaded engine across several gateways
     (e.g. the sweep's derived-policy gateway and a plain one) instead of loading the model again."""
 
-    def __init__(self, policy_dir: str | Path | None = None, engine: object | None = None, model: str | None = None):
+    def __init__(
+        self, policy_dir: str | Path | None = None, engine: object | None = None, model: str | None = None
+    ):
         self.policy_dir = policy_dir
         self.engine = engine
         self.model = model
@@ -149,8 +168,12 @@ class InProcessGateway:
         from ctxgate.gateway.app import create_app
         from ctxgate.gateway.settings import GatewaySettings
 
-        settings = GatewaySettings(host="127.0.0.1", port=self.port, model=self.model,
-                                   policy_dir=Path(self.policy_dir) if self.policy_dir else None)
+        settings = GatewaySettings(
+            host="127.0.0.1",
+            port=self.port,
+            model=self.model,
+            policy_dir=Path(self.policy_dir) if self.policy_dir else None,
+        )
         app = create_app(settings, engine=self.engine)  # type: ignore[arg-type]
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
         self._server = uvicorn.Server(config)

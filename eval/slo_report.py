@@ -57,8 +57,14 @@ def _resampled_indices(size: int, resamples: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, size, size=(resamples, size))
 
 
-def goodput_interval(samples: Sequence[SloSample], rate: float, slo_s: float,
-                     confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = 0) -> list[float] | None:
+def goodput_interval(
+    samples: Sequence[SloSample],
+    rate: float,
+    slo_s: float,
+    confidence: float = CONFIDENCE,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> list[float] | None:
     """A percentile-bootstrap interval of `goodput` (requests resampled)."""
     if not samples:
         return None
@@ -74,9 +80,15 @@ def paired(first: Sequence[SloSample], second: Sequence[SloSample]) -> list[tupl
     return [(s, by_place[(s.chunk, s.position)]) for s in first if (s.chunk, s.position) in by_place]
 
 
-def paired_goodput_difference(candidate: Sequence[SloSample], baseline: Sequence[SloSample], rate: float,
-                              slo_s: float, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
-                              seed: int = 0) -> dict[str, Any]:
+def paired_goodput_difference(
+    candidate: Sequence[SloSample],
+    baseline: Sequence[SloSample],
+    rate: float,
+    slo_s: float,
+    confidence: float = CONFIDENCE,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> dict[str, Any]:
     """candidate - baseline goodput over the places both arms served, with a paired bootstrap
     interval (places resampled: one arrival schedule and question drives both arms' outcomes)."""
     pairs = paired(candidate, baseline)
@@ -85,13 +97,21 @@ def paired_goodput_difference(candidate: Sequence[SloSample], baseline: Sequence
     differences = np.asarray([float(a.met(slo_s)) - float(b.met(slo_s)) for a, b in pairs])
     means = differences[_resampled_indices(differences.size, resamples, seed)].mean(axis=1)
     low, high = interval_of((rate * means).tolist(), confidence)
-    return {"value": round(rate * float(differences.mean()), 4), "interval": [round(low, 4), round(high, 4)],
-            "n": len(pairs)}
+    return {
+        "value": round(rate * float(differences.mean()), 4),
+        "interval": [round(low, 4), round(high, 4)],
+        "n": len(pairs),
+    }
 
 
-def paired_goodput_ratio_interval(candidate: Sequence[SloSample], baseline: Sequence[SloSample], slo_s: float,
-                                  confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
-                                  seed: int = 0) -> list[float] | None:
+def paired_goodput_ratio_interval(
+    candidate: Sequence[SloSample],
+    baseline: Sequence[SloSample],
+    slo_s: float,
+    confidence: float = CONFIDENCE,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> list[float] | None:
     """A paired bootstrap interval of candidate / baseline goodput (resamples where the baseline met
     nothing are left out: the ratio is undefined there)."""
     pairs = paired(candidate, baseline)
@@ -120,14 +140,20 @@ def retention(samples: Sequence[SloSample]) -> dict[str, Any]:
         return {"value": None, "interval": None, "n": 0}
     means = scored[_resampled_indices(scored.size, RESAMPLES, 1)].mean(axis=1)
     low, high = interval_of(means.tolist(), CONFIDENCE)
-    return {"value": round(float(scored.mean()), 4), "interval": [round(low, 4), round(high, 4)],
-            "n": int(scored.size)}
+    return {
+        "value": round(float(scored.mean()), 4),
+        "interval": [round(low, 4), round(high, 4)],
+        "n": int(scored.size),
+    }
 
 
 def compression_ratio(samples: Sequence[SloSample]) -> float | None:
     """Original prompt tokens over the tokens sent, summed over the arm's requests."""
-    pairs = [(s.original_prompt_tokens, s.prompt_tokens) for s in samples
-             if not s.error and s.original_prompt_tokens and s.prompt_tokens]
+    pairs = [
+        (s.original_prompt_tokens, s.prompt_tokens)
+        for s in samples
+        if not s.error and s.original_prompt_tokens and s.prompt_tokens
+    ]
     sent = sum(p for _, p in pairs)
     return round(sum(o for o, _ in pairs) / sent, 3) if sent else None
 
@@ -135,8 +161,10 @@ def compression_ratio(samples: Sequence[SloSample]) -> float | None:
 def ttft_percentiles(samples: Sequence[SloSample], give_up_s: float | None) -> dict[str, Any]:
     """TTFT P50 / P95 ms; an abandoned request counts at the give-up time, so a percentile that
     reaches one is a lower bound (`*_lower_bound`), not a measurement."""
-    values = sorted([(s.ttft_ms, False) for s in samples if s.error is None and s.ttft_ms is not None]
-                    + [(give_up_s * 1000, True) for s in samples if s.abandoned and give_up_s])
+    values = sorted(
+        [(s.ttft_ms, False) for s in samples if s.error is None and s.ttft_ms is not None]
+        + [(give_up_s * 1000, True) for s in samples if s.abandoned and give_up_s]
+    )
     out: dict[str, Any] = {}
     for point in (50, 95):
         if not values:
@@ -148,8 +176,9 @@ def ttft_percentiles(samples: Sequence[SloSample], give_up_s: float | None) -> d
     return out
 
 
-def summarize_arm(samples: Sequence[SloSample], rate: float, slo_s: float,
-                  give_up_s: float | None = None) -> dict[str, Any]:
+def summarize_arm(
+    samples: Sequence[SloSample], rate: float, slo_s: float, give_up_s: float | None = None
+) -> dict[str, Any]:
     budgets = [s.budget_tokens for s in samples if s.budget_tokens is not None]
     reasons: dict[str, int] = {}
     for s in samples:
@@ -163,7 +192,9 @@ def summarize_arm(samples: Sequence[SloSample], rate: float, slo_s: float,
         "goodput_interval": goodput_interval(samples, rate, slo_s),
         "slo_attainment": round(sum(s.met(slo_s) for s in samples) / len(samples), 4) if samples else None,
         "ttft_ms": ttft_percentiles(samples, give_up_s),
-        "prompt_tokens_mean": _mean([float(s.prompt_tokens) for s in samples if s.prompt_tokens and not s.error]),
+        "prompt_tokens_mean": _mean(
+            [float(s.prompt_tokens) for s in samples if s.prompt_tokens and not s.error]
+        ),
         "compression_ratio": compression_ratio(samples),
         "answer_retention": retention(samples),
         "budget_tokens_mean": _mean([float(b) for b in budgets]),
@@ -171,8 +202,13 @@ def summarize_arm(samples: Sequence[SloSample], rate: float, slo_s: float,
     }
 
 
-def summarize_rate(samples: Sequence[SloSample], rate: float, slo_s: float, arms: Sequence[str],
-                   give_up_s: float | None = None) -> dict[str, Any]:
+def summarize_rate(
+    samples: Sequence[SloSample],
+    rate: float,
+    slo_s: float,
+    arms: Sequence[str],
+    give_up_s: float | None = None,
+) -> dict[str, Any]:
     return {arm: summarize_arm([s for s in samples if s.arm == arm], rate, slo_s, give_up_s) for arm in arms}
 
 
@@ -183,9 +219,17 @@ def knee_side(rate: float, knee: float) -> str:
     return "below" if rate < knee else "above"
 
 
-def acceptance(samples: Sequence[SloSample], rate: float, slo_s: float, summary: dict[str, Any], adaptive: str,
-               fixed: Sequence[str], knee: float) -> list[dict[str, Any]]:
+def acceptance(
+    samples: Sequence[SloSample],
+    rate: float,
+    slo_s: float,
+    summary: dict[str, Any],
+    adaptive: str,
+    fixed: Sequence[str],
+    knee: float,
+) -> list[dict[str, Any]]:
     """The issue's bars at one rate. `met` is None where the run cannot decide (an arm missing)."""
+
     def arm_samples(arm: str) -> list[SloSample]:
         return [s for s in samples if s.arm == arm]
 
@@ -196,32 +240,47 @@ def acceptance(samples: Sequence[SloSample], rate: float, slo_s: float, summary:
         difference = paired_goodput_difference(arm_samples(adaptive), arm_samples(best), rate, slo_s)
         low = difference["interval"][0] if difference["interval"] else None
         high = difference["interval"][1] if difference["interval"] else None
-        checks.append({
-            "check": f"adaptive goodput >= best fixed ({best}) within the interval",
-            "value": summary[adaptive]["goodput"], "bar": summary[best]["goodput"],
-            "difference": difference["value"], "interval": difference["interval"],
-            # Not worse than the best fixed policy beyond this run's noise: the paired interval of
-            # (adaptive - best) reaches zero or above.
-            "met": None if high is None else high >= 0, "clearly_better": None if low is None else low > 0,
-        })
+        checks.append(
+            {
+                "check": f"adaptive goodput >= best fixed ({best}) within the interval",
+                "value": summary[adaptive]["goodput"],
+                "bar": summary[best]["goodput"],
+                "difference": difference["value"],
+                "interval": difference["interval"],
+                # Not worse than the best fixed policy beyond this run's noise: the paired interval of
+                # (adaptive - best) reaches zero or above.
+                "met": None if high is None else high >= 0,
+                "clearly_better": None if low is None else low > 0,
+            }
+        )
     side = knee_side(rate, knee)
     if side == "above" and adaptive in summary and BASELINE in summary:
         ours, theirs = summary[adaptive]["goodput"], summary[BASELINE]["goodput"]
         gain = round(ours / theirs, 3) if theirs else (math.inf if ours else None)
-        checks.append({
-            "check": f"adaptive goodput >= {ABOVE_KNEE_GAIN}x {BASELINE} (above the knee)",
-            "value": None if gain is None or math.isinf(gain) else gain, "bar": ABOVE_KNEE_GAIN,
-            **({"note": f"{BASELINE} met the objective for no request"} if not theirs else {}),
-            "interval": paired_goodput_ratio_interval(arm_samples(adaptive), arm_samples(BASELINE), slo_s),
-            "met": None if gain is None else gain >= ABOVE_KNEE_GAIN,
-        })
+        checks.append(
+            {
+                "check": f"adaptive goodput >= {ABOVE_KNEE_GAIN}x {BASELINE} (above the knee)",
+                "value": None if gain is None or math.isinf(gain) else gain,
+                "bar": ABOVE_KNEE_GAIN,
+                **({"note": f"{BASELINE} met the objective for no request"} if not theirs else {}),
+                "interval": paired_goodput_ratio_interval(
+                    arm_samples(adaptive), arm_samples(BASELINE), slo_s
+                ),
+                "met": None if gain is None else gain >= ABOVE_KNEE_GAIN,
+            }
+        )
     if side == "below" and adaptive in summary and BASELINE in summary:
         ours, theirs = summary[adaptive]["answer_retention"], summary[BASELINE]["answer_retention"]
         met = None if ours["value"] is None or theirs["value"] is None else ours["value"] >= theirs["value"]
-        checks.append({
-            "check": f"adaptive answer retention >= {BASELINE}'s (below the knee)",
-            "value": ours["value"], "bar": theirs["value"], "interval": ours["interval"], "met": met,
-        })
+        checks.append(
+            {
+                "check": f"adaptive answer retention >= {BASELINE}'s (below the knee)",
+                "value": ours["value"],
+                "bar": theirs["value"],
+                "interval": ours["interval"],
+                "met": met,
+            }
+        )
     return checks
 
 
@@ -268,10 +327,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     for rate_key, level in report["rates"].items():
         rate = float(rate_key)
-        lines += [f"## {rate:g} requests/s ({knee_side(rate, report['knee'])} the knee)", "",
-                  "| arm | goodput req/s [90% CI] | SLO attainment | TTFT P50 / P95 ms | answer retention [90% CI] "
-                  "| compression ratio | prompt tok | budget mean | abandoned / errors | others' CPU |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"## {rate:g} requests/s ({knee_side(rate, report['knee'])} the knee)",
+            "",
+            "| arm | goodput req/s [90% CI] | SLO attainment | TTFT P50 / P95 ms | answer retention [90% CI] "
+            "| compression ratio | prompt tok | budget mean | abandoned / errors | others' CPU |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for arm, row in level["arms"].items():
             kept = row["answer_retention"]
             lines.append(
@@ -279,24 +341,33 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"{_ttft(row['ttft_ms'], 'p50')} / {_ttft(row['ttft_ms'], 'p95')} | "
                 f"{_f(kept['value'], 3)}{_interval(kept['interval'])} (n={kept['n']}) | {_f(row['compression_ratio'], 2)} | "
                 f"{_f(row['prompt_tokens_mean'], 0)} | {_f(row['budget_tokens_mean'], 0)} | "
-                f"{row['abandoned']} / {row['errors']} | {_share(level.get('others_cpu', {}).get(arm))} |")
+                f"{row['abandoned']} / {row['errors']} | {_share(level.get('others_cpu', {}).get(arm))} |"
+            )
         reasons = {arm: row["budget_reasons"] for arm, row in level["arms"].items() if row["budget_reasons"]}
         for arm, counts in reasons.items():
             lines.append("")
-            lines.append(f"- {arm}: budget reasons " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+            lines.append(
+                f"- {arm}: budget reasons " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            )
         lines += ["", "| check | value | bar | interval | met |", "| --- | --- | --- | --- | --- |"]
         for check in level["acceptance"]:
             met = "–" if check["met"] is None else ("yes" if check["met"] else "**no**")
             detail = f" (difference {_f(check['difference'])})" if check.get("difference") is not None else ""
             detail += f" ({check['note']})" if check.get("note") else ""
-            lines.append(f"| {check['check']} | {_f(check['value'])}{detail} | {_f(check['bar'])} | "
-                         f"{_interval(check.get('interval')).strip() or '–'} | {met} |")
+            lines.append(
+                f"| {check['check']} | {_f(check['value'])}{detail} | {_f(check['bar'])} | "
+                f"{_interval(check.get('interval')).strip() or '–'} | {met} |"
+            )
         lines.append("")
     verdict = report["acceptance_met"]
-    lines += [f"**All acceptance checks met: {'–' if verdict is None else ('yes' if verdict else 'no')}**", "",
-              "Intervals: 90% percentile bootstrap (requests resampled; the goodput check pairs the two arms' "
-              "requests by place in the schedule). A per-rate figure over a few dozen requests moves by several "
-              "points from run to run on a shared two-core machine.", ""]
+    lines += [
+        f"**All acceptance checks met: {'–' if verdict is None else ('yes' if verdict else 'no')}**",
+        "",
+        "Intervals: 90% percentile bootstrap (requests resampled; the goodput check pairs the two arms' "
+        "requests by place in the schedule). A per-rate figure over a few dozen requests moves by several "
+        "points from run to run on a shared two-core machine.",
+        "",
+    ]
     if report.get("plot"):
         lines += [f"![goodput and answer retention against arrival rate]({report['plot']})", ""]
     return "\n".join(lines)
@@ -314,11 +385,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for index, arm in enumerate(report["arms"]):
         rows = [report["rates"][key]["arms"][arm] for key in report["rates"]]
         values = [row["goodput"] for row in rows]
-        errors = [[v - (row["goodput_interval"] or [v, v])[0] for v, row in zip(values, rows, strict=True)],
-                  [(row["goodput_interval"] or [v, v])[1] - v for v, row in zip(values, rows, strict=True)]]
+        errors = [
+            [v - (row["goodput_interval"] or [v, v])[0] for v, row in zip(values, rows, strict=True)],
+            [(row["goodput_interval"] or [v, v])[1] - v for v, row in zip(values, rows, strict=True)],
+        ]
         left.errorbar(rates, values, yerr=errors, marker="o", capsize=3, color=f"C{index}", label=arm)
         kept = [row["answer_retention"]["value"] for row in rows]
-        right.plot(rates, [math.nan if v is None else v for v in kept], marker="s", color=f"C{index}", label=arm)
+        right.plot(
+            rates, [math.nan if v is None else v for v in kept], marker="s", color=f"C{index}", label=arm
+        )
     left.set_title(f"goodput: requests/s with TTFT <= {report['slo_s']:g} s")
     right.set_title("answer retention (gold answer in the prompt)")
     for axis in (left, right):

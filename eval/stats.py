@@ -22,7 +22,9 @@ def percentile(values: Sequence[float], pct: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def percentiles(values: Sequence[float | None], points: Sequence[int] = (50, 95, 99)) -> dict[str, float | None]:
+def percentiles(
+    values: Sequence[float | None], points: Sequence[int] = (50, 95, 99)
+) -> dict[str, float | None]:
     """`p50`, `p95`, ... and `mean` of the finite values, rounded to 3 places; None for no values."""
     finite = [float(value) for value in values if value is not None and math.isfinite(value)]
     summary: dict[str, float | None] = {
@@ -65,8 +67,13 @@ def bootstrap_mean(
         return Estimate(None, None, None, 0, confidence)
     indices = np.random.default_rng(seed).integers(0, data.size, size=(resamples, data.size))
     low, high = interval_of(data[indices].mean(axis=1).tolist(), confidence)
-    return Estimate(value=round(float(data.mean()), 6), ci_low=round(low, 6), ci_high=round(high, 6),
-                    n=int(data.size), confidence=confidence)
+    return Estimate(
+        value=round(float(data.mean()), 6),
+        ci_low=round(low, 6),
+        ci_high=round(high, 6),
+        n=int(data.size),
+        confidence=confidence,
+    )
 
 
 def paired_bootstrap_difference(
@@ -79,15 +86,21 @@ def paired_bootstrap_difference(
     """candidate - baseline over the questions both scored (paired by question id), with a bootstrap
     interval that resamples questions, so per-question difficulty cancels out."""
     shared_ids = sorted(
-        key for key in baseline.keys() & candidate.keys()
+        key
+        for key in baseline.keys() & candidate.keys()
         if baseline[key] is not None and candidate[key] is not None
     )
     differences = [float(candidate[key]) - float(baseline[key]) for key in shared_ids]  # type: ignore[arg-type]
     return bootstrap_mean(differences, resamples=resamples, confidence=confidence, seed=seed)
 
 
-def p95_ratio_interval(numerators: Sequence[float], denominators: Sequence[float],
-                       confidence: float = 0.9, resamples: int = 2000, seed: int = 0) -> list[float] | None:
+def p95_ratio_interval(
+    numerators: Sequence[float],
+    denominators: Sequence[float],
+    confidence: float = 0.9,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> list[float] | None:
     """A percentile-bootstrap interval for P95(numerators) / P95(denominators).
 
     A P95 over a few dozen requests stands on its top one or two, so a ratio of two of them moves by

@@ -22,8 +22,9 @@ class StreamTiming:
     usage: dict[str, Any] = field(default_factory=dict)
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                      first_token_timeout_s: float | None = None) -> StreamTiming:
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], first_token_timeout_s: float | None = None
+) -> StreamTiming:
     """POST `body` to `url`/v1/chat/completions as a stream. A non-200 answer or an in-stream error
     raises RuntimeError with the server's text (the caller records it per request). With
     `first_token_timeout_s`, a request without a first token by then is abandoned (TimeoutError;
@@ -48,4 +49,6 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                             first = time.perf_counter()
                             deadline.reschedule(None)  # the rest of the answer has no deadline
     ended = time.perf_counter()
-    return StreamTiming(ttft_s=(first or ended) - started, e2e_s=ended - started, content_chunks=chunks, usage=usage)
+    return StreamTiming(
+        ttft_s=(first or ended) - started, e2e_s=ended - started, content_chunks=chunks, usage=usage
+    )

@@ -43,8 +43,11 @@ def messages_for(example: dict) -> tuple[list[dict[str, str]], set[int]]:
     numbered = "\n".join(f"[{i}] {p['title']}: {p['text']}" for i, p in enumerate(passages, 1))
     gold = {i for i, p in enumerate(passages, 1) if p.get("is_gold")}
     return [
-        {"role": "system", "content": "Answer from the passages. Reply in JSON with the answer and the ids of "
-                                      "the passages you used."},
+        {
+            "role": "system",
+            "content": "Answer from the passages. Reply in JSON with the answer and the ids of "
+            "the passages you used.",
+        },
         {"role": "user", "content": f"{numbered}\n\nQuestion: {example['question']}"},
     ], gold
 
@@ -60,9 +63,13 @@ def run(base_url: str, model: str, limit: int, data: str | Path = NQ_DEV) -> dic
     for example in examples:
         messages, gold = messages_for(example)
         try:
-            completion = client.beta.chat.completions.parse(model=model, messages=messages,
-                                                            response_format=CitedAnswer, max_tokens=MAX_TOKENS,
-                                                            temperature=0)
+            completion = client.beta.chat.completions.parse(
+                model=model,
+                messages=messages,
+                response_format=CitedAnswer,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+            )
         except (openai.LengthFinishReasonError, ValueError) as exc:  # cut by max_tokens, or not parseable
             failed.append(f"{example['id']}: {type(exc).__name__}")
             continue
@@ -72,8 +79,13 @@ def run(base_url: str, model: str, limit: int, data: str | Path = NQ_DEV) -> dic
             cited_gold += bool(gold & set(answer.passage_ids))
         else:
             failed.append(f"{example['id']}: not parsed")
-    return {"questions": len(examples), "parsed": parsed, "cited_gold": cited_gold, "failed": failed,
-            "seconds": round(time.perf_counter() - started, 1)}
+    return {
+        "questions": len(examples),
+        "parsed": parsed,
+        "cited_gold": cited_gold,
+        "failed": failed,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
 
 
 def main() -> None:
@@ -81,8 +93,12 @@ def main() -> None:
     parser.add_argument("--url", help="a running gateway (default: start `ctxgate serve` on a free port)")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--limit", type=int, default=50)
-    parser.add_argument("--input", default=NQ_DEV, help="NQ multi-document JSONL: a path, or a file name in "
-                        "shared/data/eval beside the checkout (default: %(default)s)")
+    parser.add_argument(
+        "--input",
+        default=NQ_DEV,
+        help="NQ multi-document JSONL: a path, or a file name in "
+        "shared/data/eval beside the checkout (default: %(default)s)",
+    )
     args = parser.parse_args()
     if args.url:
         print(json.dumps(run(args.url.rstrip("/") + "/v1", args.model, args.limit, args.input)))

@@ -21,26 +21,48 @@ from ctxgate.client import ctxgate_extra_body, read_usage
 BASE_URL = os.environ.get("CTXGATE_URL", "http://127.0.0.1:8000/v1")
 MODEL = os.environ.get("CTXGATE_MODEL", "SmolLM2-135M-Instruct")
 NODES = [
-    NodeWithScore(node=TextNode(text="Mount Everest is Earth's highest mountain above sea level.",
-                                metadata={"title": "Mount Everest"}), score=0.9),
-    NodeWithScore(node=TextNode(text="K2 is the second-highest mountain on Earth.", metadata={"title": "K2"}),
-                  score=0.5),
-    NodeWithScore(node=TextNode(text="Everest's elevation of 8,848.86 m was established in 2020.",
-                                metadata={"title": "Mount Everest"}), score=0.8),
+    NodeWithScore(
+        node=TextNode(
+            text="Mount Everest is Earth's highest mountain above sea level.",
+            metadata={"title": "Mount Everest"},
+        ),
+        score=0.9,
+    ),
+    NodeWithScore(
+        node=TextNode(text="K2 is the second-highest mountain on Earth.", metadata={"title": "K2"}), score=0.5
+    ),
+    NodeWithScore(
+        node=TextNode(
+            text="Everest's elevation of 8,848.86 m was established in 2020.",
+            metadata={"title": "Mount Everest"},
+        ),
+        score=0.8,
+    ),
 ]
 
 
 def llm(extension: dict | None = None) -> OpenAILike:
-    return OpenAILike(model=MODEL, api_base=BASE_URL, api_key=os.environ.get("CTXGATE_API_KEY", "unused"),
-                      is_chat_model=True, context_window=2048, max_tokens=64, temperature=0,
-                      additional_kwargs={"extra_body": extension} if extension else {})
+    return OpenAILike(
+        model=MODEL,
+        api_base=BASE_URL,
+        api_key=os.environ.get("CTXGATE_API_KEY", "unused"),
+        is_chat_model=True,
+        context_window=2048,
+        max_tokens=64,
+        temperature=0,
+        additional_kwargs={"extra_body": extension} if extension else {},
+    )
 
 
 def main() -> None:
     # What ContextChatEngine sends: its context template, filled with the retrieved nodes.
     context_str = "\n\n".join(n.node.get_content(metadata_mode=MetadataMode.LLM) for n in NODES)
-    messages = [ChatMessage(role=MessageRole.SYSTEM, content=DEFAULT_CONTEXT_TEMPLATE.format(context_str=context_str)),
-                ChatMessage(role=MessageRole.USER, content="How tall is Mount Everest?")]
+    messages = [
+        ChatMessage(
+            role=MessageRole.SYSTEM, content=DEFAULT_CONTEXT_TEMPLATE.format(context_str=context_str)
+        ),
+        ChatMessage(role=MessageRole.USER, content="How tall is Mount Everest?"),
+    ]
     response = llm().chat(messages)
     usage = read_usage(response)
     print("answer:", response.message.content)
@@ -48,7 +70,8 @@ def main() -> None:
         print(f"sent {usage.prompt_tokens} of {usage.original_prompt_tokens} tokens; {usage.message_context}")
 
     response = llm(ctxgate_extra_body(NODES, policy="rag-default")).chat(
-        [ChatMessage(role=MessageRole.USER, content="How tall is Mount Everest?")])
+        [ChatMessage(role=MessageRole.USER, content="How tall is Mount Everest?")]
+    )
     print("answer:", response.message.content, "| usage:", read_usage(response))
 
 

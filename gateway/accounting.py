@@ -161,11 +161,21 @@ class Accounting:
         """The tenant's limits, and its key's id and limits when the key has limits of its own."""
         key = tenant.key
         key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
-        return self.limits_for(tenant, policy), key.quota_id if key is not None and key_limits else None, key_limits
+        return (
+            self.limits_for(tenant, policy),
+            key.quota_id if key is not None and key_limits else None,
+            key_limits,
+        )
 
     async def _check(
-        self, tenant: Tenant, limits: QuotaLimits, policy: Policy, prompt: int, output: int,
-        key_id: str | None, key_limits: QuotaLimits | None,
+        self,
+        tenant: Tenant,
+        limits: QuotaLimits,
+        policy: Policy,
+        prompt: int,
+        output: int,
+        key_id: str | None,
+        key_limits: QuotaLimits | None,
     ) -> None:
         spend_micros = int(round(cost(policy, prompt, output)["total"] * SPEND_SCALE))
         await self.store.check(
@@ -188,12 +198,18 @@ class Accounting:
             if fit is None:
                 return None
             fit = dataclasses.replace(fit, reason=reason, retry_after_s=retry_after_s)
-            await self._check(tenant, limits, policy, fit.budget, fit.output_tokens * choices, key_id, key_limits)
+            await self._check(
+                tenant, limits, policy, fit.budget, fit.output_tokens * choices, key_id, key_limits
+            )
         except FitRefused as exc:
             self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
             self.metrics.quota_rejections.labels(tenant.name, reason).inc()
             raise APIError(
-                429, str(exc), code=reason, error_type="rate_limit_error", headers={"Retry-After": str(retry_after_s)}
+                429,
+                str(exc),
+                code=reason,
+                error_type="rate_limit_error",
+                headers={"Retry-After": str(retry_after_s)},
             ) from None
         except QuotaExceeded as exc:
             self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
@@ -235,7 +251,9 @@ class Accounting:
         if metrics.prefill_ms > 0:
             self.observe_prefill(prompt_tokens, metrics.prefill_ms)
         first_token_ms = (
-            (prepared.first_token_at - prepared.received_at) * 1000 if prepared.first_token_at is not None else None
+            (prepared.first_token_at - prepared.received_at) * 1000
+            if prepared.first_token_at is not None
+            else None
         )
         note_usage(policy.name, result.original_prompt_tokens, prompt_tokens, first_token_ms)
         budget = self.budget.outcome(prepared, totals.metrics)

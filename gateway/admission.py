@@ -61,8 +61,14 @@ class KeyOverLimit(Overloaded):
 class AdmissionController:
     """Counts requests in flight; a bounded FIFO of waiters gets freed slots in arrival order."""
 
-    def __init__(self, max_in_flight: int | None, max_queued: int = 0, queue_timeout_s: float = 5.0,
-                 retry_after_s: int = 1, max_queued_per_key: int | None = None):
+    def __init__(
+        self,
+        max_in_flight: int | None,
+        max_queued: int = 0,
+        queue_timeout_s: float = 5.0,
+        retry_after_s: int = 1,
+        max_queued_per_key: int | None = None,
+    ):
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1 (or None for no limit)")
         if max_queued < 0:
@@ -103,13 +109,18 @@ class AdmissionController:
             self.rejected += 1
             raise Overloaded(
                 f"the gateway is at capacity ({self.in_flight} requests running, {len(self._waiters)} queued); "
-                "retry later", self.retry_after_s,
+                "retry later",
+                self.retry_after_s,
             )
         queued = self._queued_by_key.get(key, 0) if key is not None else 0
         if key is not None and self.max_queued_per_key is not None and queued >= self.max_queued_per_key:
             self.rejected += 1
-            raise KeyOverLimit(f"this API key already has {queued} requests waiting for a slot "
-                               f"(max_queued_per_key); retry later", self.retry_after_s, "too_many_queued_requests")
+            raise KeyOverLimit(
+                f"this API key already has {queued} requests waiting for a slot "
+                f"(max_queued_per_key); retry later",
+                self.retry_after_s,
+                "too_many_queued_requests",
+            )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         if key is not None:
@@ -174,8 +185,13 @@ class AdmissionControl:
     once the key is known good and the body is in (see the module docstring). Sits inside the body
     size limit, whose 413/408 it answers for the body it reads."""
 
-    def __init__(self, app, controller: AdmissionController, key_of: KeyOf | None = None,
-                 max_open_per_key: int | None = None):
+    def __init__(
+        self,
+        app,
+        controller: AdmissionController,
+        key_of: KeyOf | None = None,
+        max_open_per_key: int | None = None,
+    ):
         self.app = app
         self.controller = controller
         self.key_of = key_of
@@ -183,7 +199,11 @@ class AdmissionControl:
         self._open_by_key: dict[str, int] = {}
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in ADMITTED_PATHS:
+        if (
+            scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or scope.get("path") not in ADMITTED_PATHS
+        ):
             return await self.app(scope, receive, send)
         try:
             key = self.key_of(dict(scope.get("headers") or [])) if self.key_of is not None else None
@@ -204,8 +224,11 @@ class AdmissionControl:
         count = self._open_by_key.get(key, 0)
         if self.max_open_per_key is not None and count >= self.max_open_per_key:
             self.controller.rejected += 1
-            raise KeyOverLimit(f"this API key already has {count} requests open (max_open_per_key); retry later",
-                               self.controller.retry_after_s, "too_many_open_requests")
+            raise KeyOverLimit(
+                f"this API key already has {count} requests open (max_open_per_key); retry later",
+                self.controller.retry_after_s,
+                "too_many_open_requests",
+            )
         self._open_by_key[key] = count + 1
 
     async def _admit(self, scope, receive, send, key: str | None) -> None:
@@ -262,13 +285,17 @@ class AdmissionCollector:
 
     def collect(self):
         stats = self.controller.stats()
-        yield GaugeMetricFamily("ctxgate:admission_in_flight", "generation requests holding a slot", stats.in_flight)
+        yield GaugeMetricFamily(
+            "ctxgate:admission_in_flight", "generation requests holding a slot", stats.in_flight
+        )
         yield GaugeMetricFamily("ctxgate:admission_queued", "requests waiting for a slot", stats.queued)
         limit = self.controller.max_in_flight
-        yield GaugeMetricFamily("ctxgate:admission_max_in_flight", "slots (-1: no limit)",
-                                -1 if limit is None else limit)
+        yield GaugeMetricFamily(
+            "ctxgate:admission_max_in_flight", "slots (-1: no limit)", -1 if limit is None else limit
+        )
         yield GaugeMetricFamily("ctxgate:admission_max_queued", "queue bound", self.controller.max_queued)
         yield GaugeMetricFamily("ctxgate:admission_draining", "1 while shutting down", int(stats.draining))
         yield CounterMetricFamily("ctxgate:admission_admitted", "requests given a slot", stats.admitted)
-        yield CounterMetricFamily("ctxgate:admission_rejected", "requests refused with 503 (full or draining)",
-                                  stats.rejected)
+        yield CounterMetricFamily(
+            "ctxgate:admission_rejected", "requests refused with 503 (full or draining)", stats.rejected
+        )

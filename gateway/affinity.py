@@ -27,8 +27,9 @@ def stable_prefix(messages: list[dict[str, Any]] | None, prompt_text: str | None
     return "\x1e".join(parts)[:limit_chars]
 
 
-def affinity_key(salt: str, messages: list[dict[str, Any]] | None, prompt_text: str | None,
-                 limit_chars: int) -> str | None:
+def affinity_key(
+    salt: str, messages: list[dict[str, Any]] | None, prompt_text: str | None, limit_chars: int
+) -> str | None:
     """A hex digest of the salt and the stable prefix; None when there is no prefix to share."""
     prefix = stable_prefix(messages, prompt_text, limit_chars)
     if not prefix:

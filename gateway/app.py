@@ -57,15 +57,19 @@ def _default_engine(settings: GatewaySettings) -> EngineClient:
         from ctxgate.gateway.model_list_config import builtin_needed
         from ctxgate.gateway.router_setup import build_router
 
-        builtin = _builtin_engine(settings) if builtin_needed(settings.model_list, settings.upstreams) else None
+        builtin = (
+            _builtin_engine(settings) if builtin_needed(settings.model_list, settings.upstreams) else None
+        )
         return build_router(settings, builtin, owns_builtin=True)
     if settings.upstreams:
         from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig
 
         config = UpstreamConfig(
-            urls=list(settings.upstreams), model=settings.upstream_model,
+            urls=list(settings.upstreams),
+            model=settings.upstream_model,
             connect_timeout_s=settings.upstream_connect_timeout_s,
-            read_timeout_s=settings.upstream_read_timeout_s, retries=settings.upstream_retries,
+            read_timeout_s=settings.upstream_read_timeout_s,
+            retries=settings.upstream_retries,
             api_key=settings.upstream_api_key,
         )
         return UpstreamClient(config, served_model_name=settings.served_model_name or settings.upstream_model)
@@ -77,8 +81,10 @@ def _builtin_engine(settings: GatewaySettings) -> EngineClient:
     from ctxgate.backend.engine.config import EngineConfig
     from ctxgate.backend.model.model_prepare import prepare_default_model
 
-    return AsyncEngine(EngineConfig(model=str(settings.model or prepare_default_model())),
-                       max_waiting_requests=settings.engine_max_waiting_requests)
+    return AsyncEngine(
+        EngineConfig(model=str(settings.model or prepare_default_model())),
+        max_waiting_requests=settings.engine_max_waiting_requests,
+    )
 
 
 def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
@@ -96,7 +102,10 @@ def _tokenizer_for(settings: GatewaySettings, engine: EngineClient) -> Any:
 
 
 def default_pipeline(
-    tokenizer: Any, engine: EngineClient | None, index_dir: Any = None, settings: GatewaySettings | None = None
+    tokenizer: Any,
+    engine: EngineClient | None,
+    index_dir: Any = None,
+    settings: GatewaySettings | None = None,
 ) -> Pipeline:
     """The compression pipeline over this engine, with its own thread budget (see GatewaySettings)."""
     from ctxgate.compression.pipeline import CompressionPipeline
@@ -113,10 +122,16 @@ def default_pipeline(
     runner = side_work.run_between_steps if side_work is not None else None
     # The engine serves history summaries at background priority; an HTTP upstream is used the same way.
     return CompressionPipeline(
-        tokenizer, engine=engine, index_dir=index_dir, cache=cache, workers=settings.compression_workers,
+        tokenizer,
+        engine=engine,
+        index_dir=index_dir,
+        cache=cache,
+        workers=settings.compression_workers,
         worker_nice=settings.compression_nice,
-        embed_batch_window_ms=settings.embed_batch_window_ms, embed_threads=settings.embed_threads,
-        embed_process=runner is None, embed_runner=runner,
+        embed_batch_window_ms=settings.embed_batch_window_ms,
+        embed_threads=settings.embed_threads,
+        embed_process=runner is None,
+        embed_runner=runner,
     )
 
 
@@ -170,11 +185,20 @@ def create_app(
         engine, owns_engine = build_router(settings, engine, owns_builtin=False), True
     engine = engine if engine is not None else _default_engine(settings)
     tokenizer = _tokenizer_for(settings, engine)
-    pipeline = pipeline if pipeline is not None else default_pipeline(tokenizer, engine, settings.index_dir, settings)
+    pipeline = (
+        pipeline
+        if pipeline is not None
+        else default_pipeline(tokenizer, engine, settings.index_dir, settings)
+    )
     gateway = Gateway(
-        settings=settings, engine=engine, tokenizer=tokenizer, pipeline=pipeline,
-        policies=_policy_registry(settings, metrics), keys=KeyStore(settings.keys_file),
-        store=create_store(settings.redis_url, clock=clock), metrics=metrics,
+        settings=settings,
+        engine=engine,
+        tokenizer=tokenizer,
+        pipeline=pipeline,
+        policies=_policy_registry(settings, metrics),
+        keys=KeyStore(settings.keys_file),
+        store=create_store(settings.redis_url, clock=clock),
+        metrics=metrics,
     )
     app = FastAPI(title="ctxgate", version=package_version("ctxgate"), lifespan=lifespan)
     app.state.gateway = gateway
@@ -183,16 +207,23 @@ def create_app(
     install_error_handlers(app)
     add_routes(app)
     document_request_bodies(app, REQUEST_BODIES, ERROR_ANSWERS)
-    app.state.admission = AdmissionController(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
-                                              max_queued_per_key=settings.max_queued_per_key)
-    app.add_middleware(AdmissionControl, controller=app.state.admission, key_of=_key_of(gateway),
-                       max_open_per_key=settings.max_open_per_key)
+    app.state.admission = AdmissionController(
+        settings.max_in_flight,
+        settings.max_queued,
+        settings.queue_timeout_s,
+        max_queued_per_key=settings.max_queued_per_key,
+    )
+    app.add_middleware(
+        AdmissionControl,
+        controller=app.state.admission,
+        key_of=_key_of(gateway),
+        max_open_per_key=settings.max_open_per_key,
+    )
     # Outside admission: a body over the limit or too slow is cut off before it could be admitted.
-    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
-                       read_timeout_s=settings.body_read_timeout_s)
+    app.add_middleware(
+        BodySizeLimit, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.body_read_timeout_s
+    )
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(RequestId, access_log=settings.access_log)  # outermost: every answer carries the id
     metrics.registry.register(AdmissionCollector(app.state.admission))
     return app
-
-

@@ -10,8 +10,10 @@ from ctxgate.gateway.service import Gateway
 banner_logger = logging.getLogger("ctxgate.banner")
 banner_logger.setLevel(logging.INFO)
 
-OPEN_MODE_WARNING = ("open mode: no keys file, any key accepted (anyone who can reach this port can use it); "
-                     "create keys with `ctxgate keys add TENANT --keys-file keys.yaml` and pass --keys-file")
+OPEN_MODE_WARNING = (
+    "open mode: no keys file, any key accepted (anyone who can reach this port can use it); "
+    "create keys with `ctxgate keys add TENANT --keys-file keys.yaml` and pass --keys-file"
+)
 
 
 def _mode(gateway: Gateway) -> str:
@@ -39,7 +41,9 @@ def banner_lines(gateway: Gateway) -> list[str]:
     folders = [str(folder) for folder in gateway.policies.directories]
     lines.append(f"  policies: {len(names)} loaded from {', '.join(folders)}: {', '.join(names)}")
     lines.append(f"  default policy: {settings.default_policy}")
-    lines.append(f"  metrics:  /metrics {'needs the metrics key' if settings.metrics_key else 'open (no metrics key)'}")
+    lines.append(
+        f"  metrics:  /metrics {'needs the metrics key' if settings.metrics_key else 'open (no metrics key)'}"
+    )
     lines.append(f"  access log: {'on' if settings.access_log else 'off'}")
     return lines
 

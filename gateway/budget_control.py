@@ -83,8 +83,14 @@ def predicted_ttft_s(load: EngineLoad, estimates: Estimates, budget: int) -> flo
     return estimates.calibration * (estimates.compression_s + tokens / load.prefill_tokens_per_s)
 
 
-def choose_budget(load: EngineLoad, estimates: Estimates, candidates: Sequence[int], target_s: float,
-                  max_kv_usage: float, fallback: int) -> Decision:
+def choose_budget(
+    load: EngineLoad,
+    estimates: Estimates,
+    candidates: Sequence[int],
+    target_s: float,
+    max_kv_usage: float,
+    fallback: int,
+) -> Decision:
     """The largest candidate (ascending, non-empty) whose predicted TTFT is at most `target_s`.
 
     Closed form: the prediction is linear in the budget, so the largest fitting budget is solved for
@@ -96,8 +102,11 @@ def choose_budget(load: EngineLoad, estimates: Estimates, candidates: Sequence[i
     if not speed or speed <= 0:
         return Decision(min(max(fallback, floor), ceiling), NO_ESTIMATE, None)
     # calibration x (compression + (queued + b) / speed) <= target  <=>  b <= room
-    room = (target_s / estimates.calibration - estimates.compression_s) * speed \
-        - load.waiting_tokens - estimates.overhead_tokens
+    room = (
+        (target_s / estimates.calibration - estimates.compression_s) * speed
+        - load.waiting_tokens
+        - estimates.overhead_tokens
+    )
     if room >= ceiling:
         return Decision(ceiling, CEILING, predicted_ttft_s(load, estimates, ceiling))
     index = bisect.bisect_right(candidates, room) - 1
@@ -107,8 +116,14 @@ def choose_budget(load: EngineLoad, estimates: Estimates, candidates: Sequence[i
     return Decision(budget, SLO, predicted_ttft_s(load, estimates, budget))
 
 
-def damp(target: Decision, last: int | None, last_rise_at: float, now: float,
-         candidates: Sequence[int], relax_interval_s: float) -> tuple[Decision, bool]:
+def damp(
+    target: Decision,
+    last: int | None,
+    last_rise_at: float,
+    now: float,
+    candidates: Sequence[int],
+    relax_interval_s: float,
+) -> tuple[Decision, bool]:
     """Fall at once, rise one candidate per `relax_interval_s` since the last change (a quiet minute
     after a burst is many steps, not one per request): (decision, whether it rose)."""
     if last is None or target.budget <= last:
@@ -180,22 +195,40 @@ class BudgetController:
         (a request still compressing is not in the engine's queue yet, but will be)."""
         reading: EngineReading = self.reader.read()
         speed = reading.prefill_tokens_per_s or self._speed.value
-        return EngineLoad(waiting_tokens=max(reading.waiting_tokens, self._pending_tokens),
-                          running=reading.running, kv_usage=reading.kv_usage, prefill_tokens_per_s=speed)
+        return EngineLoad(
+            waiting_tokens=max(reading.waiting_tokens, self._pending_tokens),
+            running=reading.running,
+            kv_usage=reading.kv_usage,
+            prefill_tokens_per_s=speed,
+        )
 
     def decide(self, request_id: str, policy_name: str, adaptive: AdaptivePolicy, fallback: int) -> Decision:
         """The request's documents budget; it counts as waiting until `first_token(request_id)`."""
         candidates = candidate_budgets(adaptive)
         with self._lock:
             estimates, load = self.estimates(), self.load()
-            target = choose_budget(load, estimates, candidates, adaptive.ttft_slo_s * adaptive.headroom,
-                                   adaptive.max_kv_usage, fallback)
+            target = choose_budget(
+                load,
+                estimates,
+                candidates,
+                adaptive.ttft_slo_s * adaptive.headroom,
+                adaptive.max_kv_usage,
+                fallback,
+            )
             now = self.clock()
             trend = self._trends.get(policy_name)
-            decision, rose = damp(target, trend.budget if trend else None, trend.rose_at if trend else now, now,
-                                  candidates, adaptive.relax_interval_s)
+            decision, rose = damp(
+                target,
+                trend.budget if trend else None,
+                trend.rose_at if trend else now,
+                now,
+                candidates,
+                adaptive.relax_interval_s,
+            )
             if decision is not target:  # held below the target: predict for the budget actually chosen
-                decision = replace(decision, predicted_ttft_s=predicted_ttft_s(load, estimates, decision.budget))
+                decision = replace(
+                    decision, predicted_ttft_s=predicted_ttft_s(load, estimates, decision.budget)
+                )
             # The rise clock restarts at every change: after a fall, rising waits a full interval.
             changed = rose or trend is None or decision.budget < trend.budget
             self._trends[policy_name] = _Trend(decision.budget, now if changed else trend.rose_at)

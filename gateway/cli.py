@@ -23,20 +23,28 @@ from ctxgate.gateway.settings import GatewaySettings
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible budget gateway")
-    serve.add_argument("--config", default=None, metavar="FILE",
-                       help="YAML config file (see `ctxgate config schema`); flags given here override it")
+    serve.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML config file (see `ctxgate config schema`); flags given here override it",
+    )
     # Every other flag is a settings field (gateway/settings.py, backend/engine/config.py), with no argparse
     # default: what is not given comes from the config file, then from the field's default.
     add_model_flags(serve, GatewaySettings, skip=SERVER_SKIP)
     # --model and the in-process engine's knobs, as in `engine serve`
     add_model_flags(serve, EngineConfig, title="engine (the built-in engine; unused with upstreams)")
     # For the reference docs: the defaults that apply when neither a flag nor the file sets a value.
-    serve.set_defaults(func=_serve, flag_defaults={**static_defaults(GatewaySettings, SERVER_SKIP),
-                                                   **static_defaults(EngineConfig)})
+    serve.set_defaults(
+        func=_serve,
+        flag_defaults={**static_defaults(GatewaySettings, SERVER_SKIP), **static_defaults(EngineConfig)},
+    )
 
     config = subparsers.add_parser("config", help="validate a `serve --config` file and print its schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    config_check = config_sub.add_parser("check", help="validate config files (environment references included)")
+    config_check = config_sub.add_parser(
+        "check", help="validate config files (environment references included)"
+    )
     config_check.add_argument("files", nargs="+", metavar="FILE", help="config files to validate")
     config_check.set_defaults(func=_config_check)
     config_schema = config_sub.add_parser("schema", help="print the config file's JSON Schema")
@@ -136,8 +144,14 @@ def _serve(args: argparse.Namespace) -> int:
 
             export_vllm_names(engine.metrics)
     app = create_app(settings, engine=engine)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=resolved.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=resolved.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
     try:
         # SIGTERM drains: new requests get 503, in-flight ones finish (bounded by drain_timeout_s).
         DrainingServer(config, app.state.admission, settings.drain_timeout_s).run()
@@ -158,7 +172,9 @@ def _log_request_ids() -> None:
 
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
+        )
 
 
 def _config_check(args: argparse.Namespace) -> int:
@@ -185,7 +201,9 @@ def _file_references_problems(config) -> list[str]:
     from ctxgate.gateway.preflight import preflight_problems
 
     try:
-        settings = GatewaySettings(**config.server_values(), model=config.engine.model, model_list=config.model_list)
+        settings = GatewaySettings(
+            **config.server_values(), model=config.engine.model, model_list=config.model_list
+        )
     except ValidationError as exc:
         return describe_errors(exc, lambda name: f"field 'server.{name}'", "server")
     return preflight_problems(settings, config.engine)

@@ -79,19 +79,23 @@ class ConfigError(ValueError):
 def _section_of(model: type[BaseModel], skip: tuple[str, ...], doc: str) -> type[BaseModel]:
     """`model`'s fields (constraints and validators included), but `skip`, as a config section."""
     fields = {name: (info.annotation, info) for name, info in model.model_fields.items() if name not in skip}
-    section = create_model(model.__name__ + "Section", __config__=ConfigDict(extra="forbid"), __doc__=doc,
-                           **fields)
+    section = create_model(
+        model.__name__ + "Section", __config__=ConfigDict(extra="forbid"), __doc__=doc, **fields
+    )
     return section
 
 
-ServerSection = _section_of(GatewaySettings, SERVER_SKIP, "The gateway (`GatewaySettings`; `model` is `engine.model`).")
+ServerSection = _section_of(
+    GatewaySettings, SERVER_SKIP, "The gateway (`GatewaySettings`; `model` is `engine.model`)."
+)
 
 
 class LoggingSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None = Field(
-        default=None, description="logging level (--log-level); default INFO")
+        default=None, description="logging level (--log-level); default INFO"
+    )
 
 
 class CtxgateConfig(BaseModel):
@@ -100,12 +104,15 @@ class CtxgateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     server: ServerSection = Field(default_factory=ServerSection, description="the gateway")  # type: ignore[valid-type]
-    engine: EngineConfig = Field(default_factory=EngineConfig,
-                                 description="the in-process engine, used when server.upstreams is empty")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="the in-process engine, used when server.upstreams is empty"
+    )
     logging: LoggingSection = Field(default_factory=LoggingSection, description="logging")
     model_list: Annotated[list[ModelConfig], AfterValidator(check_model_list)] = Field(
-        default_factory=list, description="served models, each a group of deployments routed by load or cache "
-        "affinity (docs/routing.md); empty: one model, the engine or server.upstreams")
+        default_factory=list,
+        description="served models, each a group of deployments routed by load or cache "
+        "affinity (docs/routing.md); empty: one model, the engine or server.upstreams",
+    )
 
     def server_values(self) -> dict[str, Any]:
         """The GatewaySettings fields this file sets."""
@@ -129,22 +136,25 @@ def key_flags() -> dict[str, str]:
 _DROP = object()  # an interpolation that failed: the key is left out (and the problem reported)
 
 
-def interpolate(value: Any, environ: dict[str, str] | os._Environ, where: str = "",
-                problems: list[str] | None = None) -> Any:
+def interpolate(
+    value: Any, environ: dict[str, str] | os._Environ, where: str = "", problems: list[str] | None = None
+) -> Any:
     """Replace every `os.environ/NAME` string (anywhere in the tree) with that variable's value.
 
     Without `problems` the first bad reference raises ConfigError; with it, each is appended there
     and its key dropped, so the rest of the file is still checked.
     """
     if isinstance(value, dict):
-        items = {key: interpolate(item, environ, f"{where}.{key}" if where else str(key), problems)
-                 for key, item in value.items()}
+        items = {
+            key: interpolate(item, environ, f"{where}.{key}" if where else str(key), problems)
+            for key, item in value.items()
+        }
         return {key: item for key, item in items.items() if item is not _DROP}
     if isinstance(value, list):
         items = [interpolate(item, environ, f"{where}.{index}", problems) for index, item in enumerate(value)]
         return [item for item in items if item is not _DROP]
     if isinstance(value, str) and value.startswith(ENV_PREFIX):
-        name = value[len(ENV_PREFIX):]
+        name = value[len(ENV_PREFIX) :]
         problem = None
         if not _ENV_NAME.match(name):
             problem = f"field '{where}': '{value}' is not a valid environment reference"
@@ -163,7 +173,9 @@ def _print_warning(message: str) -> None:
     print(f"ctxgate: warning: {message}", file=sys.stderr)
 
 
-def _rename_deprecated(data: dict[str, Any], problems: list[str], warn: Callable[[str], None], where: str) -> None:
+def _rename_deprecated(
+    data: dict[str, Any], problems: list[str], warn: Callable[[str], None], where: str
+) -> None:
     """Move keys of earlier releases to their current names (in place), warning for each."""
     for old, new in DEPRECATED_KEYS.items():
         old_parts, new_parts = old.split("."), new.split(".")
@@ -229,8 +241,9 @@ def validation_problems(exc: ValidationError, model: type[BaseModel] | None = No
     return problems
 
 
-def load_config(path: str | Path, environ: dict[str, str] | None = None,
-                warn: Callable[[str], None] = _print_warning) -> CtxgateConfig:
+def load_config(
+    path: str | Path, environ: dict[str, str] | None = None, warn: Callable[[str], None] = _print_warning
+) -> CtxgateConfig:
     """Read, interpolate and validate a config file. ConfigError lists every problem found (file,
     field and reason); deprecated keys are passed to `warn`."""
     path = Path(path)

@@ -41,8 +41,12 @@ class EngineStatsReader:
 
     def read(self) -> EngineReading:
         stats = self.source.stats()
-        return EngineReading(waiting_tokens=stats.num_waiting_tokens, running=stats.num_running,
-                             kv_usage=stats.kv_cache_usage, prefill_tokens_per_s=stats.prefill_tokens_per_s or None)
+        return EngineReading(
+            waiting_tokens=stats.num_waiting_tokens,
+            running=stats.num_running,
+            kv_usage=stats.kv_cache_usage,
+            prefill_tokens_per_s=stats.prefill_tokens_per_s or None,
+        )
 
 
 class NoEngineState:

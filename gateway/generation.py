@@ -72,8 +72,9 @@ class Generation:
 
     async def start(self) -> None:
         """Open the engine stream and wait for its first delta, so a refusal becomes an HTTP status."""
-        self._iterator = _bounded(self.services.engine.generate(self.generation),
-                                  self.services.timeout_s, self.prepared.received_at)
+        self._iterator = _bounded(
+            self.services.engine.generate(self.generation), self.services.timeout_s, self.prepared.received_at
+        )
         try:
             self._first = await self._iterator.__anext__()
         except StopAsyncIteration:
@@ -148,7 +149,9 @@ class Generation:
         metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
 
 
-async def _bounded(iterator: AsyncIterator[Any], timeout_s: float | None, started: float) -> AsyncIterator[Any]:
+async def _bounded(
+    iterator: AsyncIterator[Any], timeout_s: float | None, started: float
+) -> AsyncIterator[Any]:
     """`iterator`, raising TimeoutError once `timeout_s` has passed since `started` (perf_counter)."""
     try:
         if timeout_s is None:
@@ -198,8 +201,14 @@ async def complete(request: Request, run: Generation, writer: ResponseWriter) ->
     return JSONResponse(writer.whole_choices(run.totals.ordered_choices(), usage))
 
 
-async def stream(request: Request, run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool,
-                 num_choices: int = 1) -> StreamingResponse:
+async def stream(
+    request: Request,
+    run: Generation,
+    writer: ResponseWriter,
+    endpoint: str,
+    include_usage: bool,
+    num_choices: int = 1,
+) -> StreamingResponse:
     try:
         # Nothing is sent before the first token: a client that gives up while its request waits in
         # the engine's queue would otherwise keep its place there and have its prompt prefilled.
@@ -213,8 +222,9 @@ async def stream(request: Request, run: Generation, writer: ResponseWriter, endp
     return event_stream_response(_events(run, writer, endpoint, include_usage, num_choices))
 
 
-async def _events(run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool,
-                  num_choices: int) -> AsyncIterator[str]:
+async def _events(
+    run: Generation, writer: ResponseWriter, endpoint: str, include_usage: bool, num_choices: int
+) -> AsyncIterator[str]:
     services, prepared = run.services, run.prepared
     settled = False
     try:
@@ -240,10 +250,16 @@ async def _events(run: Generation, writer: ResponseWriter, endpoint: str, includ
                 for event in writer.choice_end(choice):
                     yield event
         if include_usage and run.relayed:  # the upstream's envelope (id, created), the gateway's usage
-            yield sse_event({"id": run.upstream_id or writer.response_id,
-                             "object": "chat.completion.chunk" if writer.chat else "text_completion",
-                             "created": writer.created, "model": writer.model,
-                             "choices": [], "usage": run.usage_body(usage)})
+            yield sse_event(
+                {
+                    "id": run.upstream_id or writer.response_id,
+                    "object": "chat.completion.chunk" if writer.chat else "text_completion",
+                    "created": writer.created,
+                    "model": writer.model,
+                    "choices": [],
+                    "usage": run.usage_body(usage),
+                }
+            )
         elif include_usage:
             yield writer.usage(usage)
         yield DONE

@@ -84,10 +84,20 @@ def locked_keys_file(path: str | Path) -> Iterator[KeysFile]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def add_key(path: str | Path, tenant: str, policy: str | None = None, label: str | None = None, *,
-            labels: dict[str, str] | None = None, expires_at: datetime | None = None,
-            limits: Limits | None = None, models: list[str] | None = None, quota_id: str | None = None,
-            policies: list[str] | None = None, indexes: list[str] | None = None) -> str:
+def add_key(
+    path: str | Path,
+    tenant: str,
+    policy: str | None = None,
+    label: str | None = None,
+    *,
+    labels: dict[str, str] | None = None,
+    expires_at: datetime | None = None,
+    limits: Limits | None = None,
+    models: list[str] | None = None,
+    quota_id: str | None = None,
+    policies: list[str] | None = None,
+    indexes: list[str] | None = None,
+) -> str:
     """Create a key for `tenant`, store only its hash in the file, and return the key (shown once).
     `policies` / `indexes` are added to the tenant's allow-lists."""
     api_key = generate_key()
@@ -99,16 +109,26 @@ def add_key(path: str | Path, tenant: str, policy: str | None = None, label: str
             entry.policies = _merged(entry.policies, policies)
         if indexes:
             entry.indexes = _merged(entry.indexes, indexes)
-        entry.keys.append(KeyEntry(
-            sha256=hash_key(api_key), created=utc_text(datetime.now(UTC)), label=label, labels=labels or {},
-            expires_at=expires_at, limits=limits or Limits(), models=models, quota_id=quota_id,
-        ))
+        entry.keys.append(
+            KeyEntry(
+                sha256=hash_key(api_key),
+                created=utc_text(datetime.now(UTC)),
+                label=label,
+                labels=labels or {},
+                expires_at=expires_at,
+                limits=limits or Limits(),
+                models=models,
+                quota_id=quota_id,
+            )
+        )
         # Validated as a whole: a bad policy or index name is refused before anything is written.
         try:
             checked = KeysFile.model_validate(keys_file.model_dump())
         except ValidationError as exc:
             first = exc.errors()[0]
-            raise ValueError(f"field '{'.'.join(str(part) for part in first['loc'])}': {first['msg']}") from None
+            raise ValueError(
+                f"field '{'.'.join(str(part) for part in first['loc'])}': {first['msg']}"
+            ) from None
         write_keys_file(path, checked)
     return api_key
 
@@ -121,9 +141,15 @@ def find_key(keys_file: KeysFile, key_or_id: str) -> tuple[str, KeyEntry]:
     """(tenant, entry) for a key id (a unique prefix of its hash, 8+ hex digits) or the key itself."""
     prefix = hash_key(key_or_id) if key_or_id.startswith(KEY_PREFIX) else key_or_id.lower()
     if len(prefix) < 8:
-        raise ValueError(f"'{key_or_id}': give the key id from `ctxgate keys list` (8+ hex digits) or the key")
-    matches = [(name, key) for name, tenant in keys_file.tenants.items() for key in tenant.keys
-               if key.sha256.startswith(prefix)]
+        raise ValueError(
+            f"'{key_or_id}': give the key id from `ctxgate keys list` (8+ hex digits) or the key"
+        )
+    matches = [
+        (name, key)
+        for name, tenant in keys_file.tenants.items()
+        for key in tenant.keys
+        if key.sha256.startswith(prefix)
+    ]
     if not matches:
         raise ValueError(f"no key '{key_or_id}' in the keys file")
     if len(matches) > 1:
@@ -147,12 +173,18 @@ def rotate_key(path: str | Path, key_or_id: str, grace_s: float = 0.0) -> tuple[
     with locked_keys_file(path) as keys_file:
         tenant, old = find_key(keys_file, key_or_id)
         if old.status(datetime.now(UTC)) != "active":
-            raise ValueError(f"key {old.key_id} is {old.status(datetime.now(UTC))}; only an active key can be rotated")
+            raise ValueError(
+                f"key {old.key_id} is {old.status(datetime.now(UTC))}; only an active key can be rotated"
+            )
         api_key = generate_key()
-        new = old.model_copy(update={
-            "sha256": hash_key(api_key), "created": utc_text(datetime.now(UTC)), "revoked_at": None,
-            "quota_id": old.quota_id or old.key_id,
-        })
+        new = old.model_copy(
+            update={
+                "sha256": hash_key(api_key),
+                "created": utc_text(datetime.now(UTC)),
+                "revoked_at": None,
+                "quota_id": old.quota_id or old.key_id,
+            }
+        )
         now = datetime.now(UTC).replace(microsecond=0)
         if grace_s > 0:
             grace_end = now + timedelta(seconds=grace_s)

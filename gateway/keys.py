@@ -61,34 +61,58 @@ KEY_ID_LENGTH = 12
 class Limits(_Strict):
     """Limits of a tenant (overriding its policy's quota) or of one key (on top of the tenant's)."""
 
-    requests_per_minute: int | None = Field(default=None, ge=1, description="requests per minute; beyond: 429")
-    tokens_per_minute: int | None = Field(default=None, ge=1, description="prompt + completion tokens per minute")
+    requests_per_minute: int | None = Field(
+        default=None, ge=1, description="requests per minute; beyond: 429"
+    )
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="prompt + completion tokens per minute"
+    )
     tokens_per_day: int | None = Field(default=None, ge=1, description="prompt + completion tokens per day")
-    spend_per_day: float | None = Field(default=None, gt=0, description="spend per day, at the home policy's prices")
+    spend_per_day: float | None = Field(
+        default=None, gt=0, description="spend per day, at the home policy's prices"
+    )
     max_parallel_requests: int | None = Field(default=None, ge=1, description="requests in flight at once")
-    budget: float | None = Field(default=None, gt=0, description="spend allowed per budget_period (policy cost units)")
+    budget: float | None = Field(
+        default=None, gt=0, description="spend allowed per budget_period (policy cost units)"
+    )
     budget_period: Literal["daily", "weekly", "monthly"] | None = Field(
-        default=None, description="when the budget starts again (calendar days, weeks and months, UTC)")
+        default=None, description="when the budget starts again (calendar days, weeks and months, UTC)"
+    )
 
 
 class QuotaOverride(Limits):
-    on_store_error: str | None = Field(default=None, pattern="^(allow|deny)$", description="allow or deny requests while "
-                                       "the quota ledger cannot be reached; deny wins over the policy's allow")
+    on_store_error: str | None = Field(
+        default=None,
+        pattern="^(allow|deny)$",
+        description="allow or deny requests while "
+        "the quota ledger cannot be reached; deny wins over the policy's allow",
+    )
 
 
 class KeyEntry(_Strict):
-    sha256: str = Field(default=..., pattern=r"^[0-9a-f]{64}$", description="the key's sha256 (hex): the key itself is "
-                        "never stored; its first 12 digits are the key id")
+    sha256: str = Field(
+        default=...,
+        pattern=r"^[0-9a-f]{64}$",
+        description="the key's sha256 (hex): the key itself is "
+        "never stored; its first 12 digits are the key id",
+    )
     created: str | None = Field(default=None, description="when `keys add` created the key (ISO 8601)")
     label: str | None = None  # a free-text note (older files); `labels` are searchable key/value pairs
-    labels: dict[str, str] = Field(default_factory=dict, description="key/value pairs `keys list --label` "
-                                   "filters by")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="key/value pairs `keys list --label` filters by"
+    )
     expires_at: datetime | None = Field(default=None, description="from then on the key gets 401")
     revoked_at: datetime | None = Field(default=None, description="set by `keys revoke`: the key gets 401")
     limits: Limits = Field(default=Limits(), description="this key's own limits, on top of its tenant's")
-    models: list[str] | None = Field(default=None, min_length=1, description="served model names this key may use")
-    quota_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{12}$", description="the ledger identity of the key's "
-                                 "limits: a rotated key keeps its predecessor's, and so its counters")
+    models: list[str] | None = Field(
+        default=None, min_length=1, description="served model names this key may use"
+    )
+    quota_id: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{12}$",
+        description="the ledger identity of the key's "
+        "limits: a rotated key keeps its predecessor's, and so its counters",
+    )
 
     @property
     def key_id(self) -> str:
@@ -106,20 +130,29 @@ NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"  # a policy name (policies/schema.py)
 
 
 class TenantEntry(_Strict):
-    policy: str | None = Field(default=None, pattern=NAME_PATTERN, description="the tenant's home policy; null: the "
-                               "server's default_policy")
+    policy: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="the tenant's home policy; null: the server's default_policy",
+    )
     policies: list[Annotated[str, Field(pattern=NAME_PATTERN)]] | None = Field(
-        default=None, description="policies this tenant's requests may name (its home policy always)")
+        default=None, description="policies this tenant's requests may name (its home policy always)"
+    )
     indexes: list[Annotated[str, Field(pattern=INDEX_NAME_PATTERN)]] | None = Field(
-        default=None, description="retrieval indexes this tenant may search (default: none)")
-    quota: QuotaOverride = Field(default=QuotaOverride(), description="the tenant's limits, overriding its policy's quota "
-                                 "field by field (the smaller limit wins)")
+        default=None, description="retrieval indexes this tenant may search (default: none)"
+    )
+    quota: QuotaOverride = Field(
+        default=QuotaOverride(),
+        description="the tenant's limits, overriding its policy's quota "
+        "field by field (the smaller limit wins)",
+    )
     keys: list[KeyEntry] = Field(default_factory=list, description="the tenant's API keys, as their hashes")
 
 
 class KeysFile(_Strict):
-    tenants: dict[str, TenantEntry] = Field(default_factory=dict, description="tenant name -> its policy, "
-                                            "limits and keys")
+    tenants: dict[str, TenantEntry] = Field(
+        default_factory=dict, description="tenant name -> its policy, limits and keys"
+    )
 
 
 @dataclass(frozen=True)
@@ -229,13 +262,19 @@ class KeyStore:
             override = entry.quota.model_dump(exclude_none=True) or None
             for key in entry.keys:
                 info = KeyInfo(
-                    key_id=key.key_id, quota_id=key.quota_id or key.key_id,
+                    key_id=key.key_id,
+                    quota_id=key.quota_id or key.key_id,
                     limits=key.limits.model_dump(exclude_none=True) or None,
-                    models=tuple(key.models) if key.models else None, labels=dict(key.labels),
+                    models=tuple(key.models) if key.models else None,
+                    labels=dict(key.labels),
                 )
                 by_hash[key.sha256] = Tenant(
-                    name=name, policy=entry.policy, quota_override=override, key=info,
-                    policies=tuple(entry.policies or ()), indexes=tuple(entry.indexes or ()),
+                    name=name,
+                    policy=entry.policy,
+                    quota_override=override,
+                    key=info,
+                    policies=tuple(entry.policies or ()),
+                    indexes=tuple(entry.indexes or ()),
                 )
                 entries[key.sha256] = key
         with self._lock:

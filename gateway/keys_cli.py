@@ -18,8 +18,14 @@ class _KeysFile(argparse._StoreAction):
 
 def _add_keys_file_flag(parser: argparse.ArgumentParser) -> None:
     """`--keys-file`, as `serve` spells it; `--keys`, the earlier spelling here, still works (with a notice)."""
-    parser.add_argument("--keys-file", "--keys", action=_KeysFile, default="keys.yaml", metavar="FILE",
-                        help="keys file (default keys.yaml; --keys: deprecated spelling)")
+    parser.add_argument(
+        "--keys-file",
+        "--keys",
+        action=_KeysFile,
+        default="keys.yaml",
+        metavar="FILE",
+        help="keys file (default keys.yaml; --keys: deprecated spelling)",
+    )
 
 
 def register_keys(subparsers: argparse._SubParsersAction) -> None:
@@ -29,50 +35,113 @@ def register_keys(subparsers: argparse._SubParsersAction) -> None:
     add.add_argument("tenant", help="tenant the key belongs to (created if new)")
     _add_keys_file_flag(add)
     add.add_argument("--policy", default=None, help="the tenant's home policy (its quota and prices)")
-    add.add_argument("--config", default=None, metavar="FILE",
-                     help="the `serve --config` file: --model and --policy are checked against what it serves")
-    add.add_argument("--allow-policy", action="append", default=None, dest="allow_policies", metavar="NAME",
-                     help="another policy the tenant's requests may name (repeat; default: the home policy only)")
-    add.add_argument("--allow-index", action="append", default=None, dest="allow_indexes", metavar="NAME",
-                     help="a retrieval index the tenant may search (repeat; default: none)")
-    add.add_argument("--label", action="append", default=[], metavar="NAME=VALUE",
-                     help="a searchable label (repeat); text without '=' is stored as a free-text note")
-    add.add_argument("--expires", default=None, metavar="WHEN",
-                     help="expiry: a duration from now (90d, 12h, 30m) or an ISO date/time (UTC unless zoned)")
-    add.add_argument("--model", action="append", default=None, dest="models", metavar="NAME",
-                     help="served model name this key may use (repeat); default: every model")
+    add.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="the `serve --config` file: --model and --policy are checked against what it serves",
+    )
+    add.add_argument(
+        "--allow-policy",
+        action="append",
+        default=None,
+        dest="allow_policies",
+        metavar="NAME",
+        help="another policy the tenant's requests may name (repeat; default: the home policy only)",
+    )
+    add.add_argument(
+        "--allow-index",
+        action="append",
+        default=None,
+        dest="allow_indexes",
+        metavar="NAME",
+        help="a retrieval index the tenant may search (repeat; default: none)",
+    )
+    add.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a searchable label (repeat); text without '=' is stored as a free-text note",
+    )
+    add.add_argument(
+        "--expires",
+        default=None,
+        metavar="WHEN",
+        help="expiry: a duration from now (90d, 12h, 30m) or an ISO date/time (UTC unless zoned)",
+    )
+    add.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        dest="models",
+        metavar="NAME",
+        help="served model name this key may use (repeat); default: every model",
+    )
     add.add_argument("--requests-per-minute", type=int, default=None, help="per-key request limit per minute")
-    add.add_argument("--tokens-per-minute", type=int, default=None,
-                     help="per-key limit on prompt + reserved output tokens per minute")
-    add.add_argument("--max-parallel-requests", type=int, default=None,
-                     help="per-key limit on generation requests in flight at once")
-    add.add_argument("--budget", type=float, default=None,
-                     help="per-key spend allowed per --budget-period, in the policy's cost units")
-    add.add_argument("--budget-period", choices=["daily", "weekly", "monthly"], default=None,
-                     help="window of --budget, aligned to UTC day / ISO week / calendar month (default monthly)")
+    add.add_argument(
+        "--tokens-per-minute",
+        type=int,
+        default=None,
+        help="per-key limit on prompt + reserved output tokens per minute",
+    )
+    add.add_argument(
+        "--max-parallel-requests",
+        type=int,
+        default=None,
+        help="per-key limit on generation requests in flight at once",
+    )
+    add.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="per-key spend allowed per --budget-period, in the policy's cost units",
+    )
+    add.add_argument(
+        "--budget-period",
+        choices=["daily", "weekly", "monthly"],
+        default=None,
+        help="window of --budget, aligned to UTC day / ISO week / calendar month (default monthly)",
+    )
     add.set_defaults(func=_keys_add)
 
-    listing = keys_sub.add_parser("list", help="list keys (ids, tenants, status, limits, labels; never the keys)")
+    listing = keys_sub.add_parser(
+        "list", help="list keys (ids, tenants, status, limits, labels; never the keys)"
+    )
     _add_keys_file_flag(listing)
     listing.add_argument("--tenant", default=None, help="only this tenant's keys")
-    listing.add_argument("--label", action="append", default=[], metavar="NAME=VALUE",
-                         help="only keys carrying this label (repeat: all must match)")
+    listing.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="only keys carrying this label (repeat: all must match)",
+    )
     listing.add_argument("--all", action="store_true", help="include revoked and expired keys")
     listing.add_argument("--json", action="store_true", help="one JSON object per key instead of a table")
     listing.set_defaults(func=_keys_list)
 
-    revoke = keys_sub.add_parser("revoke", help="revoke keys; running gateways refuse them after their next reload")
-    revoke.add_argument("key_ids", nargs="+", metavar="KEY_ID", help="key id from `keys list` (or the key itself)")
+    revoke = keys_sub.add_parser(
+        "revoke", help="revoke keys; running gateways refuse them after their next reload"
+    )
+    revoke.add_argument(
+        "key_ids", nargs="+", metavar="KEY_ID", help="key id from `keys list` (or the key itself)"
+    )
     _add_keys_file_flag(revoke)
     revoke.set_defaults(func=_keys_revoke)
 
-    rotate = keys_sub.add_parser("rotate", help="replace a key with a new one (same tenant, limits and counters)")
+    rotate = keys_sub.add_parser(
+        "rotate", help="replace a key with a new one (same tenant, limits and counters)"
+    )
     rotate.add_argument("key_id", metavar="KEY_ID", help="key id from `keys list` (or the key itself)")
     _add_keys_file_flag(rotate)
-    rotate.add_argument("--grace", default=None, metavar="DURATION",
-                        help="keep the old key valid this long (e.g. 1h) instead of revoking it now")
+    rotate.add_argument(
+        "--grace",
+        default=None,
+        metavar="DURATION",
+        help="keep the old key valid this long (e.g. 1h) instead of revoking it now",
+    )
     rotate.set_defaults(func=_keys_rotate)
-
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -100,7 +169,9 @@ def parse_when(text: str):
         try:
             return datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=parse_duration(text))
         except ValueError:
-            raise ValueError(f"--expires: '{text}' is neither a duration (90d, 12h) nor an ISO date/time") from None
+            raise ValueError(
+                f"--expires: '{text}' is neither a duration (90d, 12h) nor an ISO date/time"
+            ) from None
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
@@ -121,19 +192,34 @@ def _keys_add(args: argparse.Namespace) -> int:
 
     labels, note = _parse_labels(args.label)
     limits = Limits(
-        requests_per_minute=args.requests_per_minute, tokens_per_minute=args.tokens_per_minute,
-        max_parallel_requests=args.max_parallel_requests, budget=args.budget, budget_period=args.budget_period,
+        requests_per_minute=args.requests_per_minute,
+        tokens_per_minute=args.tokens_per_minute,
+        max_parallel_requests=args.max_parallel_requests,
+        budget=args.budget,
+        budget_period=args.budget_period,
     )
     if args.budget_period and args.budget is None:
         raise ValueError("--budget-period needs --budget")
     expires_at = parse_when(args.expires) if args.expires else None
     for warning in _add_warnings(args):
         print(f"ctxgate: warning: {warning}", file=sys.stderr)
-    key = add_key(args.keys_file, args.tenant, policy=args.policy, label=note, labels=labels, expires_at=expires_at,
-                  limits=limits, models=args.models, policies=args.allow_policies, indexes=args.allow_indexes)
+    key = add_key(
+        args.keys_file,
+        args.tenant,
+        policy=args.policy,
+        label=note,
+        labels=labels,
+        expires_at=expires_at,
+        limits=limits,
+        models=args.models,
+        policies=args.allow_policies,
+        indexes=args.allow_indexes,
+    )
     print(key)
-    print(f"stored the sha256 of this key for tenant '{args.tenant}' in {args.keys_file}; it is not shown again",
-          file=sys.stderr)
+    print(
+        f"stored the sha256 of this key for tenant '{args.tenant}' in {args.keys_file}; it is not shown again",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -161,24 +247,37 @@ def _keys_list(args: argparse.Namespace) -> int:
             continue
         for key in entry.keys:
             status = key.status(now)
-            if (status != "active" and not args.all) or any(key.labels.get(k) != v for k, v in wanted.items()):
+            if (status != "active" and not args.all) or any(
+                key.labels.get(k) != v for k, v in wanted.items()
+            ):
                 continue
-            rows.append({
-                "id": key.key_id, "tenant": tenant, "status": status, "created": key.created,
-                "expires_at": key.expires_at.isoformat() if key.expires_at else None,
-                "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None,
-                "models": key.models, "limits": key.limits.model_dump(exclude_none=True),
-                "labels": key.labels, "note": key.label,
-            })
+            rows.append(
+                {
+                    "id": key.key_id,
+                    "tenant": tenant,
+                    "status": status,
+                    "created": key.created,
+                    "expires_at": key.expires_at.isoformat() if key.expires_at else None,
+                    "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None,
+                    "models": key.models,
+                    "limits": key.limits.model_dump(exclude_none=True),
+                    "labels": key.labels,
+                    "note": key.label,
+                }
+            )
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
     print(f"{'ID':<13} {'TENANT':<16} {'STATUS':<8} {'EXPIRES':<26} {'MODELS':<20} LIMITS / LABELS")
     for row in rows:
-        extras = [f"{k}={v}" for k, v in row["limits"].items()] + [f"{k}={v}" for k, v in row["labels"].items()]
-        print(f"{row['id']:<13} {row['tenant']:<16} {row['status']:<8} {row['expires_at'] or '-':<26} "
-              f"{','.join(row['models'] or ['*']):<20} {' '.join(extras) or '-'}")
+        extras = [f"{k}={v}" for k, v in row["limits"].items()] + [
+            f"{k}={v}" for k, v in row["labels"].items()
+        ]
+        print(
+            f"{row['id']:<13} {row['tenant']:<16} {row['status']:<8} {row['expires_at'] or '-':<26} "
+            f"{','.join(row['models'] or ['*']):<20} {' '.join(extras) or '-'}"
+        )
     return 0
 
 
@@ -198,5 +297,8 @@ def _keys_rotate(args: argparse.Namespace) -> int:
     tenant, key, old = rotate_key(args.keys_file, args.key_id, grace_s=grace)
     print(key)
     ending = f"expires at {old.expires_at.isoformat()}" if grace else "is revoked"
-    print(f"new key for tenant '{tenant}' stored in {args.keys_file}; the old key {old.key_id} {ending}", file=sys.stderr)
+    print(
+        f"new key for tenant '{tenant}' stored in {args.keys_file}; the old key {old.key_id} {ending}",
+        file=sys.stderr,
+    )
     return 0

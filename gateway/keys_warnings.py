@@ -48,20 +48,31 @@ def find_policy(name: str, config: CtxgateConfig) -> Policy | None:
     return found
 
 
-def key_warnings(models: list[str] | None, policy_name: str | None, budget: float | None,
-                 config: CtxgateConfig, config_given: bool) -> list[str]:
+def key_warnings(
+    models: list[str] | None,
+    policy_name: str | None,
+    budget: float | None,
+    config: CtxgateConfig,
+    config_given: bool,
+) -> list[str]:
     warnings = []
     served = served_model_names(config)
-    source = "the server config" if config_given else "a `ctxgate serve` without --config (pass --config FILE)"
+    source = (
+        "the server config" if config_given else "a `ctxgate serve` without --config (pass --config FILE)"
+    )
     for model in models or []:
         if served and model not in served:
-            warnings.append(f"--model {model}: {source} serves {', '.join(served)}; requests with this key "
-                            f"will be refused (403) for every model it does not list")
+            warnings.append(
+                f"--model {model}: {source} serves {', '.join(served)}; requests with this key "
+                f"will be refused (403) for every model it does not list"
+            )
     name = policy_name or config.server.default_policy
     policy = find_policy(name, config)
     if policy is None:
         warnings.append(f"--policy {name}: no such policy in {source}")
     elif budget is not None and policy.cost.prompt_per_1k == 0 and policy.cost.completion_per_1k == 0:
-        warnings.append(f"--budget {budget:g}: policy '{name}' has no prices (cost.prompt_per_1k and "
-                        "cost.completion_per_1k are 0), so spend stays 0 and this budget never binds")
+        warnings.append(
+            f"--budget {budget:g}: policy '{name}' has no prices (cost.prompt_per_1k and "
+            "cost.completion_per_1k are 0), so spend stays 0 and this budget never binds"
+        )
     return warnings

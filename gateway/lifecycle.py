@@ -103,7 +103,9 @@ class EmbedderLoad:
         openmp.limit_calling_thread(1)  # no OpenMP team beside the engine's (backend/platform/openmp.py)
         started = time.perf_counter()
         calls = self.pipeline.warm_up(self.stopping)
-        logger.info("embedding model loaded and warmed up (%d calls) in %.1f s", calls, time.perf_counter() - started)
+        logger.info(
+            "embedding model loaded and warmed up (%d calls) in %.1f s", calls, time.perf_counter() - started
+        )
 
     async def stop(self) -> None:
         """End the warm-up after its current call and wait a little for the thread."""

@@ -26,30 +26,48 @@ class GatewayMetrics:
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(collector)
         self.requests = Counter(
-            "ctxgate:gateway_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+            "ctxgate:gateway_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
         )
         self.request_seconds = Histogram(
-            "ctxgate:gateway_request_seconds", "end-to-end request latency as the client sees it",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
+            "ctxgate:gateway_request_seconds",
+            "end-to-end request latency as the client sees it",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft_seconds = Histogram(
-            "ctxgate:gateway_ttft_seconds", "time to first token as the client sees it (incl. compression)",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "ctxgate:gateway_ttft_seconds",
+            "time to first token as the client sees it (incl. compression)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.tpot_seconds = Histogram(
-            "ctxgate:gateway_tpot_seconds", "time per output token after the first, as the client sees it",
-            buckets=_TOKEN_LATENCY_BUCKETS, registry=r,
+            "ctxgate:gateway_tpot_seconds",
+            "time per output token after the first, as the client sees it",
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=r,
         )
         self.compression_seconds = Histogram(
-            "ctxgate:compression_seconds", "compression time per stage", ["stage"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "ctxgate:compression_seconds",
+            "compression time per stage",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.compression_wait_seconds = Histogram(
-            "ctxgate:compression_wait_seconds", "time a compressing request waited for a compression worker",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "ctxgate:compression_wait_seconds",
+            "time a compressing request waited for a compression worker",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens_original = Counter(
-            "ctxgate:prompt_tokens_original", "prompt tokens before compression", ["tenant", "policy"], registry=r
+            "ctxgate:prompt_tokens_original",
+            "prompt tokens before compression",
+            ["tenant", "policy"],
+            registry=r,
         )
         self.prompt_tokens_sent = Counter(
             "ctxgate:prompt_tokens_sent", "prompt tokens sent to the model", ["tenant", "policy"], registry=r
@@ -58,15 +76,22 @@ class GatewayMetrics:
             "ctxgate:completion_tokens", "tokens generated", ["tenant", "policy"], registry=r
         )
         self.saved_tokens = Counter(
-            "ctxgate:saved_tokens", "prompt tokens saved per compression stage", ["stage", "policy"], registry=r
+            "ctxgate:saved_tokens",
+            "prompt tokens saved per compression stage",
+            ["stage", "policy"],
+            registry=r,
         )
-        self.spend = Counter("ctxgate:spend", "cost accumulated per tenant", ["tenant", "currency"], registry=r)
+        self.spend = Counter(
+            "ctxgate:spend", "cost accumulated per tenant", ["tenant", "currency"], registry=r
+        )
         self.quota_rejections = Counter(
             "ctxgate:quota_rejections", "requests refused by a quota", ["tenant", "reason"], registry=r
         )
         self.quota_store_errors = Counter(
-            "ctxgate:quota_store_errors", "quota store failures by the action taken (allow|deny)",
-            ["action"], registry=r,
+            "ctxgate:quota_store_errors",
+            "quota store failures by the action taken (allow|deny)",
+            ["action"],
+            registry=r,
         )
         self.quota_store_up = Gauge(
             "ctxgate:quota_store_up", "1 when the last quota store call succeeded", registry=r
@@ -78,28 +103,42 @@ class GatewayMetrics:
             "ctxgate:policy_reload_failures", "policy files that failed to (re)load", ["file"], registry=r
         )
         self.policy_reload_error = Gauge(
-            "ctxgate:policy_reload_error", "1 while a policy file has an error and its old version is in force",
-            ["file"], registry=r,
+            "ctxgate:policy_reload_error",
+            "1 while a policy file has an error and its old version is in force",
+            ["file"],
+            registry=r,
         )
         self.policies_loaded = Gauge("ctxgate:policies_loaded", "policies in force", registry=r)
         self.adaptive_budget_tokens = Histogram(
-            "ctxgate:adaptive_budget_tokens", "documents budgets chosen by adaptive policies", ["policy"],
-            buckets=_BUDGET_BUCKETS, registry=r,
+            "ctxgate:adaptive_budget_tokens",
+            "documents budgets chosen by adaptive policies",
+            ["policy"],
+            buckets=_BUDGET_BUCKETS,
+            registry=r,
         )
         self.adaptive_decisions = Counter(
-            "ctxgate:adaptive_decisions", "adaptive budget decisions by reason (gateway/budget_control.py)",
-            ["policy", "reason"], registry=r,
+            "ctxgate:adaptive_decisions",
+            "adaptive budget decisions by reason (gateway/budget_control.py)",
+            ["policy", "reason"],
+            registry=r,
         )
         self.adaptive_slo_requests = Counter(
-            "ctxgate:adaptive_slo_requests", "adaptive-policy requests by whether TTFT (compression + engine) "
-            "met the policy's ttft_slo_s", ["policy", "met"], registry=r,
+            "ctxgate:adaptive_slo_requests",
+            "adaptive-policy requests by whether TTFT (compression + engine) met the policy's ttft_slo_s",
+            ["policy", "met"],
+            registry=r,
         )
         self.budget_rejections = Counter(
-            "ctxgate:budget_rejections", "requests whose fixed parts alone exceed the budget (413)",
-            ["policy"], registry=r,
+            "ctxgate:budget_rejections",
+            "requests whose fixed parts alone exceed the budget (413)",
+            ["policy"],
+            registry=r,
         )
         self.fit_requests = Counter(
-            "ctxgate:fit_requests", "requests over a limit (quota, context_window, max_input_tokens) by whether "
-            "they were compressed to fit (fitted) or refused", ["policy", "limit", "outcome"], registry=r,
+            "ctxgate:fit_requests",
+            "requests over a limit (quota, context_window, max_input_tokens) by whether "
+            "they were compressed to fit (fitted) or refused",
+            ["policy", "limit", "outcome"],
+            registry=r,
         )
         self.quota_store_up.set(1)

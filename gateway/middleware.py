@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from ctxgate.gateway.metrics import GatewayMetrics
 
-_COUNTED_PATHS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/ctxgate/compress", "/v1/ctxgate/policies",
-})
+_COUNTED_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/v1/ctxgate/compress",
+        "/v1/ctxgate/policies",
+    }
+)
 
 
 class RequestCounter:

@@ -25,7 +25,9 @@ def keys_file_problems(path: Path | None) -> list[str]:
     if path is None:
         return []
     if not path.exists():
-        return [f"{where}: keys file not found: {path} (create it with `ctxgate keys add TENANT --keys-file {path}`)"]
+        return [
+            f"{where}: keys file not found: {path} (create it with `ctxgate keys add TENANT --keys-file {path}`)"
+        ]
     try:
         read_keys_file(path)
     except ValueError as exc:
@@ -39,7 +41,9 @@ def policy_problems(settings: GatewaySettings) -> list[str]:
     problems = []
     if settings.policy_dir is not None:
         if not settings.policy_dir.is_dir():
-            return [f"field 'server.policy_dir' (--policy-dir): policy folder not found: {settings.policy_dir}"]
+            return [
+                f"field 'server.policy_dir' (--policy-dir): policy folder not found: {settings.policy_dir}"
+            ]
         directories.append(settings.policy_dir)
     names = set()
     for directory in directories:
@@ -51,8 +55,10 @@ def policy_problems(settings: GatewaySettings) -> list[str]:
             except PolicyFileError as exc:
                 problems.append(str(exc))
     if names and settings.default_policy not in names:
-        problems.append(f"field 'server.default_policy' (--default-policy): no policy named '{settings.default_policy}' "
-                        f"(loaded: {', '.join(sorted(names))})")
+        problems.append(
+            f"field 'server.default_policy' (--default-policy): no policy named '{settings.default_policy}' "
+            f"(loaded: {', '.join(sorted(names))})"
+        )
     return problems
 
 

@@ -130,7 +130,11 @@ class Preparation:
         except APIError:
             self.metrics.fit_requests.labels(policy.name, limit, "refused").inc()
             raise
-        return result, fit.apply(policy), dataclasses.replace(fit, would_have_needed=result.original_prompt_tokens)
+        return (
+            result,
+            fit.apply(policy),
+            dataclasses.replace(fit, would_have_needed=result.original_prompt_tokens),
+        )
 
     def _input_limit(self, policy: Policy, model: str | None) -> FitLimit:
         """Which limit set the budget: the model's window where it capped the policy's (fit_to_model)."""
@@ -156,7 +160,9 @@ class Preparation:
         sampling do not apply, and neither the quota check nor the reservation counts any output."""
         policy = self._policy(body, tenant)
         fit = await self.accounting.check_quota_first(tenant, policy, body, choices=0)
-        result, _, _, policy, fit = await self._prompt(body, tenant, fit.apply(policy) if fit else policy, fit)
+        result, _, _, policy, fit = await self._prompt(
+            body, tenant, fit.apply(policy) if fit else policy, fit
+        )
         # Metered like a request that generates nothing: one request, its prompt tokens.
         reservation = await self._reserve_fitted(
             fit, policy, self.accounting.reserve(tenant, policy, result.prompt_tokens, 0)
@@ -191,7 +197,9 @@ class Preparation:
         # fitted into what is left now, once.
         try:
             retry_after = int(refused.headers.get("Retry-After", "1"))
-            fit = await self.accounting.fit_quota(tenant, policy, body, choices, (refused.code or "", retry_after))
+            fit = await self.accounting.fit_quota(
+                tenant, policy, body, choices, (refused.code or "", retry_after)
+            )
             if fit is None:
                 raise refused
             return await self._chat_prepared(request, fit.apply(policy), fit)
@@ -232,12 +240,18 @@ class Preparation:
             fit,
             policy,
             self.accounting.reserve(
-                tenant, policy, result.prompt_tokens, sampling.max_tokens * request.choices, slot_id=request.request_id
+                tenant,
+                policy,
+                result.prompt_tokens,
+                sampling.max_tokens * request.choices,
+                slot_id=request.request_id,
             ),
         )
         return prepared
 
-    async def _reserve_fitted(self, fit: Fit | None, policy: Policy, reserve: Awaitable[Reservation]) -> Reservation:
+    async def _reserve_fitted(
+        self, fit: Fit | None, policy: Policy, reserve: Awaitable[Reservation]
+    ) -> Reservation:
         """The exact reservation; a fitted request is counted fitted once it holds one, refused when
         another request took the room it was fitted into first (the reservation is atomic)."""
         try:

@@ -40,7 +40,9 @@ class RequestContext:
     ttft_ms: float | None = None  # from `received_at` to the first token, as the client sees it
 
 
-_current: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("ctxgate_request", default=None)
+_current: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar(
+    "ctxgate_request", default=None
+)
 
 
 def current_request() -> RequestContext | None:
@@ -143,5 +145,9 @@ class RequestId:
             _current.reset(token)
             if self.access_log:
                 duration_ms = (time.perf_counter() - started) * 1000
-                access_logger.info("%s", access_line(context, scope.get("method", "-"), scope.get("path", "-"),
-                                                     status, duration_ms))
+                access_logger.info(
+                    "%s",
+                    access_line(
+                        context, scope.get("method", "-"), scope.get("path", "-"), status, duration_ms
+                    ),
+                )

@@ -42,7 +42,9 @@ def _gateway(request: Request) -> Gateway:
 
 
 def _tenant(request: Request) -> Tenant:
-    return _gateway(request).access.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
+    return _gateway(request).access.authenticate(
+        request.headers.get("authorization"), request.headers.get("x-api-key")
+    )
 
 
 async def health() -> dict[str, str]:
@@ -54,8 +56,12 @@ async def ready(request: Request) -> JSONResponse:
     engine_ready = gateway.engine.is_ready() and not request.app.state.admission.draining
     store_ready = await gateway.store.ping()
     gateway.metrics.quota_store_up.set(1 if store_ready else 0)
-    body = {"status": "ready" if engine_ready and store_ready else "not ready",
-            "engine": engine_ready, "store": store_ready, "store_kind": gateway.store.name}
+    body = {
+        "status": "ready" if engine_ready and store_ready else "not ready",
+        "engine": engine_ready,
+        "store": store_ready,
+        "store_kind": gateway.store.name,
+    }
     return JSONResponse(body, status_code=200 if engine_ready and store_ready else 503)
 
 
@@ -83,12 +89,20 @@ def _check_metrics_key(expected: str | None, authorization: str | None) -> None:
 async def models(request: Request) -> dict[str, Any]:
     tenant = _tenant(request)
     gateway = _gateway(request)
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "ctxgate",
-         "max_model_len": gateway.access.engine_for(name).max_model_len,
-         "engine_path": gateway.access.engine_for(name).path_info}
-        for name in gateway.access.allowed_models(tenant)
-    ]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "ctxgate",
+                "max_model_len": gateway.access.engine_for(name).max_model_len,
+                "engine_path": gateway.access.engine_for(name).path_info,
+            }
+            for name in gateway.access.allowed_models(tenant)
+        ],
+    }
 
 
 async def policies(request: Request) -> dict[str, Any]:
@@ -102,8 +116,11 @@ async def policies(request: Request) -> dict[str, Any]:
     body: dict[str, Any] = {
         "default": gateway.access.home_policy_name(tenant),
         "policies": [
-            {"name": item.policy.name, "loaded_at": item.loaded_at,
-             "effective": gateway.resolver.fit_to_model(item.policy).model_dump(mode="json")}
+            {
+                "name": item.policy.name,
+                "loaded_at": item.loaded_at,
+                "effective": gateway.resolver.fit_to_model(item.policy).model_dump(mode="json"),
+            }
             | ({} if tenant.bounded else {"file": os.path.basename(item.path)})
             for item in listed
         ],
@@ -135,8 +152,10 @@ async def compress(request: Request, response: Response) -> dict[str, Any]:
         "report": {
             **compression_figures(result),
             **({"fit": compressed.fit.report()} if compressed.fit is not None else {}),
-            "stages": [{"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3),
-                        "details": s.details} for s in result.stages],
+            "stages": [
+                {"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3), "details": s.details}
+                for s in result.stages
+            ],
         },
     }
 
@@ -161,16 +180,25 @@ async def _answer(
     """Run the prepared request on the engine and answer whole or streamed, as the client asked."""
     gateway = _gateway(request)
     generation = GenerationRequest(
-        request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-        sampling=prepared.sampling, priority=prepared.priority,
+        request_id=prepared.request_id,
+        prompt_token_ids=prepared.prompt_token_ids,
+        sampling=prepared.sampling,
+        priority=prepared.priority,
         cache_salt=gateway.access.cache_salt(prepared.tenant.name),
-        messages=messages, prompt_text=prepared.prompt_text, forward=prepared.forward,
-        model=body.model, route_key=prepared.route_key,
+        messages=messages,
+        prompt_text=prepared.prompt_text,
+        forward=prepared.forward,
+        model=body.model,
+        route_key=prepared.route_key,
         allowed_models=frozenset(gateway.access.allowed_models(prepared.tenant)),
     )
-    writer = ResponseWriter(prepared.request_id, body.model, prepared.created,
-                            chat=isinstance(body, ChatCompletionRequest),
-                            output=prepared.asks.output if prepared.asks else OutputOptions())
+    writer = ResponseWriter(
+        prepared.request_id,
+        body.model,
+        prepared.created,
+        chat=isinstance(body, ChatCompletionRequest),
+        output=prepared.asks.output if prepared.asks else OutputOptions(),
+    )
     run = Generation(gateway.generation_services, prepared, generation)
     if body.stream:
         response = await stream(request, run, writer, request.url.path, body.usage_wanted(), prepared.choices)
@@ -180,5 +208,3 @@ async def _answer(
     reservation = prepared.reservation
     response.headers.update(rate_limit_headers(reservation.rate_limits if reservation is not None else None))
     return response
-
-

@@ -31,11 +31,31 @@ _STRUCTURE_LINE = re.compile(rf"^([^\S\n]*+)({'|'.join(LINE_MARKERS)})", re.IGNO
 # Upstream mode: the serving model may not be the one the gateway counts with, so the control tokens
 # of the common chat templates are neutralised too (ChatML/Qwen, Llama 3, Gemma, Phi, Mistral, ...).
 KNOWN_CONTROL_TOKENS = (
-    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|begin_of_text|>", "<|end_of_text|>",
-    "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
-    "<start_of_turn>", "<end_of_turn>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
-    "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "<|start|>", "<|message|>", "<|channel|>",
-    "<|return|>", "<|call|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "<|start|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|return|>",
+    "<|call|>",
 )
 
 
@@ -71,7 +91,10 @@ class Neutraliser:
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, dict):
-            return {self.text(key) if isinstance(key, str) else key: self.value(item) for key, item in value.items()}
+            return {
+                self.text(key) if isinstance(key, str) else key: self.value(item)
+                for key, item in value.items()
+            }
         if isinstance(value, list | tuple):
             return [self.value(item) for item in value]
         return value
@@ -102,15 +125,22 @@ class Neutraliser:
         if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
             return self.value(call)
         function = call["function"]
-        return self.value({**call, "function": {}}) | {"function": self.value(function) | (
-            {"arguments": self.arguments(function["arguments"])} if "arguments" in function else {})}
+        return self.value({**call, "function": {}}) | {
+            "function": self.value(function)
+            | ({"arguments": self.arguments(function["arguments"])} if "arguments" in function else {})
+        }
 
     def compression_input(self, request: CompressionInput) -> CompressionInput:
         """The request with its client text made inert: every rendered field of each message
         (`message`), each document's text and title. Linear-time, but a whole request's text: the
         gateway runs it in the compression worker, off its event loop."""
         messages = [self.message(message) for message in request.messages]
-        documents = [replace(document, text=self.document(document.text),
-                             title=None if document.title is None else self.document(document.title))
-                     for document in request.documents]
+        documents = [
+            replace(
+                document,
+                text=self.document(document.text),
+                title=None if document.title is None else self.document(document.title),
+            )
+            for document in request.documents
+        ]
         return replace(request, messages=messages, documents=documents)

@@ -21,10 +21,17 @@ MAX_DOCUMENT_TITLE_CHARS = 1000
 
 class CtxgateDocument(_Strict):
     text: str = Field(default=..., description="the passage's text")
-    id: str | int | None = Field(default=None, description="the caller's id for the passage, kept in the report")
-    title: str | None = Field(default=None, max_length=MAX_DOCUMENT_TITLE_CHARS,
-                              description="the passage's title: shown with it and scored with it")
-    score: float | None = Field(default=None, description="the retriever's score: the higher copy wins a dedup tie")
+    id: str | int | None = Field(
+        default=None, description="the caller's id for the passage, kept in the report"
+    )
+    title: str | None = Field(
+        default=None,
+        max_length=MAX_DOCUMENT_TITLE_CHARS,
+        description="the passage's title: shown with it and scored with it",
+    )
+    score: float | None = Field(
+        default=None, description="the retriever's score: the higher copy wins a dedup tie"
+    )
 
     @field_validator("id")
     @classmethod
@@ -36,19 +43,29 @@ class CtxgateDocument(_Strict):
 
 
 class CtxgateRetrieval(_Strict):
-    index: str = Field(default=..., min_length=1, description="a local index built by `ctxgate index build`, one the "
-                       "tenant may search")
+    index: str = Field(
+        default=...,
+        min_length=1,
+        description="a local index built by `ctxgate index build`, one the tenant may search",
+    )
     top_n: int = Field(default=5, ge=1, le=100, description="passages retrieved from it")
 
 
 class CtxgateExtras(_Strict):
-    documents: list[CtxgateDocument] | None = Field(default=None, description="the retrieved passages to fit into the "
-                                                    "policy's documents budget")
-    retrieval: CtxgateRetrieval | None = Field(default=None, description="retrieve the passages from a local index instead")
-    policy: str | None = Field(default=None, min_length=1, description="the policy to apply; default: the key's tenant's, "
-                               "else the server's default_policy")
+    documents: list[CtxgateDocument] | None = Field(
+        default=None, description="the retrieved passages to fit into the policy's documents budget"
+    )
+    retrieval: CtxgateRetrieval | None = Field(
+        default=None, description="retrieve the passages from a local index instead"
+    )
+    policy: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the policy to apply; default: the key's tenant's, else the server's default_policy",
+    )
     priority: Literal["user", "background"] | None = Field(
-        default=None, description="user requests are scheduled before background ones; default: user")
+        default=None, description="user requests are scheduled before background ones; default: user"
+    )
     overrides: dict[str, Any] | None = Field(
         default=None, description="dotted policy fields to override, only those the policy allows"
     )

@@ -71,128 +71,257 @@ class GatewaySettings(BaseModel):
     # `ctxgate serve --help` sections (title -> fields); tests/gateway/test_serve_help.py checks that
     # every field is in exactly one.
     CLI_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "server": ("host", "port", "served_model_name", "model", "max_body_bytes", "body_read_timeout_s",
-                   "drain_timeout_s", "access_log", "allow_unauthenticated", "metrics_key", "vllm_metric_names"),
-        "tenants and policies": ("keys_file", "policy_dir", "include_packaged_policies", "default_policy",
-                                 "reload_interval_s", "index_dir"),
-        "quotas and admission": ("redis_url", "max_in_flight", "max_queued", "max_open_per_key", "max_queued_per_key",
-                                 "queue_timeout_s", "request_timeout_s", "engine_max_waiting_requests"),
-        "compression": ("compression_workers", "compression_nice", "compression_cache_mb", "embed_threads",
-                        "embed_batch_window_ms", "embed_on", "embed_cache_url"),
-        "upstreams": ("upstreams", "model_list", "upstream_model", "upstream_connect_timeout_s",
-                      "upstream_read_timeout_s", "upstream_retries", "upstream_api_key", "tokenizer", "drop_params",
-                      "cache_salt_secret"),
+        "server": (
+            "host",
+            "port",
+            "served_model_name",
+            "model",
+            "max_body_bytes",
+            "body_read_timeout_s",
+            "drain_timeout_s",
+            "access_log",
+            "allow_unauthenticated",
+            "metrics_key",
+            "vllm_metric_names",
+        ),
+        "tenants and policies": (
+            "keys_file",
+            "policy_dir",
+            "include_packaged_policies",
+            "default_policy",
+            "reload_interval_s",
+            "index_dir",
+        ),
+        "quotas and admission": (
+            "redis_url",
+            "max_in_flight",
+            "max_queued",
+            "max_open_per_key",
+            "max_queued_per_key",
+            "queue_timeout_s",
+            "request_timeout_s",
+            "engine_max_waiting_requests",
+        ),
+        "compression": (
+            "compression_workers",
+            "compression_nice",
+            "compression_cache_mb",
+            "embed_threads",
+            "embed_batch_window_ms",
+            "embed_on",
+            "embed_cache_url",
+        ),
+        "upstreams": (
+            "upstreams",
+            "model_list",
+            "upstream_model",
+            "upstream_connect_timeout_s",
+            "upstream_read_timeout_s",
+            "upstream_retries",
+            "upstream_api_key",
+            "tokenizer",
+            "drop_params",
+            "cache_salt_secret",
+        ),
     }
 
     host: str = Field(default="127.0.0.1", description="bind address")
     port: int = Field(default=8000, ge=1, le=65535, description="TCP port to listen on")
     # The in-process engine's (or the tokenizer's) model directory; `serve` sets it from engine.model.
-    model: str | None = Field(default=None, description="GGUF file or Hugging Face model directory for the in-process engine and the "
-                              "tokenizer; default: the packaged model. Configured as engine.model / --model")
-    served_model_name: str | None = Field(default=None, description="the name clients send as 'model'; default: the "
-                                          "engine's (or upstream's) model name")
-    policy_dir: Path | None = Field(default=None, description="directory of policy YAML files, watched for edits (the "
-                                    "packaged policies stay available beneath it)")
+    model: str | None = Field(
+        default=None,
+        description="GGUF file or Hugging Face model directory for the in-process engine and the "
+        "tokenizer; default: the packaged model. Configured as engine.model / --model",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="the name clients send as 'model'; default: the engine's (or upstream's) model name",
+    )
+    policy_dir: Path | None = Field(
+        default=None,
+        description="directory of policy YAML files, watched for edits (the "
+        "packaged policies stay available beneath it)",
+    )
     keys_file: Annotated[Path | None, Cli(old=("--keys",))] = Field(
-        default=None, description="keys file (YAML, `ctxgate keys add`); without it the gateway is open")
-    index_dir: Path | None = Field(default=None, description="retrieval indexes built by `ctxgate index build`; default "
-                                   "$CTXGATE_INDEX_DIR or ~/.cache/ctxgate/indexes")
+        default=None, description="keys file (YAML, `ctxgate keys add`); without it the gateway is open"
+    )
+    index_dir: Path | None = Field(
+        default=None,
+        description="retrieval indexes built by `ctxgate index build`; default "
+        "$CTXGATE_INDEX_DIR or ~/.cache/ctxgate/indexes",
+    )
     upstreams: Annotated[list[str], Cli(old=("--upstream",), metavar="URL")] = Field(
-        default_factory=list, description="OpenAI-compatible upstream URLs used instead of the in-process engine, "
-        "in fail-over order (repeat the flag for each)")
+        default_factory=list,
+        description="OpenAI-compatible upstream URLs used instead of the in-process engine, "
+        "in fail-over order (repeat the flag for each)",
+    )
     # The config file's top-level `model_list:` (no flag: a list of groups does not fit one).
     model_list: Annotated[list[ModelConfig], AfterValidator(check_model_list)] = Field(
-        default_factory=list, description="served models, each routed over a group of deployments (config file "
-        "`model_list:`; docs/routing.md); server.upstreams, when also set, is one more group")
+        default_factory=list,
+        description="served models, each routed over a group of deployments (config file "
+        "`model_list:`; docs/routing.md); server.upstreams, when also set, is one more group",
+    )
     upstream_model: Annotated[str | None, Cli(replacement="--served-model-name")] = Field(
-        default=None, description="model name sent upstream; default: discovered from the upstream's /v1/models")
+        default=None,
+        description="model name sent upstream; default: discovered from the upstream's /v1/models",
+    )
     upstream_connect_timeout_s: Annotated[float, Cli(old=("--upstream-connect-timeout",))] = Field(
-        default=2.0, gt=0, description="seconds to connect to an upstream before trying the next")
+        default=2.0, gt=0, description="seconds to connect to an upstream before trying the next"
+    )
     upstream_read_timeout_s: Annotated[float, Cli(old=("--upstream-read-timeout",))] = Field(
-        default=120.0, gt=0, description="seconds an upstream may stay silent mid-response before the request fails")
-    upstream_retries: int = Field(default=1, ge=0, description="extra connection attempts per upstream URL before "
-                                  "failing over")
+        default=120.0,
+        gt=0,
+        description="seconds an upstream may stay silent mid-response before the request fails",
+    )
+    upstream_retries: int = Field(
+        default=1, ge=0, description="extra connection attempts per upstream URL before failing over"
+    )
     upstream_api_key: Annotated[str | None, EmptyIsNone] = Field(
-        default_factory=_env("CTXGATE_UPSTREAM_API_KEY"), repr=False,
-        description="Bearer key sent to the upstreams (vLLM's --api-key); default $CTXGATE_UPSTREAM_API_KEY")
-    tokenizer: str | None = Field(default=None, description="count budgets with this when the model is remote: a GGUF file, a local HF "
-                                  "tokenizer directory or a tiktoken encoding name (e.g. cl100k_base); default: "
-                                  "the engine's tokenizer or the model directory's")
-    drop_params: bool = Field(default=False, description="drop request fields the built-in engine cannot honour (tools, "
-                              "logprobs, ...) instead of answering 400")
+        default_factory=_env("CTXGATE_UPSTREAM_API_KEY"),
+        repr=False,
+        description="Bearer key sent to the upstreams (vLLM's --api-key); default $CTXGATE_UPSTREAM_API_KEY",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="count budgets with this when the model is remote: a GGUF file, a local HF "
+        "tokenizer directory or a tiktoken encoding name (e.g. cl100k_base); default: "
+        "the engine's tokenizer or the model directory's",
+    )
+    drop_params: bool = Field(
+        default=False,
+        description="drop request fields the built-in engine cannot honour (tools, "
+        "logprobs, ...) instead of answering 400",
+    )
     redis_url: Annotated[str | None, EmptyIsNone] = Field(
-        default_factory=_env("REDIS_URL"), repr=False,
-        description="Redis holding the quota ledger shared by replicas; default $REDIS_URL, unset: in-process")
-    default_policy: str = Field(default="rag-default", description="policy when neither the key nor the request names one")
-    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1, description="larger request bodies are refused "
-                                "with 413 before being read")
+        default_factory=_env("REDIS_URL"),
+        repr=False,
+        description="Redis holding the quota ledger shared by replicas; default $REDIS_URL, unset: in-process",
+    )
+    default_policy: str = Field(
+        default="rag-default", description="policy when neither the key nor the request names one"
+    )
+    max_body_bytes: int = Field(
+        default=DEFAULT_MAX_BODY_BYTES,
+        ge=1,
+        description="larger request bodies are refused with 413 before being read",
+    )
     reload_interval_s: Annotated[float, Cli(old=("--reload-interval",))] = Field(
-        default=1.0, gt=0, description="seconds between checks of the policy directory and the keys file")
-    include_packaged_policies: bool = Field(default=True, description="serve the policies shipped with ctxgate beneath "
-                                            "policy_dir's")
+        default=1.0, gt=0, description="seconds between checks of the policy directory and the keys file"
+    )
+    include_packaged_policies: bool = Field(
+        default=True, description="serve the policies shipped with ctxgate beneath policy_dir's"
+    )
     max_in_flight: Annotated[int | None, NoLimit] = Field(
-        default=64, ge=0, description="generation requests running at once; 0: no limit")
-    max_queued: int = Field(default=64, ge=0, description="requests that may wait for a slot; beyond that: 503 + "
-                            "Retry-After")
+        default=64, ge=0, description="generation requests running at once; 0: no limit"
+    )
+    max_queued: int = Field(
+        default=64, ge=0, description="requests that may wait for a slot; beyond that: 503 + Retry-After"
+    )
     max_open_per_key: Annotated[int | None, NoLimit] = Field(
-        default=32, ge=0, description="generation requests one API key may have open at once (sending their body, queued or "
-        "running); beyond that: 429 too_many_open_requests; 0: no limit")
+        default=32,
+        ge=0,
+        description="generation requests one API key may have open at once (sending their body, queued or "
+        "running); beyond that: 429 too_many_open_requests; 0: no limit",
+    )
     max_queued_per_key: Annotated[int | None, NoLimit] = Field(
-        default=16, ge=0, description="requests of one API key that may wait for a slot; beyond that: 429 "
-        "too_many_queued_requests; 0: no limit")
+        default=16,
+        ge=0,
+        description="requests of one API key that may wait for a slot; beyond that: 429 "
+        "too_many_queued_requests; 0: no limit",
+    )
     queue_timeout_s: Annotated[float, Cli(old=("--queue-timeout",))] = Field(
-        default=10.0, gt=0, description="seconds a request may wait for a slot before a 503")
+        default=10.0, gt=0, description="seconds a request may wait for a slot before a 503"
+    )
     request_timeout_s: Annotated[float | None, NoLimit, Cli(old=("--request-timeout",))] = Field(
-        default=300.0, ge=0, description="seconds an admitted request may take, generation included (over it: 504); 0: "
-        "no limit")
+        default=300.0,
+        ge=0,
+        description="seconds an admitted request may take, generation included (over it: 504); 0: no limit",
+    )
     engine_max_waiting_requests: Annotated[int | None, Cli(old=("--max-waiting-requests",))] = Field(
-        default=256, ge=1, description="in-process engine: refuse new requests with 503 beyond this many waiting")
+        default=256,
+        ge=1,
+        description="in-process engine: refuse new requests with 503 beyond this many waiting",
+    )
     compression_workers: Annotated[int, BeforeValidator(_at_least_one_worker)] = Field(
-        default_factory=default_compression_workers, ge=1,
-        description="threads that compress requests, off the event loop; default: one per two cores")
+        default_factory=default_compression_workers,
+        ge=1,
+        description="threads that compress requests, off the event loop; default: one per two cores",
+    )
     compression_nice: Annotated[int, BeforeValidator(_nice)] = Field(
-        default=DEFAULT_COMPRESSION_NICE, ge=0, le=MAX_NICE,
+        default=DEFAULT_COMPRESSION_NICE,
+        ge=0,
+        le=MAX_NICE,
         description="run the compression workers this many Linux nice steps below the engine's CPU priority "
-        "(0: the same)")
+        "(0: the same)",
+    )
     compression_cache_mb: int = Field(
-        default=512, ge=1, description="megabytes the compressor may keep per process of what it computed from client text "
+        default=512,
+        ge=1,
+        description="megabytes the compressor may keep per process of what it computed from client text "
         "(embedding vectors, token counts, sentence splits, word sets, summaries), shared among its LRU caches; "
-        "the process's memory levels off near its baseline plus this")
-    embed_threads: int = Field(default=1, ge=1, description="OpenMP threads of the compression embedder's batching thread")
-    embed_batch_window_ms: float = Field(default=3.0, ge=0, description="milliseconds the embedder waits to batch "
-                                         "concurrent requests' sentences into one pass")
+        "the process's memory levels off near its baseline plus this",
+    )
+    embed_threads: int = Field(
+        default=1, ge=1, description="OpenMP threads of the compression embedder's batching thread"
+    )
+    embed_batch_window_ms: float = Field(
+        default=3.0,
+        ge=0,
+        description="milliseconds the embedder waits to batch concurrent requests' sentences into one pass",
+    )
     # In a thread of this process the embedder's Python would hold the GIL the engine thread re-takes
     # between every op; on the engine's own thread (between its steps) it is no extra busy thread.
     embed_on: Literal["engine", "process"] = Field(
-        default="engine", description="where the compression embedder runs: engine (with the in-process CPU engine, on its "
+        default="engine",
+        description="where the compression embedder runs: engine (with the in-process CPU engine, on its "
         "thread between steps and layers) or process (a child process; also what engine means with an upstream "
-        "or a CUDA engine)")
+        "or a CUDA engine)",
+    )
     embed_cache_url: Annotated[str | None, EmptyIsNone] = Field(
-        default_factory=_env("CTXGATE_EMBED_CACHE_URL", "REDIS_URL"), repr=False,
+        default_factory=_env("CTXGATE_EMBED_CACHE_URL", "REDIS_URL"),
+        repr=False,
         description="Redis for the embedding and summary cache shared by replicas and kept across restarts; "
-        "default $CTXGATE_EMBED_CACHE_URL, else $REDIS_URL; unset: in-process only")
+        "default $CTXGATE_EMBED_CACHE_URL, else $REDIS_URL; unset: in-process only",
+    )
     drain_timeout_s: Annotated[float, Cli(old=("--drain-timeout",))] = Field(
-        default=30.0, ge=0, description="on SIGTERM, refuse new requests with 503 and wait this long for in-flight ones")
-    access_log: bool = Field(default=True, description="log one line per request on the ctxgate.access logger (request "
-                             "id, method, path, status, tenant, policy, prompt tokens before/after, TTFT, total ms; "
-                             "never keys or prompts); --no-access-log turns it off")
-    allow_unauthenticated: bool = Field(default=False, description="serve on a non-loopback host without a keys file "
-                                        "(only behind a proxy that authenticates)")
+        default=30.0,
+        ge=0,
+        description="on SIGTERM, refuse new requests with 503 and wait this long for in-flight ones",
+    )
+    access_log: bool = Field(
+        default=True,
+        description="log one line per request on the ctxgate.access logger (request "
+        "id, method, path, status, tenant, policy, prompt tokens before/after, TTFT, total ms; "
+        "never keys or prompts); --no-access-log turns it off",
+    )
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="serve on a non-loopback host without a keys file "
+        "(only behind a proxy that authenticates)",
+    )
     metrics_key: Annotated[str | None, EmptyIsNone] = Field(
-        default_factory=_env("CTXGATE_METRICS_KEY"), repr=False,
+        default_factory=_env("CTXGATE_METRICS_KEY"),
+        repr=False,
         description="Bearer token /metrics requires (tenant names and spend are there); default "
-        "$CTXGATE_METRICS_KEY, unset: /metrics is open")
-    body_read_timeout_s: Annotated[float, BeforeValidator(_positive_body_timeout),
-                                   Cli(old=("--body-read-timeout",))] = Field(
-        default=DEFAULT_BODY_READ_TIMEOUT_S, gt=0, description="seconds a client may take to send its whole request body; "
-        "a slower one gets 408")
+        "$CTXGATE_METRICS_KEY, unset: /metrics is open",
+    )
+    body_read_timeout_s: Annotated[
+        float, BeforeValidator(_positive_body_timeout), Cli(old=("--body-read-timeout",))
+    ] = Field(
+        default=DEFAULT_BODY_READ_TIMEOUT_S,
+        gt=0,
+        description="seconds a client may take to send its whole request body; a slower one gets 408",
+    )
     cache_salt_secret: Annotated[str | None, EmptyIsNone] = Field(
-        default_factory=_env("CTXGATE_CACHE_SALT_SECRET"), repr=False,
+        default_factory=_env("CTXGATE_CACHE_SALT_SECRET"),
+        repr=False,
         description="server secret behind each tenant's upstream cache_salt (HMAC-SHA256 of the tenant name); "
         "replicas sharing an upstream should share it; default $CTXGATE_CACHE_SALT_SECRET, unset: random per "
-        "process. Prefer the variable to the flag (flags show in ps)")
-    vllm_metric_names: bool = Field(default=False, description="also export the in-process engine's metrics under vLLM's "
-                                    "names (vllm:...)")
+        "process. Prefer the variable to the flag (flags show in ps)",
+    )
+    vllm_metric_names: bool = Field(
+        default=False, description="also export the in-process engine's metrics under vLLM's names (vllm:...)"
+    )
 
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})

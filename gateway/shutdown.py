@@ -38,13 +38,18 @@ class DrainingServer(uvicorn.Server):
         if self._drain_requested and self._drain_deadline is None:
             self._drain_deadline = time.monotonic() + self.drain_timeout_s
             self.admission.start_draining()
-            logger.info("draining: refusing new requests, waiting up to %gs for %d in flight",
-                        self.drain_timeout_s, self.admission.in_flight)
+            logger.info(
+                "draining: refusing new requests, waiting up to %gs for %d in flight",
+                self.drain_timeout_s,
+                self.admission.in_flight,
+            )
         if self._drain_deadline is not None and not self.should_exit:
             if self.admission.in_flight == 0:
                 logger.info("drained; shutting down")
                 self.should_exit = True
             elif time.monotonic() > self._drain_deadline:
-                logger.warning("drain timeout: %d requests still in flight are cut off", self.admission.in_flight)
+                logger.warning(
+                    "drain timeout: %d requests still in flight are cut off", self.admission.in_flight
+                )
                 self.should_exit = True
         return await super().on_tick(counter)

@@ -41,7 +41,9 @@ class ModelTokenizers:
         return self.by_model.get(model or "", self.default)
 
 
-def load_model_tokenizers(default_tokenizer: Any, forwards_fields: bool, models: list[ModelConfig]) -> ModelTokenizers:
+def load_model_tokenizers(
+    default_tokenizer: Any, forwards_fields: bool, models: list[ModelConfig]
+) -> ModelTokenizers:
     """`default_tokenizer` (the gateway's), and each model's own. `forwards_fields`: some model is an HTTP
     upstream, whose chat template the gateway does not see: the common templates' control tokens are
     neutralised too (a model with its own tokenizer is always an upstream)."""
@@ -62,5 +64,9 @@ def _load(model_name: str, spec: str) -> ModelTokens:
     try:
         tokenizer = load_counting_tokenizer(spec)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"model_list: model '{model_name}': tokenizer {spec!r} could not be loaded: {exc}") from exc
-    return ModelTokens(tokenizer, Neutraliser(tokenizer, extra=KNOWN_CONTROL_TOKENS), CachedCounter(tokenizer))
+        raise ValueError(
+            f"model_list: model '{model_name}': tokenizer {spec!r} could not be loaded: {exc}"
+        ) from exc
+    return ModelTokens(
+        tokenizer, Neutraliser(tokenizer, extra=KNOWN_CONTROL_TOKENS), CachedCounter(tokenizer)
+    )

@@ -29,8 +29,12 @@ class TiktokenTokenizer(TiktokenCounter):
         the prompt is rendered with: what client text must not spell."""
         return set(self.encoding.special_tokens_set) | set(CHATML_MARKERS)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         # Tools and tool-call turns are counted as their JSON: the upstream renders them its own way,
         # and a budget that left them out would let a large tools list pass uncounted.
         turns = [f"<|im_start|>tools\n{json.dumps(tools, ensure_ascii=False)}<|im_end|>\n"] if tools else []
@@ -85,8 +89,10 @@ def check_tokenizer_spec(spec: str) -> str:
     if _tiktoken_name(spec) is None:
         import tiktoken
 
-        raise ValueError(f"tokenizer {spec!r} is neither a GGUF file, a local tokenizer directory nor a tiktoken "
-                         f"encoding (available: {', '.join(sorted(tiktoken.list_encoding_names()))})")
+        raise ValueError(
+            f"tokenizer {spec!r} is neither a GGUF file, a local tokenizer directory nor a tiktoken "
+            f"encoding (available: {', '.join(sorted(tiktoken.list_encoding_names()))})"
+        )
     return spec
 
 

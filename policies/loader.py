@@ -39,8 +39,10 @@ class PolicyFileError(ValueError):
     def __init__(self, path: str | Path, problems: list[tuple[str, str]]):
         self.path = str(path)
         self.problems = problems
-        lines = [f"{self.path}: field '{loc}': {reason}" if loc else f"{self.path}: {reason}"
-                 for loc, reason in problems]
+        lines = [
+            f"{self.path}: field '{loc}': {reason}" if loc else f"{self.path}: {reason}"
+            for loc, reason in problems
+        ]
         super().__init__("\n".join(lines))
 
 
@@ -175,7 +177,9 @@ class PolicyRegistry:
     def _policy_files(self) -> list[Path]:
         files: list[Path] = []
         for directory in self.directories:
-            files.extend(sorted(p for p in directory.iterdir() if p.suffix in POLICY_SUFFIXES and p.is_file()))
+            files.extend(
+                sorted(p for p in directory.iterdir() if p.suffix in POLICY_SUFFIXES and p.is_file())
+            )
         return files
 
     def refresh(self) -> bool:
@@ -216,7 +220,9 @@ class PolicyRegistry:
             policy = load_policy_file(path)
             owner = self._policies.get(policy.name)
             if owner is not None and owner.path != key and Path(owner.path).parent == path.parent:
-                raise PolicyFileError(path, [("name", f"policy '{policy.name}' is already defined in {owner.path}")])
+                raise PolicyFileError(
+                    path, [("name", f"policy '{policy.name}' is already defined in {owner.path}")]
+                )
         except PolicyFileError as exc:
             error = ReloadError(path=key, message=str(exc), at=time.time())
             self._errors[key] = error

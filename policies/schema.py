@@ -21,105 +21,162 @@ class _Section(BaseModel):
 
 
 class HistoryPolicy(_Section):
-    enabled: bool = Field(default=True, description="fit the conversation before the question into max_tokens")
-    max_tokens: int = Field(default=512, ge=0, description="budget for conversation turns before the question")
+    enabled: bool = Field(
+        default=True, description="fit the conversation before the question into max_tokens"
+    )
+    max_tokens: int = Field(
+        default=512, ge=0, description="budget for conversation turns before the question"
+    )
     keep_last_turns: int = Field(default=2, ge=0, description="most recent turns always kept verbatim")
     strategy: Literal["summarize", "extractive", "truncate"] = Field(
-        default="summarize", description="older turns over the budget: summarized by the model, cut to their key sentences "
-        "(extractive), or dropped oldest first (truncate)")
+        default="summarize",
+        description="older turns over the budget: summarized by the model, cut to their key sentences "
+        "(extractive), or dropped oldest first (truncate)",
+    )
     summary_max_tokens: int = Field(default=128, ge=8, description="the summary of the older turns at most")
     summary_timeout_s: float = Field(default=10.0, gt=0, description="fall back to extractive after this")
 
 
 class DocumentsPolicy(_Section):
     max_tokens: int = Field(default=1200, ge=0, description="budget for the retrieved-passages block")
-    max_documents: int | None = Field(default=None, ge=1, description="passages kept at most after rerank; null: no limit "
-                                      "beyond rerank.top_k")
+    max_documents: int | None = Field(
+        default=None,
+        ge=1,
+        description="passages kept at most after rerank; null: no limit beyond rerank.top_k",
+    )
     # Find retrieved context that frameworks render inside the system/user messages (LangChain's
     # stuff-documents prompt, LlamaIndex's context chat, numbered or tagged documents, "Context:"
     # sections) and cut it like `documents`; the instructions and the question stay as they are.
-    from_messages: bool = Field(default=False, description="find retrieved passages rendered inside the system or user "
-                                "messages and cut them like documents")
+    from_messages: bool = Field(
+        default=False,
+        description="find retrieved passages rendered inside the system or user "
+        "messages and cut them like documents",
+    )
     # On first sight (no cached vectors), only the sentences that match the question best lexically
     # are embedded: about this multiple of `max_tokens`, or `embed_min_share` of the input if that is
     # more (compression/prefilter.py). Lower embeds less (a cheaper first sight, less CPU taken from
     # the engine) at some answer retention (docs/decisions/prefilter-share.md).
     embed_budget_multiple: float = Field(
-        default=DEFAULT_EMBED_BUDGET_MULTIPLE, gt=0, description="first-sight embedding allowance, as a multiple of max_tokens"
+        default=DEFAULT_EMBED_BUDGET_MULTIPLE,
+        gt=0,
+        description="first-sight embedding allowance, as a multiple of max_tokens",
     )
     embed_min_share: float = Field(
-        default=DEFAULT_EMBED_MIN_SHARE, ge=0, le=1, description="first-sight embedding allowance, at least this share of the input"
+        default=DEFAULT_EMBED_MIN_SHARE,
+        ge=0,
+        le=1,
+        description="first-sight embedding allowance, at least this share of the input",
     )
 
 
 class DedupPolicy(_Section):
     enabled: bool = Field(default=True, description="drop passages (and sentences) that repeat others")
-    exact: bool = Field(default=True, description="drop exact repeats (case, accents, punctuation and spacing ignored)")
+    exact: bool = Field(
+        default=True, description="drop exact repeats (case, accents, punctuation and spacing ignored)"
+    )
     near_duplicate_cosine: float | None = Field(
-        default=0.92, gt=0, le=1, description="drop a passage whose embedding is at least this similar to a kept one; "
-        "null: exact repeats only")
+        default=0.92,
+        gt=0,
+        le=1,
+        description="drop a passage whose embedding is at least this similar to a kept one; "
+        "null: exact repeats only",
+    )
     sentence_level: bool = Field(default=True, description="also drop repeated sentences across passages")
 
 
 class RerankPolicy(_Section):
     enabled: bool = Field(default=True, description="score passages against the question and keep the best")
     method: Literal["embedding-bm25", "embedding", "bm25", "cross-encoder", "llm"] = Field(
-        default="embedding-bm25", description="how passages are scored: embedding similarity, BM25, both fused, a local "
-        "cross-encoder, or the model itself")
-    top_k: int | None = Field(default=5, ge=1, description="passages kept, best first; null: every passage goes on to "
-                              "extraction")
-    min_score: float | None = Field(default=None, description="passages scoring below this are dropped; null: none")
-    bm25_weight: float = Field(default=0.3, ge=0, le=1, description="the BM25 share of the embedding-bm25 score")
-    cross_encoder_path: str | None = Field(default=None, description="a local cross-encoder model directory, for method: "
-                                           "cross-encoder")
+        default="embedding-bm25",
+        description="how passages are scored: embedding similarity, BM25, both fused, a local "
+        "cross-encoder, or the model itself",
+    )
+    top_k: int | None = Field(
+        default=5, ge=1, description="passages kept, best first; null: every passage goes on to extraction"
+    )
+    min_score: float | None = Field(
+        default=None, description="passages scoring below this are dropped; null: none"
+    )
+    bm25_weight: float = Field(
+        default=0.3, ge=0, le=1, description="the BM25 share of the embedding-bm25 score"
+    )
+    cross_encoder_path: str | None = Field(
+        default=None, description="a local cross-encoder model directory, for method: cross-encoder"
+    )
 
 
 class ExtractionPolicy(_Section):
-    enabled: bool = Field(default=True, description="keep the sentences (or passages) that best answer the question, "
-                          "within documents.max_tokens")
-    unit: Literal["sentence", "passage"] = Field(default="sentence", description="what is kept or dropped whole")
-    neighbours: int = Field(default=0, ge=0, description="sentences either side of a chosen one added first when budget "
-                            "is left (coherence)")
+    enabled: bool = Field(
+        default=True,
+        description="keep the sentences (or passages) that best answer the question, "
+        "within documents.max_tokens",
+    )
+    unit: Literal["sentence", "passage"] = Field(
+        default="sentence", description="what is kept or dropped whole"
+    )
+    neighbours: int = Field(
+        default=0,
+        ge=0,
+        description="sentences either side of a chosen one added first when budget is left (coherence)",
+    )
     keep_titles: bool = Field(default=True, description="render each kept passage with its title")
     # Multi-hop questions: score sentences again against the question plus the best sentence
     # found so far (pseudo-relevance feedback), so the bridge passage is found too.
-    expand_query: bool = Field(default=False, description="score again against the question plus the best sentence "
-                               "(multi-hop questions)")
+    expand_query: bool = Field(
+        default=False,
+        description="score again against the question plus the best sentence (multi-hop questions)",
+    )
     # How a sentence's relevance is computed: "fused", embedding + lexical + passage score at hand
     # weights; "learned", ctxgate.compression.learned's fitted combination of ctxgate.compression.sentence_features.
     scorer: Literal["fused", "learned"] = Field(
-        default="fused", description="sentence relevance: hand-weighted embedding + lexical + passage score (fused), or "
-        "the fitted combination (learned)")
+        default="fused",
+        description="sentence relevance: hand-weighted embedding + lexical + passage score (fused), or "
+        "the fitted combination (learned)",
+    )
 
 
 class AssemblyPolicy(_Section):
     # "stable": a canonical order by passage content, the same whatever the question, so requests that
     # share passages share a prompt prefix (and the engine's prefix cache hits).
     order: Literal["original", "best-first", "best-at-ends", "stable"] = Field(
-        default="best-first", description="passage order in the prompt: as sent, best first, best at both ends, or "
-        "by content (shared prompt prefixes)")
+        default="best-first",
+        description="passage order in the prompt: as sent, best first, best at both ends, or "
+        "by content (shared prompt prefixes)",
+    )
     # Where the passages go: a system message before the conversation, or inside the last user turn.
     placement: Literal["system", "user"] = Field(
-        default="user", description="the passages in a system message before the conversation, or in the last user turn")
+        default="user",
+        description="the passages in a system message before the conversation, or in the last user turn",
+    )
 
 
 class CostPolicy(_Section):
-    prompt_per_1k: float = Field(default=0.0, ge=0, description="price of 1,000 prompt tokens, for usage.ctxgate.cost and "
-                                 "spend limits")
+    prompt_per_1k: float = Field(
+        default=0.0, ge=0, description="price of 1,000 prompt tokens, for usage.ctxgate.cost and spend limits"
+    )
     completion_per_1k: float = Field(default=0.0, ge=0, description="price of 1,000 completion tokens")
     currency: str = Field(default="USD", description="the prices' currency, reported with the cost")
 
 
 class QuotaPolicy(_Section):
-    requests_per_minute: int | None = Field(default=None, ge=1, description="a tenant's requests per minute; null: no "
-                                            "limit; beyond: 429")
-    tokens_per_minute: int | None = Field(default=None, ge=1, description="a tenant's prompt + completion tokens per "
-                                          "minute; null: no limit")
-    tokens_per_day: int | None = Field(default=None, ge=1, description="a tenant's tokens per day; null: no limit")
-    spend_per_day: float | None = Field(default=None, gt=0, description="a tenant's spend per day at the cost section's "
-                                        "prices; null: no limit")
+    requests_per_minute: int | None = Field(
+        default=None, ge=1, description="a tenant's requests per minute; null: no limit; beyond: 429"
+    )
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="a tenant's prompt + completion tokens per minute; null: no limit"
+    )
+    tokens_per_day: int | None = Field(
+        default=None, ge=1, description="a tenant's tokens per day; null: no limit"
+    )
+    spend_per_day: float | None = Field(
+        default=None,
+        gt=0,
+        description="a tenant's spend per day at the cost section's prices; null: no limit",
+    )
     on_store_error: Literal["allow", "deny"] = Field(
-        default="allow", description="when the quota ledger (Redis) cannot be reached: serve the request or refuse it")
+        default="allow",
+        description="when the quota ledger (Redis) cannot be reached: serve the request or refuse it",
+    )
 
 
 FitAction = Literal["reject", "compress"]
@@ -129,22 +186,40 @@ class FitPolicy(_Section):
     """What a request that does not fit a limit gets (gateway/fit.py): refused as before (`reject`), or
     compressed with the same stages into what the limit leaves (`compress`), never under the floor."""
 
-    quota: FitAction = Field(default="reject", description="the tenant's tokens left in the window cannot hold the "
-                             "request at the normal budget: refuse (429) or compress the prompt into what is left")
-    context_window: FitAction = Field(default="reject", description="the prompt is over the model's context window: "
-                                      "refuse (413) or compress it to fit, even under a policy that does not compress")
-    max_input_tokens: FitAction = Field(default="reject", description="the prompt is over max_input_tokens: refuse "
-                                        "(413) or compress it to fit, even under a policy that does not compress")
-    min_context_tokens: int = Field(default=256, ge=1, description="the smallest prompt budget a fitted request is "
-                                    "given (system prompt, question and what is kept of the context); less left: "
-                                    "the refusal, saying what would have been needed")
-    output: Literal["cap", "reject"] = Field(default="cap", description="quota fitting when the output reservation "
-                                             "leaves less than min_context_tokens for the prompt: lower max_tokens to "
-                                             "what is left (finish_reason: length), or refuse")
+    quota: FitAction = Field(
+        default="reject",
+        description="the tenant's tokens left in the window cannot hold the "
+        "request at the normal budget: refuse (429) or compress the prompt into what is left",
+    )
+    context_window: FitAction = Field(
+        default="reject",
+        description="the prompt is over the model's context window: "
+        "refuse (413) or compress it to fit, even under a policy that does not compress",
+    )
+    max_input_tokens: FitAction = Field(
+        default="reject",
+        description="the prompt is over max_input_tokens: refuse "
+        "(413) or compress it to fit, even under a policy that does not compress",
+    )
+    min_context_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="the smallest prompt budget a fitted request is "
+        "given (system prompt, question and what is kept of the context); less left: "
+        "the refusal, saying what would have been needed",
+    )
+    output: Literal["cap", "reject"] = Field(
+        default="cap",
+        description="quota fitting when the output reservation "
+        "leaves less than min_context_tokens for the prompt: lower max_tokens to "
+        "what is left (finish_reason: length), or refuse",
+    )
 
     def action(self, limit: Literal["quota", "context_window", "max_input_tokens"]) -> FitAction:
         actions: dict[str, FitAction] = {
-            "quota": self.quota, "context_window": self.context_window, "max_input_tokens": self.max_input_tokens
+            "quota": self.quota,
+            "context_window": self.context_window,
+            "max_input_tokens": self.max_input_tokens,
         }
         return actions[limit]
 
@@ -154,17 +229,34 @@ class AdaptivePolicy(_Section):
     the largest candidate (floor, floor + step, ..., ceiling) whose predicted TTFT keeps the SLO,
     never below the floor; when even the floor misses, admission decides, not a deeper cut."""
 
-    enabled: bool = Field(default=False, description="choose each request's documents budget from the load (this "
-                          "section), instead of documents.max_tokens")
-    ttft_slo_s: float = Field(default=2.0, gt=0, le=600, description="TTFT objective (P95, seconds) the budget is chosen for")
-    floor_tokens: int = Field(default=160, ge=0, description="the tightest documents budget the controller may choose")
-    ceiling_tokens: int = Field(default=1200, ge=1, description="the loosest documents budget the controller may choose")
-    step_tokens: int = Field(default=80, ge=1, description="candidate budgets are the floor plus multiples of this")
+    enabled: bool = Field(
+        default=False,
+        description="choose each request's documents budget from the load (this "
+        "section), instead of documents.max_tokens",
+    )
+    ttft_slo_s: float = Field(
+        default=2.0, gt=0, le=600, description="TTFT objective (P95, seconds) the budget is chosen for"
+    )
+    floor_tokens: int = Field(
+        default=160, ge=0, description="the tightest documents budget the controller may choose"
+    )
+    ceiling_tokens: int = Field(
+        default=1200, ge=1, description="the loosest documents budget the controller may choose"
+    )
+    step_tokens: int = Field(
+        default=80, ge=1, description="candidate budgets are the floor plus multiples of this"
+    )
     # A prediction is a typical TTFT and the SLO a P95: aim this fraction of the SLO.
-    headroom: float = Field(default=0.7, gt=0, le=1, description="predicted TTFT must stay under headroom x ttft_slo_s")
-    max_kv_usage: float = Field(default=0.95, gt=0, le=1, description="KV cache use above which the floor is taken")
+    headroom: float = Field(
+        default=0.7, gt=0, le=1, description="predicted TTFT must stay under headroom x ttft_slo_s"
+    )
+    max_kv_usage: float = Field(
+        default=0.95, gt=0, le=1, description="KV cache use above which the floor is taken"
+    )
     # Damping: budgets fall at once when the load rises, but rise one step at most this often.
-    relax_interval_s: float = Field(default=0.5, ge=0, le=60, description="least seconds between two one-step rises")
+    relax_interval_s: float = Field(
+        default=0.5, ge=0, le=60, description="least seconds between two one-step rises"
+    )
 
     @model_validator(mode="after")
     def _range(self) -> AdaptivePolicy:
@@ -176,33 +268,55 @@ class AdaptivePolicy(_Section):
 
 
 class Policy(_Section):
-    name: str = Field(default=..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
-                      description="the policy's name, as requests and keys name it")
+    name: str = Field(
+        default=...,
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the policy's name, as requests and keys name it",
+    )
     description: str = Field(default="", description="free text shown by /v1/ctxgate/policies")
     max_input_tokens: int = Field(default=2048, ge=16, description="hard cap on the prompt sent to the model")
     reserve_output_tokens: int = Field(default=256, ge=1, description="max_tokens is clamped to this")
-    compression_enabled: bool = Field(default=True, description="false: send the prompt as it came (budgets and quotas "
-                                      "still apply)")
+    compression_enabled: bool = Field(
+        default=True, description="false: send the prompt as it came (budgets and quotas still apply)"
+    )
     # LiteLLM's convention: request fields the built-in engine cannot honour (tools, logprobs, ...)
     # are a 400 naming the field, unless this drops them (listed in usage.ctxgate.dropped_params).
-    drop_params: bool = Field(default=False, description="drop request fields the engine cannot honour instead of a 400")
+    drop_params: bool = Field(
+        default=False, description="drop request fields the engine cannot honour instead of a 400"
+    )
     # Skip compression when the estimated prefill saving is below this many ms (0: always compress).
-    min_saving_ms: float = Field(default=0.0, ge=0, description="skip compression when the estimated prefill saving is "
-                                 "below this (0: always compress)")
+    min_saving_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="skip compression when the estimated prefill saving is below this (0: always compress)",
+    )
     allow_request_overrides: list[str] = Field(
         default_factory=list, description="dotted fields a request may override, e.g. documents.max_tokens"
     )
-    history: HistoryPolicy = Field(default=HistoryPolicy(), description="the conversation before the question")
-    documents: DocumentsPolicy = Field(default=DocumentsPolicy(), description="the retrieved passages' budget")
+    history: HistoryPolicy = Field(
+        default=HistoryPolicy(), description="the conversation before the question"
+    )
+    documents: DocumentsPolicy = Field(
+        default=DocumentsPolicy(), description="the retrieved passages' budget"
+    )
     dedup: DedupPolicy = Field(default=DedupPolicy(), description="repeated passages and sentences")
     rerank: RerankPolicy = Field(default=RerankPolicy(), description="which passages go on")
-    extraction: ExtractionPolicy = Field(default=ExtractionPolicy(), description="which sentences of them are kept")
-    assembly: AssemblyPolicy = Field(default=AssemblyPolicy(), description="how the kept passages are put in the prompt")
+    extraction: ExtractionPolicy = Field(
+        default=ExtractionPolicy(), description="which sentences of them are kept"
+    )
+    assembly: AssemblyPolicy = Field(
+        default=AssemblyPolicy(), description="how the kept passages are put in the prompt"
+    )
     quota: QuotaPolicy = Field(default=QuotaPolicy(), description="the tenant's rate and spend limits")
-    cost: CostPolicy = Field(default=CostPolicy(), description="prices, for the reported cost and spend limits")
+    cost: CostPolicy = Field(
+        default=CostPolicy(), description="prices, for the reported cost and spend limits"
+    )
     adaptive: AdaptivePolicy = Field(default=AdaptivePolicy(), description="budgets that follow the load")
-    fit: FitPolicy = Field(default=FitPolicy(), description="compress a request into a limit it does not fit "
-                           "instead of refusing it")
+    fit: FitPolicy = Field(
+        default=FitPolicy(),
+        description="compress a request into a limit it does not fit instead of refusing it",
+    )
 
     @model_validator(mode="after")
     def _documents_fit(self) -> Policy:

@@ -1,4 +1,4 @@
-""""Did you mean" for a misspelt field: the close matches among the fields a model does have."""
+""" "Did you mean" for a misspelt field: the close matches among the fields a model does have."""
 
 from __future__ import annotations
 

@@ -39,8 +39,9 @@ def test_every_argument_of_every_subcommand_has_help():
 
 
 def test_version_and_log_level_anywhere():
-    result = subprocess.run([sys.executable, "-m", "ctxgate", "--version"], capture_output=True, text=True,
-                            cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "ctxgate", "--version"], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ctxgate 0.1.0"
     assert parse_args(["policy", "schema", "--log-level", "debug"]).log_level == "DEBUG"
     assert parse_args(["--log-level", "warning", "policy", "schema"]).log_level == "WARNING"
@@ -56,7 +57,9 @@ def test_one_name_per_concept_with_deprecated_aliases(capsys):
     evaluation = parse_args(["eval", "run", "--dataset", "d.jsonl", "--policy", "p", "--out", "o"])
     assert evaluation.dataset == "d.jsonl"
     assert "--dataset is deprecated; use --input" in capsys.readouterr().err
-    assert parse_args(["eval", "run", "--input", "d.jsonl", "--policy", "p", "--out", "o"]).dataset == "d.jsonl"
+    assert (
+        parse_args(["eval", "run", "--input", "d.jsonl", "--policy", "p", "--out", "o"]).dataset == "d.jsonl"
+    )
     assert capsys.readouterr().err == ""
     serve = parse_args(["serve", "--upstream-model", "m"])
     assert serve.upstream_model == "m"

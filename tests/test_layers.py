@@ -55,8 +55,12 @@ def layer_violations(folder: str, path: Path) -> list[str]:
 
 
 def test_backend_folders_import_only_the_layers_below():
-    wrong = [f"{folder}/{violation}" for folder in ALLOWED for path in (REPO / "backend" / folder).rglob("*.py")
-             for violation in layer_violations(folder, path)]
+    wrong = [
+        f"{folder}/{violation}"
+        for folder in ALLOWED
+        for path in (REPO / "backend" / folder).rglob("*.py")
+        for violation in layer_violations(folder, path)
+    ]
     assert wrong == []
 
 
@@ -72,14 +76,20 @@ def test_compression_sees_only_the_engine_seam_and_the_platform():
 
 
 def test_policies_import_nothing_else_of_ctxgate():
-    wrong = [f"{path.relative_to(REPO)} imports {module}" for path in (REPO / "policies").rglob("*.py")
-             for module in imported_modules(path) if not module.startswith("ctxgate.policies")]
+    wrong = [
+        f"{path.relative_to(REPO)} imports {module}"
+        for path in (REPO / "policies").rglob("*.py")
+        for module in imported_modules(path)
+        if not module.startswith("ctxgate.policies")
+    ]
     assert wrong == []
 
 
 def test_the_check_sees_an_upward_import(tmp_path):
     upward = tmp_path / "x.py"
     upward.write_text("def f():\n    from ctxgate.backend.serving.server import serve\n")
-    assert layer_violations("engine", upward) == ["x.py imports ctxgate.backend.serving.server",
-                                                  "x.py imports ctxgate.backend.serving.server.serve"]
+    assert layer_violations("engine", upward) == [
+        "x.py imports ctxgate.backend.serving.server",
+        "x.py imports ctxgate.backend.serving.server.serve",
+    ]
     assert layer_violations("serving", upward) == []

@@ -16,8 +16,13 @@ BARE = {"backend", "gateway", "compression", "policies", "eval"}
 
 
 def _python_files() -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return [REPO / name for name in listed if (REPO / name).is_file()]
 
 
@@ -32,15 +37,18 @@ def bare_imports(source: str) -> list[str]:
 
 
 def test_the_scan_sees_every_form_of_a_bare_import():
-    assert bare_imports("import backend.engine.api as api\nfrom gateway import app\n"
-                        "def f():\n    from eval.cli import main\n") == ["backend.engine.api", "gateway", "eval.cli"]
+    assert bare_imports(
+        "import backend.engine.api as api\nfrom gateway import app\ndef f():\n    from eval.cli import main\n"
+    ) == ["backend.engine.api", "gateway", "eval.cli"]
     assert bare_imports("from ctxgate.backend.engine import api\nimport ctxgate.gateway.app\n") == []
 
 
 def test_no_module_imports_a_bare_top_level_package():
     files = _python_files()
     assert len(files) > 100
-    offenders = {str(path.relative_to(REPO)): names for path in files if (names := bare_imports(path.read_text()))}
+    offenders = {
+        str(path.relative_to(REPO)): names for path in files if (names := bare_imports(path.read_text()))
+    }
     assert offenders == {}
 
 

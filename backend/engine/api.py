@@ -139,7 +139,9 @@ class GenerationDelta:
 class EngineError(Exception):
     """Raised for requests the engine refuses; `status_code` maps it to HTTP."""
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
+    def __init__(
+        self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status_code = status_code
         # What an upstream server said was wrong, kept so the client still learns which field.

@@ -272,8 +272,11 @@ class AsyncEngine:
             # The engine thread takes new requests between steps; one submitted mid-step (a 512-token
             # prefill step takes ~0.4 s on 2 cores) waits for it, and that wait is queue time.
             request = replace(request, arrival_time=time.perf_counter())
-        stream = RequestStream(request.request_id, asyncio.get_running_loop(),
-                               on_close=lambda: self._submit(_Abort(request.request_id, notify=False)))
+        stream = RequestStream(
+            request.request_id,
+            asyncio.get_running_loop(),
+            on_close=lambda: self._submit(_Abort(request.request_id, notify=False)),
+        )
         self._submit(_Add(request, stream))
         return stream
 
@@ -369,7 +372,10 @@ class AsyncEngine:
             return
         self.engine.abort_request(command.request_id)
         final = GenerationDelta(
-            request_id=command.request_id, text="", token_ids=[], finish_reason="abort",
+            request_id=command.request_id,
+            text="",
+            token_ids=[],
+            finish_reason="abort",
             metrics=RequestMetrics(),
         )
         self.metrics.observe_finished(final)
@@ -412,8 +418,9 @@ class AsyncEngine:
             state = self._live.pop(request_id, None)
             if state is None:  # its consumer left already, or a second sequence of the same request
                 continue
-            self.metrics.observe_finished(GenerationDelta(
-                request_id=request_id, text="", token_ids=[], finish_reason="error"))
+            self.metrics.observe_finished(
+                GenerationDelta(request_id=request_id, text="", token_ids=[], finish_reason="error")
+            )
             self._send(state.stream, error)
 
     def _send(self, stream: RequestStream, item: GenerationDelta | BaseException) -> None:

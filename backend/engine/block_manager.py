@@ -91,7 +91,9 @@ class BlockManager:
         return hits
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> bool:
         """Make seq's block table cover `num_computed_tokens (+ cached) + num_new_tokens` tokens.
 
         `cached_blocks` (only for a sequence with an empty table) are prefix-cache hits to adopt:
@@ -117,8 +119,9 @@ class BlockManager:
         one holding the prompt's last token (the child computes that tail itself, so it samples its
         own first token). Returns how many blocks it shares; copies no KV."""
         assert not child.block_table and child.prompt_token_ids == parent.prompt_token_ids
-        shared = min((parent.num_prompt_tokens - 1) // self.block_size,
-                     parent.num_computed_tokens // self.block_size)
+        shared = min(
+            (parent.num_prompt_tokens - 1) // self.block_size, parent.num_computed_tokens // self.block_size
+        )
         for block_id in parent.block_table[:shared]:
             self._take_ref(block_id)
         child.block_table = list(parent.block_table[:shared])

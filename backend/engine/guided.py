@@ -70,8 +70,11 @@ class GuideSpec:
 
     def check_size(self) -> None:
         if len(self.source) > MAX_GUIDE_SOURCE_CHARS:
-            raise GuideError(f"{self.param} is {len(self.source)} characters; at most {MAX_GUIDE_SOURCE_CHARS} "
-                             "are compiled", self.param)
+            raise GuideError(
+                f"{self.param} is {len(self.source)} characters; at most {MAX_GUIDE_SOURCE_CHARS} "
+                "are compiled",
+                self.param,
+            )
 
     @classmethod
     def json_schema(cls, schema: object, param: str, wrapper_depth: int = 0) -> GuideSpec:
@@ -83,10 +86,17 @@ class GuideSpec:
 
     @classmethod
     def choice(cls, choices: object, param: str) -> GuideSpec:
-        if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
-                or not all(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS for c in choices)):
-            raise GuideError(f"{param} must be a list of 1 to {MAX_CHOICES} non-empty strings of at most "
-                             f"{MAX_CHOICE_CHARS} characters", param)
+        if (
+            not isinstance(choices, list)
+            or not choices
+            or len(choices) > MAX_CHOICES
+            or not all(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS for c in choices)
+        ):
+            raise GuideError(
+                f"{param} must be a list of 1 to {MAX_CHOICES} non-empty strings of at most "
+                f"{MAX_CHOICE_CHARS} characters",
+                param,
+            )
         return cls("choice", json.dumps(choices, ensure_ascii=False), param)
 
 
@@ -105,11 +115,16 @@ def check_schema_shape(schema: object, param: str, wrapper_depth: int = 0) -> No
             if isinstance(declared, dict):
                 properties += len(declared)
                 if len(declared) > MAX_OBJECT_PROPERTIES:
-                    raise GuideError(f"{param} declares {len(declared)} properties in one object; at most "
-                                     f"{MAX_OBJECT_PROPERTIES} are compiled", param)
+                    raise GuideError(
+                        f"{param} declares {len(declared)} properties in one object; at most "
+                        f"{MAX_OBJECT_PROPERTIES} are compiled",
+                        param,
+                    )
                 if properties > MAX_SCHEMA_PROPERTIES:
-                    raise GuideError(f"{param} declares more than {MAX_SCHEMA_PROPERTIES} properties in all; "
-                                     "simplify it", param)
+                    raise GuideError(
+                        f"{param} declares more than {MAX_SCHEMA_PROPERTIES} properties in all; simplify it",
+                        param,
+                    )
             children = value.values()
         elif isinstance(value, list):
             children = value
@@ -164,16 +179,23 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     """Set to -inf, in place, the logits of tokens the bitmask forbids, in the given rows only."""
     import xgrammar
 
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows,
-                                         vocab_size=logits.shape[-1])
+    xgrammar.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device), indices=rows, vocab_size=logits.shape[-1]
+    )
 
 
 class GuideCompiler:
     """Compiles `GuideSpec`s for one tokenizer; results cached, compilation in killable workers."""
 
-    def __init__(self, tokenizer: Tokenizer, cache_size: int = CACHE_SIZE, timeout_s: float = COMPILE_TIMEOUT_S,
-                 workers: int = COMPILE_WORKERS, queue_wait_s: float = QUEUE_WAIT_S,
-                 max_queued_per_tenant: int = MAX_QUEUED_PER_TENANT):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        cache_size: int = CACHE_SIZE,
+        timeout_s: float = COMPILE_TIMEOUT_S,
+        workers: int = COMPILE_WORKERS,
+        queue_wait_s: float = QUEUE_WAIT_S,
+        max_queued_per_tenant: int = MAX_QUEUED_PER_TENANT,
+    ):
         self._tokenizer = tokenizer
         # Compiled grammars, and the messages of grammars that do not compile (deterministic: a
         # flood of one broken grammar costs one compile). Timeouts are not kept: load can cause them.
@@ -192,8 +214,10 @@ class GuideCompiler:
         with self._lock:
             if self._info is None:
                 self._info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer.hf, vocab_size=self._tokenizer.vocab_size,
-                    stop_token_ids=sorted(self._tokenizer.eos_token_ids))
+                    self._tokenizer.hf,
+                    vocab_size=self._tokenizer.vocab_size,
+                    stop_token_ids=sorted(self._tokenizer.eos_token_ids),
+                )
             return self._info
 
     def _workers(self) -> CompilePool:
@@ -201,8 +225,15 @@ class GuideCompiler:
         with self._lock:
             if self._pool is None:
                 workers, timeout_s, queue_wait_s, max_queued = self._pool_settings
-                self._pool = CompilePool(info.serialize_json(), self._deserialize, self._compile_here, workers,
-                                         timeout_s, queue_wait_s, max_queued)
+                self._pool = CompilePool(
+                    info.serialize_json(),
+                    self._deserialize,
+                    self._compile_here,
+                    workers,
+                    timeout_s,
+                    queue_wait_s,
+                    max_queued,
+                )
             return self._pool
 
     def warm_up(self) -> None:

@@ -108,20 +108,36 @@ class LLMEngine:
         )
         decode_graphs = None
         if graphs or traced:
-            decode_graphs = build_decode_graphs(config, self.model, self.kv_cache, self.attention, self.device,
-                                                self.max_model_len, scratch_block=num_blocks, traced=traced)
+            decode_graphs = build_decode_graphs(
+                config,
+                self.model,
+                self.kv_cache,
+                self.attention,
+                self.device,
+                self.max_model_len,
+                scratch_block=num_blocks,
+                traced=traced,
+            )
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, decode_graphs)
         self.vocab_size = arch.vocab_size
         self.sequences: dict[str, SequenceGroup] = {}  # request id -> its live sequences
         self._arrival_counter = itertools.count()
-        self.outputs = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len, config.ttft_target_ms)
+        self.outputs = OutputProcessor(
+            self.tokenizer.eos_token_ids, self.max_model_len, config.ttft_target_ms
+        )
         self.last_step_batch_size = 0
         self.last_step_num_tokens = 0
         self._failures: list[tuple[str, EngineError]] = []  # see take_failures
         logger.info(
             "engine ready: %s %s on %s, %d KV blocks of %d tokens (%s), attention=%s; %s",
-            self.model_name, self.dtype, self.device, num_blocks, config.block_size,
-            "int8" if spec.quantized else str(self.dtype), self.attention.name, self.cpu_path_summary(),
+            self.model_name,
+            self.dtype,
+            self.device,
+            num_blocks,
+            config.block_size,
+            "int8" if spec.quantized else str(self.dtype),
+            self.attention.name,
+            self.cpu_path_summary(),
         )
 
     # ---- requests ---------------------------------------------------------------------------
@@ -145,7 +161,8 @@ class LLMEngine:
         request = replace(request, prompt_token_ids=prompt, sampling=sampling)
         seq = self._new_sequence(request, index=0)
         self.sequences[request.request_id] = SequenceGroup(
-            request.request_id, [seq], pending_forks=sampling.n - 1, unfinished=sampling.n)
+            request.request_id, [seq], pending_forks=sampling.n - 1, unfinished=sampling.n
+        )
         self.scheduler.add(seq)
 
     def _new_sequence(self, request: GenerationRequest, index: int) -> Sequence:
@@ -173,8 +190,14 @@ class LLMEngine:
 
     def _fork(self, group: SequenceGroup, first: Sequence) -> None:
         """The first sequence's prompt is computed: start the other choices on its KV blocks."""
-        request = GenerationRequest(group.request_id, first.prompt_token_ids, first.sampling,
-                                    first.priority, first.cache_salt, arrival_time=first.arrival_time)
+        request = GenerationRequest(
+            group.request_id,
+            first.prompt_token_ids,
+            first.sampling,
+            first.priority,
+            first.cache_salt,
+            arrival_time=first.arrival_time,
+        )
         for index in range(1, group.pending_forks + 1):
             child = self._new_sequence(request, index)
             child.arrival_order = first.arrival_order  # the request's place in the queue, not a new one
@@ -230,8 +253,10 @@ class LLMEngine:
             except Exception:
                 logger.exception("handling the token of request %s failed; it is aborted", seq.request_id)
                 failed.add(seq.request_id)
-                self._fail(seq.request_id, EngineError("the engine failed on this request's output", 500,
-                                                       code="engine_error"))
+                self._fail(
+                    seq.request_id,
+                    EngineError("the engine failed on this request's output", 500, code="engine_error"),
+                )
         return [delta for delta in deltas if delta.request_id not in failed]
 
     def _emit(self, seq: Sequence, token: SampledToken, now: float) -> GenerationDelta:
@@ -274,7 +299,9 @@ class LLMEngine:
         info: dict[str, object] = {
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_cache_dtype": "int8" if self.kv_cache.spec.quantized else str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": "int8"
+            if self.kv_cache.spec.quantized
+            else str(self.dtype).removeprefix("torch."),
             "weight_quant": self.config.weight_quant,
             "attention": self.attention.name,
             "threads": self.num_threads,
@@ -283,22 +310,30 @@ class LLMEngine:
             graphs = self.runner.decode_graphs
             decode_kernel = getattr(self.attention, "decode_kernel_for", None)
             probe = torch.empty(0, device=self.device)
-            info.update({
-                "gpu": torch.cuda.get_device_name(self.device),
-                "decode_kernel": decode_kernel(probe, self.kv_cache.spec.block_size) if decode_kernel else "none",
-                "cuda_graph_batch_sizes": list(graphs.sizes) if graphs else [],
-            })
+            info.update(
+                {
+                    "gpu": torch.cuda.get_device_name(self.device),
+                    "decode_kernel": decode_kernel(probe, self.kv_cache.spec.block_size)
+                    if decode_kernel
+                    else "none",
+                    "cuda_graph_batch_sizes": list(graphs.sizes) if graphs else [],
+                }
+            )
         if self.device.type == "cpu":
             path = cpu_path()
             plan = self.model.matmul_plan
-            info.update({
-                "cpu_model": path.model_name,
-                "cpu_flags": list(path.flags),
-                "cpu_kernel_isa": path.kernel_isa if self.model.use_fused_layers else "none",
-                "cpu_isa_capped_by": path.capped_by,
-                "matmul": plan.summary() if plan else "plain",
-                "traced_decode_batch_sizes": list(graphs.sizes) if (graphs := self.runner.decode_graphs) else [],
-            })
+            info.update(
+                {
+                    "cpu_model": path.model_name,
+                    "cpu_flags": list(path.flags),
+                    "cpu_kernel_isa": path.kernel_isa if self.model.use_fused_layers else "none",
+                    "cpu_isa_capped_by": path.capped_by,
+                    "matmul": plan.summary() if plan else "plain",
+                    "traced_decode_batch_sizes": list(graphs.sizes)
+                    if (graphs := self.runner.decode_graphs)
+                    else [],
+                }
+            )
         return info
 
     def cpu_path_summary(self) -> str:

@@ -20,13 +20,72 @@ PREFIX = "ctxgate:"
 # Latency buckets in seconds. Dense where this engine lives (10 ms .. a few s) so that P50/P95/P99
 # interpolated from the histogram land within a few percent of the true quantile.
 _FAST_LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04,
-    0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0,
-    7.5, 10.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.0125,
+    0.015,
+    0.0175,
+    0.02,
+    0.025,
+    0.03,
+    0.035,
+    0.04,
+    0.05,
+    0.06,
+    0.075,
+    0.1,
+    0.125,
+    0.15,
+    0.2,
+    0.25,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
 )
 _REQUEST_LATENCY_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5,
-    3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 90.0, 120.0, 180.0, 300.0,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.25,
+    1.5,
+    1.75,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    6.0,
+    8.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    90.0,
+    120.0,
+    180.0,
+    300.0,
 )
 _TOKEN_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -49,11 +108,13 @@ class EngineMetrics:
             return Gauge(PREFIX + name, doc, labels, registry=self.registry)
 
         self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Time from arrival to the first output token.",
+            "time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
             _REQUEST_LATENCY_BUCKETS,
         )
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between two consecutive output tokens of a request.",
+            "inter_token_latency_seconds",
+            "Time between two consecutive output tokens of a request.",
             _FAST_LATENCY_BUCKETS,
         )
         self.time_per_output_token = histogram(
@@ -62,15 +123,18 @@ class EngineMetrics:
             _FAST_LATENCY_BUCKETS,
         )
         self.e2e_latency = histogram(
-            "e2e_request_latency_seconds", "Time from arrival to the last output token.",
+            "e2e_request_latency_seconds",
+            "Time from arrival to the last output token.",
             _REQUEST_LATENCY_BUCKETS,
         )
         self.queue_time = histogram(
-            "request_queue_time_seconds", "Time a request waited before its first scheduled step.",
+            "request_queue_time_seconds",
+            "Time a request waited before its first scheduled step.",
             _REQUEST_LATENCY_BUCKETS,
         )
         self.prefill_time = histogram(
-            "request_prefill_time_seconds", "Time spent prefilling a request's prompt.",
+            "request_prefill_time_seconds",
+            "Time spent prefilling a request's prompt.",
             _REQUEST_LATENCY_BUCKETS,
         )
         self.request_prompt_tokens = histogram(
@@ -102,18 +166,33 @@ class EngineMetrics:
         self.num_kv_blocks_free = gauge("num_kv_blocks_free", "Free KV cache blocks.")
         self.batch_size = gauge("last_step_batch_size", "Sequences in the last engine step.")
         # ctxgate:engine_path_info{device, dtype, cpu_kernel_isa, cpu_flags, matmul, ...} 1
-        self.path_info = Info(PREFIX + "engine_path", "The compute path this engine runs.", labels,
-                              registry=self.registry)
+        self.path_info = Info(
+            PREFIX + "engine_path", "The compute path this engine runs.", labels, registry=self.registry
+        )
 
         # Create every labelled series now so /metrics shows zeros before the first request.
         for metric in (
-            self.time_to_first_token, self.inter_token_latency, self.time_per_output_token,
-            self.e2e_latency, self.queue_time, self.prefill_time, self.request_prompt_tokens,
-            self.request_generation_tokens, self.iteration_tokens, self.prompt_tokens,
-            self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
-            self.num_preemptions, self.ttft_target_misses, self.num_requests_running,
-            self.num_requests_waiting, self.kv_cache_usage, self.num_kv_blocks_total,
-            self.num_kv_blocks_free, self.batch_size,
+            self.time_to_first_token,
+            self.inter_token_latency,
+            self.time_per_output_token,
+            self.e2e_latency,
+            self.queue_time,
+            self.prefill_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.iteration_tokens,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.num_preemptions,
+            self.ttft_target_misses,
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage,
+            self.num_kv_blocks_total,
+            self.num_kv_blocks_free,
+            self.batch_size,
         ):
             self._label(metric)
         for reason in ("stop", "length", "abort"):
@@ -195,11 +274,24 @@ class EngineMetrics:
 # Engine metrics whose meaning matches vLLM's metric of the same name (vLLM v1), so dashboards and
 # autoscalers written for vLLM (e.g. on vllm:num_requests_waiting) work unchanged.
 VLLM_COMPATIBLE = (
-    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds",
-    "inter_token_latency_seconds", "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
-    "request_queue_time_seconds", "request_prefill_time_seconds", "request_prompt_tokens",
-    "request_generation_tokens", "iteration_tokens_total", "prompt_tokens", "generation_tokens",
-    "request_success", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "iteration_tokens_total",
+    "prompt_tokens",
+    "generation_tokens",
+    "request_success",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
 )
 VLLM_PREFIX = "vllm:"
 
@@ -209,8 +301,11 @@ class _VllmNames:
 
     def __init__(self, metrics: EngineMetrics):
         names = {PREFIX + name for name in VLLM_COMPATIBLE}
-        self._sources = [value for value in vars(metrics).values()
-                         if hasattr(value, "collect") and getattr(value, "_name", None) in names]
+        self._sources = [
+            value
+            for value in vars(metrics).values()
+            if hasattr(value, "collect") and getattr(value, "_name", None) in names
+        ]
 
     def describe(self):
         return []  # no name reservation: the registry's own metrics already own the ctxgate: names
@@ -218,9 +313,11 @@ class _VllmNames:
     def collect(self):
         for source in self._sources:
             for family in source.collect():
-                family.name = VLLM_PREFIX + family.name[len(PREFIX):]
-                family.samples = [sample._replace(name=VLLM_PREFIX + sample.name[len(PREFIX):])
-                                  for sample in family.samples]
+                family.name = VLLM_PREFIX + family.name[len(PREFIX) :]
+                family.samples = [
+                    sample._replace(name=VLLM_PREFIX + sample.name[len(PREFIX) :])
+                    for sample in family.samples
+                ]
                 yield family
 
 

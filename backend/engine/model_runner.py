@@ -99,7 +99,9 @@ class ModelRunner:
                     query_positions = torch.arange(first, context_len, device=self.device)
                     key_positions = torch.arange(context_len, device=self.device)
                     mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
-                metadata.prefills.append(PrefillChunk(start_row, start_row + num_new, context_blocks, context_len, mask))
+                metadata.prefills.append(
+                    PrefillChunk(start_row, start_row + num_new, context_blocks, context_len, mask)
+                )
 
         if decode_tables:
             # Round the padded context up to a bucket: oneDNN compiles a kernel per new matmul shape
@@ -128,7 +130,9 @@ class ModelRunner:
         logits = self.model(input_ids, positions, self.attention, self.kv_cache, metadata, logits_rows)
         return ModelRunnerOutput(sampled, logits)
 
-    def _execute_decode_graph(self, graphs: DecodeGraphs, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
+    def _execute_decode_graph(
+        self, graphs: DecodeGraphs, scheduled: list[ScheduledSequence]
+    ) -> ModelRunnerOutput:
         size = self.block_size
         batch = DecodeBatch([], [], [], [], [])
         sampled_rows: list[int] = []

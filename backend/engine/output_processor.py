@@ -18,8 +18,9 @@ class OutputProcessor:
         self.ttft_target_ms = ttft_target_ms
         self.ttft_target_misses = 0  # cumulative
 
-    def append_token(self, seq: Sequence, token: int, now: float,
-                     logprob: TokenLogprob | None = None) -> GenerationDelta:
+    def append_token(
+        self, seq: Sequence, token: int, now: float, logprob: TokenLogprob | None = None
+    ) -> GenerationDelta:
         """Append `token` to `seq` and return the delta to stream (its choice's finish reason set when
         it ends the choice)."""
         seq.token_ids.append(token)
@@ -48,8 +49,11 @@ class OutputProcessor:
         else:
             emit_until = len(text)
         delta = GenerationDelta(
-            request_id=seq.request_id, text=text[seq.emitted_text_len : emit_until], token_ids=[token],
-            index=seq.index, choice_finish_reason=finish_reason,
+            request_id=seq.request_id,
+            text=text[seq.emitted_text_len : emit_until],
+            token_ids=[token],
+            index=seq.index,
+            choice_finish_reason=finish_reason,
             logprobs=[logprob] if logprob is not None else None,
         )
         seq.emitted_text_len = emit_until

@@ -59,8 +59,9 @@ class SampledToken:
     logprob: TokenLogprob | None  # when the sequence's request asked for log probabilities
 
 
-def sample_tokens(logits: torch.Tensor, sequences: list[Sequence],
-                  eos_token_ids: Iterable[int] = ()) -> list[SampledToken]:
+def sample_tokens(
+    logits: torch.Tensor, sequences: list[Sequence], eos_token_ids: Iterable[int] = ()
+) -> list[SampledToken]:
     """Sample every row; everything runs on the logits' device and crosses to the host once."""
     if not sequences:
         return []
@@ -72,8 +73,9 @@ def sample_tokens(logits: torch.Tensor, sequences: list[Sequence],
     token_ids = torch.argmax(logits, dim=-1)
     rows = [row for row, seq in enumerate(sequences) if not _is_greedy(seq)]
     if rows:
-        token_ids = token_ids.index_copy(0, torch.tensor(rows, device=logits.device),
-                                         _draw(logits[rows], [sequences[row] for row in rows]))
+        token_ids = token_ids.index_copy(
+            0, torch.tensor(rows, device=logits.device), _draw(logits[rows], [sequences[row] for row in rows])
+        )
     chosen = token_ids.tolist()
     logprobs = token_logprobs(raw, sequences, chosen)
     return [SampledToken(token, logprobs.get(row)) for row, token in enumerate(chosen)]
@@ -91,7 +93,8 @@ def apply_penalties(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Te
     # Output token ids padded with `vocab` (a column dropped afterwards): one scatter counts them all.
     padded = torch.tensor([ids + [vocab] * (longest - len(ids)) for ids in outputs], device=device)
     counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(
-        1, padded, torch.ones(padded.shape, device=device))[:, :vocab]
+        1, padded, torch.ones(padded.shape, device=device)
+    )[:, :vocab]
     params = [seq.sampling for seq in seqs]
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
     presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
@@ -116,17 +119,25 @@ def _prompt_mask(seq: Sequence, vocab: int, device: torch.device) -> torch.Tenso
 
 
 def apply_logit_bias(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
-    entries = [(row, token, bias) for row, seq in enumerate(sequences)
-               for token, bias in seq.sampling.logit_bias.items()]
+    entries = [
+        (row, token, bias)
+        for row, seq in enumerate(sequences)
+        for token, bias in seq.sampling.logit_bias.items()
+    ]
     if not entries:
         return logits
     rows, tokens, biases = zip(*entries, strict=True)
     device = logits.device
-    return logits.index_put((torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
-                            torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
+    return logits.index_put(
+        (torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
+        torch.tensor(biases, device=device, dtype=logits.dtype),
+        accumulate=True,
+    )
 
 
-def suppress_early_stops(logits: torch.Tensor, sequences: list[Sequence], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+def suppress_early_stops(
+    logits: torch.Tensor, sequences: list[Sequence], eos_token_ids: tuple[int, ...]
+) -> torch.Tensor:
     """min_tokens: a sequence with fewer output tokens cannot end on EOS (unless it ignores EOS
     anyway) or on one of its stop_token_ids, so those logits are -inf for its row.
 
@@ -136,8 +147,10 @@ def suppress_early_stops(logits: torch.Tensor, sequences: list[Sequence], eos_to
     """
     entries = [
         (row, token)
-        for row, seq in enumerate(sequences) if seq.num_output_tokens < seq.sampling.min_tokens
-        for token in list(seq.sampling.stop_token_ids) + ([] if seq.sampling.ignore_eos else list(eos_token_ids))
+        for row, seq in enumerate(sequences)
+        if seq.num_output_tokens < seq.sampling.min_tokens
+        for token in list(seq.sampling.stop_token_ids)
+        + ([] if seq.sampling.ignore_eos else list(eos_token_ids))
     ]
     if not entries:
         return logits
@@ -153,7 +166,9 @@ def suppress_early_stops(logits: torch.Tensor, sequences: list[Sequence], eos_to
 
 def apply_guides(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     """The grammar mask: each guided row keeps only the tokens its grammar allows next."""
-    rows = [row for row, seq in enumerate(sequences) if seq.matcher is not None and not seq.matcher.terminated]
+    rows = [
+        row for row, seq in enumerate(sequences) if seq.matcher is not None and not seq.matcher.terminated
+    ]
     if not rows:
         return logits
     bitmask = new_bitmask(len(sequences), logits.shape[-1])
@@ -164,7 +179,9 @@ def apply_guides(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tenso
     return logits
 
 
-def token_logprobs(raw: torch.Tensor, sequences: list[Sequence], chosen: list[int]) -> dict[int, TokenLogprob]:
+def token_logprobs(
+    raw: torch.Tensor, sequences: list[Sequence], chosen: list[int]
+) -> dict[int, TokenLogprob]:
     """For the rows whose request asked: the chosen token's log probability and the top alternatives."""
     rows = [row for row, seq in enumerate(sequences) if seq.sampling.logprobs is not None]
     if not rows:
@@ -172,12 +189,16 @@ def token_logprobs(raw: torch.Tensor, sequences: list[Sequence], chosen: list[in
     logprobs = torch.log_softmax(raw[rows].float(), dim=-1)
     picked = logprobs.gather(1, torch.tensor([chosen[row] for row in rows], device=raw.device).unsqueeze(1))
     widest = max(sequences[row].sampling.logprobs or 0 for row in rows)
-    top_values, top_ids = torch.topk(logprobs, widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0])
+    top_values, top_ids = (
+        torch.topk(logprobs, widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0])
+    )
     picked_list, values, ids = picked.squeeze(1).tolist(), top_values.tolist(), top_ids.long().tolist()
     result = {}
     for i, row in enumerate(rows):
         k = sequences[row].sampling.logprobs or 0
-        result[row] = TokenLogprob(chosen[row], picked_list[i], tuple(zip(ids[i][:k], values[i][:k], strict=True)))
+        result[row] = TokenLogprob(
+            chosen[row], picked_list[i], tuple(zip(ids[i][:k], values[i][:k], strict=True))
+        )
     return result
 
 
@@ -192,8 +213,11 @@ def _draw(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     device = logits.device
     params = [seq.sampling for seq in sequences]
     temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-    scaled = _mask_top_k_top_p(logits.float() / temperature, torch.tensor([p.top_k for p in params]),
-                               torch.tensor([p.top_p for p in params]))
+    scaled = _mask_top_k_top_p(
+        logits.float() / temperature,
+        torch.tensor([p.top_k for p in params]),
+        torch.tensor([p.top_p for p in params]),
+    )
     probs = torch.softmax(scaled, dim=-1)
     min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
     if bool((min_p > 0).any()):
@@ -202,8 +226,11 @@ def _draw(logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
     if not seeded:
         return torch.multinomial(probs, 1).squeeze(1)
     # A seeded request draws from its own generator, so its tokens do not depend on its neighbours.
-    draws = torch.multinomial(probs, 1).squeeze(1) if len(seeded) < len(sequences) else torch.empty(
-        len(sequences), dtype=torch.long, device=device)
+    draws = (
+        torch.multinomial(probs, 1).squeeze(1)
+        if len(seeded) < len(sequences)
+        else torch.empty(len(sequences), dtype=torch.long, device=device)
+    )
     seeded_probs = probs[seeded]
     # A seeded row's draw advances its generator: all are checked before any draws, so a failing row
     # (what multinomial refuses) cannot leave the others' generators moved on for the per-row retry.
@@ -233,17 +260,18 @@ _STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def sample_each(logits: torch.Tensor, sequences: list[Sequence],
-                eos_token_ids: Iterable[int] = ()) -> list[SampledToken | RowFailure]:
+def sample_each(
+    logits: torch.Tensor, sequences: list[Sequence], eos_token_ids: Iterable[int] = ()
+) -> list[SampledToken | RowFailure]:
     """`sample_tokens` one row at a time (after the batched call raised): a token per good row, a
     RowFailure per row that fails even alone. Costs a pass per row: only for a step that failed."""
     eos = tuple(eos_token_ids)
     results: list[SampledToken | RowFailure] = []
     for row, seq in enumerate(sequences):
         try:
-            results.append(sample_tokens(logits[row:row + 1], [seq], eos)[0])
+            results.append(sample_tokens(logits[row : row + 1], [seq], eos)[0])
         except Exception as exc:
-            results.append(_failing_stage(logits[row:row + 1], seq, eos, exc))
+            results.append(_failing_stage(logits[row : row + 1], seq, eos, exc))
     return results
 
 

@@ -105,10 +105,14 @@ class Scheduler:
         Running sequences are the only block holders: a waiting one (new or preempted) holds none.
         """
         for seq in self.waiting:
-            require_invariant(seq.status is SequenceStatus.WAITING, f"waiting {seq.request_id} is {seq.status}")
+            require_invariant(
+                seq.status is SequenceStatus.WAITING, f"waiting {seq.request_id} is {seq.status}"
+            )
             require_invariant(not seq.block_table, f"waiting {seq.request_id} holds blocks {seq.block_table}")
         for seq in self.running:
-            require_invariant(seq.status is SequenceStatus.RUNNING, f"running {seq.request_id} is {seq.status}")
+            require_invariant(
+                seq.status is SequenceStatus.RUNNING, f"running {seq.request_id} is {seq.status}"
+            )
         waiting_ids = {id(seq) for seq in self.waiting}
         require_invariant(
             not any(id(seq) in waiting_ids for seq in self.running), "a sequence is both waiting and running"
@@ -201,7 +205,9 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if len(self.running) >= self.max_num_seqs:
-                if not (ttft_pressure and seq.priority is Priority.USER and self._make_room(output, scheduled_ids)):
+                if not (
+                    ttft_pressure and seq.priority is Priority.USER and self._make_room(output, scheduled_ids)
+                ):
                     break
             first_admission = seq.cached_prompt_tokens is None
             cached_blocks = self.block_manager.find_cached_prefix(seq)

@@ -53,7 +53,9 @@ def check_device_support(config: EngineConfig, device: torch.device) -> None:
     """Refuse, before loading anything, the options the device has no path for."""
     resolve_backend_name(config.attention_backend, device)
     if device.type == "cuda" and config.weight_quant == "int4":
-        raise ValueError("--weight-quant int4 runs on CPU only (torch's int4pack CPU kernel); drop it on CUDA")
+        raise ValueError(
+            "--weight-quant int4 runs on CPU only (torch's int4pack CPU kernel); drop it on CUDA"
+        )
     if device.type != "cuda" and config.cuda_graphs:
         raise ValueError(f"--cuda-graphs needs a CUDA device; this engine runs on {device}")
 
@@ -88,8 +90,13 @@ def use_decode_graphs(config: EngineConfig, device: torch.device, attention: Att
     return _where_possible(config.cuda_graphs, "--cuda-graphs", reasons)
 
 
-def use_traced_decode(config: EngineConfig, device: torch.device, attention: AttentionBackend,
-                      model: LlamaModel, kv_spec: KVCacheSpec) -> bool:
+def use_traced_decode(
+    config: EngineConfig,
+    device: torch.device,
+    attention: AttentionBackend,
+    model: LlamaModel,
+    kv_spec: KVCacheSpec,
+) -> bool:
     """Whether CPU decode steps run as traced functions (config.cpu_decode_graphs None = where they can)."""
     reasons = []
     if device.type != "cpu":
@@ -101,8 +108,9 @@ def use_traced_decode(config: EngineConfig, device: torch.device, attention: Att
     return _where_possible(config.cpu_decode_graphs, "--cpu-decode-graphs", reasons)
 
 
-def kv_pool_blocks(config: EngineConfig, device: torch.device, model: LlamaModel, spec: KVCacheSpec,
-                   dtype: torch.dtype) -> int:
+def kv_pool_blocks(
+    config: EngineConfig, device: torch.device, model: LlamaModel, spec: KVCacheSpec, dtype: torch.dtype
+) -> int:
     """How many KV blocks the pool gets: as configured, from the CPU memory setting, or from free GPU
     memory after what a full step's activations need."""
     if config.num_kv_blocks:
@@ -111,24 +119,42 @@ def kv_pool_blocks(config: EngineConfig, device: torch.device, model: LlamaModel
         return spec.blocks_for_memory(config.cpu_kv_cache_memory_mb)
     arch = model.config
     reserve = activation_reserve_bytes(
-        arch.hidden_size, arch.intermediate_size, (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim,
-        arch.vocab_size, config.max_num_batched_tokens, config.max_num_seqs,
+        arch.hidden_size,
+        arch.intermediate_size,
+        (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim,
+        arch.vocab_size,
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
         torch.empty((), dtype=dtype).element_size(),
     )
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
-    num_blocks = kv_blocks_for_gpu_memory(free, total, config.gpu_memory_utilization, spec.bytes_per_block, reserve)
+    num_blocks = kv_blocks_for_gpu_memory(
+        free, total, config.gpu_memory_utilization, spec.bytes_per_block, reserve
+    )
     logger.info(
         "KV pool from GPU memory: %.1f of %.1f GiB free, utilization %.2f, %.1f GiB kept for activations: "
-        "%d blocks (%.1f GiB)", free / 2**30, total / 2**30, config.gpu_memory_utilization, reserve / 2**30,
-        num_blocks, num_blocks * spec.bytes_per_block / 2**30,
+        "%d blocks (%.1f GiB)",
+        free / 2**30,
+        total / 2**30,
+        config.gpu_memory_utilization,
+        reserve / 2**30,
+        num_blocks,
+        num_blocks * spec.bytes_per_block / 2**30,
     )
     return num_blocks
 
 
-def build_decode_graphs(config: EngineConfig, model: LlamaModel, kv_cache: KVCache, attention: AttentionBackend,
-                        device: torch.device, max_model_len: int, scratch_block: int,
-                        traced: bool) -> DecodeGraphs | None:
+def build_decode_graphs(
+    config: EngineConfig,
+    model: LlamaModel,
+    kv_cache: KVCache,
+    attention: AttentionBackend,
+    device: torch.device,
+    max_model_len: int,
+    scratch_block: int,
+    traced: bool,
+) -> DecodeGraphs | None:
     """CUDA graphs (traced=False) or traced CPU decode steps for the batch sizes the engine runs.
 
     Where traced steps were not asked for explicitly, a trace that fails (a torch build whose tracer
@@ -147,6 +173,9 @@ def build_decode_graphs(config: EngineConfig, model: LlamaModel, kv_cache: KVCac
             raise
         logger.warning("tracing the CPU decode steps failed; decode steps run eagerly", exc_info=True)
         return None
-    logger.info("decode %s in %.1f s", "steps traced" if traced else "CUDA graphs captured",
-                time.perf_counter() - started)
+    logger.info(
+        "decode %s in %.1f s",
+        "steps traced" if traced else "CUDA graphs captured",
+        time.perf_counter() - started,
+    )
     return graphs

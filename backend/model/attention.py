@@ -99,12 +99,20 @@ class PagedAttentionBackend(AttentionBackend):
             out[rows] = self.prefill(layer, q[rows], k[rows], v[rows], kv_cache, chunk)
         return out
 
-    def decode(self, layer: int, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+    def decode(
+        self, layer: int, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """q [num_decodes, H, D] (one new token per sequence) -> [num_decodes, H, D]."""
         raise NotImplementedError
 
     def prefill(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, chunk: PrefillChunk
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        chunk: PrefillChunk,
     ) -> torch.Tensor:
         """One chunk's q/k/v [chunk_len, heads, D] -> [chunk_len, H, D]."""
         raise NotImplementedError
@@ -134,7 +142,11 @@ class ReferenceAttention(AttentionBackend):
         out = torch.empty_like(q)
         block_size = kv_cache.spec.block_size
         for start, query_len, context_len, table in zip(
-            metadata.query_start, metadata.query_lens, metadata.context_lens, metadata.block_tables, strict=True
+            metadata.query_start,
+            metadata.query_lens,
+            metadata.context_lens,
+            metadata.block_tables,
+            strict=True,
         ):
             positions = torch.arange(context_len, device=q.device)
             blocks = torch.tensor(table, dtype=torch.long, device=q.device)

@@ -57,7 +57,9 @@ class CUDAAttention(PagedAttentionBackend):
             raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, not {decode_kernel!r}")
         self.triton = None if decode_kernel == "torch" else load_triton_kernels()
         if decode_kernel == "triton" and self.triton is None:
-            raise RuntimeError("decode_kernel='triton' but triton is not installed (pip install 'ctxgate[gpu]')")
+            raise RuntimeError(
+                "decode_kernel='triton' but triton is not installed (pip install 'ctxgate[gpu]')"
+            )
 
     def decode_kernel_for(self, q: torch.Tensor, block_size: int) -> str:
         """Which decode path runs for these tensors: the Triton kernel runs on CUDA tensors, or on
@@ -69,7 +71,13 @@ class CUDAAttention(PagedAttentionBackend):
         return "torch"
 
     def prefill(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, chunk: PrefillChunk
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        chunk: PrefillChunk,
     ) -> torch.Tensor:
         """q/k/v [chunk_len, heads, D] -> [chunk_len, H, D]."""
         query = q.transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
@@ -88,7 +96,9 @@ class CUDAAttention(PagedAttentionBackend):
             )
         return out.squeeze(0).transpose(0, 1)
 
-    def decode(self, layer: int, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+    def decode(
+        self, layer: int, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         blocks, lengths = metadata.decode_blocks, metadata.decode_context_lens
         assert blocks is not None and lengths is not None
         block_size = kv_cache.spec.block_size
@@ -107,8 +117,13 @@ class CUDAAttention(PagedAttentionBackend):
                 self.scale,
             )
         return gathered_decode_attention(
-            q, kv_cache, layer, blocks, padding_bias(lengths, blocks.shape[1] * block_size),
-            self.num_kv_heads, self.scale,
+            q,
+            kv_cache,
+            layer,
+            blocks,
+            padding_bias(lengths, blocks.shape[1] * block_size),
+            self.num_kv_heads,
+            self.scale,
         )
 
 

@@ -44,10 +44,14 @@ def _build_dir() -> Path:
 
     # -march=native depends on the CPU itself, so its flags are part of the key: a cache folder
     # shared with (or copied to) another CPU type must not reuse the library.
-    key = b"|".join([
-        SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_compile_flags()).encode(),
-        " ".join(cpu_path().flags).encode(),
-    ])
+    key = b"|".join(
+        [
+            SOURCE.read_bytes(),
+            torch.__version__.encode(),
+            " ".join(_compile_flags()).encode(),
+            " ".join(cpu_path().flags).encode(),
+        ]
+    )
     return cache_dir() / "kernels" / f"cpu-{kernel_isa()}-{hashlib.sha256(key).hexdigest()[:16]}"
 
 

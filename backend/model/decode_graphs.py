@@ -71,14 +71,21 @@ class DecodeInputBuffers:
     """The static tensors a captured decode graph reads; `fill` copies a step's inputs in, padded."""
 
     def __init__(
-        self, max_batch: int, max_blocks_per_seq: int, scratch_block: int, block_size: int, device: torch.device
+        self,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        scratch_block: int,
+        block_size: int,
+        device: torch.device,
     ):
         self.scratch_block = scratch_block
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), scratch_block * block_size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full(
+            (max_batch,), scratch_block * block_size, dtype=torch.long, device=device
+        )
         self.context_lens = torch.ones(max_batch, dtype=torch.long, device=device)
         self.block_tables = torch.full(
             (max_batch, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device
@@ -93,7 +100,9 @@ class DecodeInputBuffers:
         """Copy `batch` into rows [0, len) and make rows [len, padded_size) padding rows."""
         rows = len(batch)
         if not rows <= padded_size <= self.max_batch:
-            raise ValueError(f"cannot pad a batch of {rows} rows to {padded_size} (buffers hold {self.max_batch})")
+            raise ValueError(
+                f"cannot pad a batch of {rows} rows to {padded_size} (buffers hold {self.max_batch})"
+            )
         padding = padded_size - rows
         scratch_slot = self.scratch_block * self.block_size
         self._copy(self.input_ids, batch.input_ids + [0] * padding)
@@ -104,10 +113,14 @@ class DecodeInputBuffers:
         # context, and stale columns beyond hold block ids that are still valid to address.
         width = max((len(table) for table in batch.block_tables), default=1)
         if width > self.max_blocks_per_seq:
-            raise ValueError(f"a block table of {width} blocks exceeds the {self.max_blocks_per_seq} per sequence")
+            raise ValueError(
+                f"a block table of {width} blocks exceeds the {self.max_blocks_per_seq} per sequence"
+            )
         tables = [table + [self.scratch_block] * (width - len(table)) for table in batch.block_tables]
         tables += [[self.scratch_block] * width] * padding
-        self.block_tables[:padded_size, :width].copy_(torch.tensor(tables, dtype=torch.long), non_blocking=True)
+        self.block_tables[:padded_size, :width].copy_(
+            torch.tensor(tables, dtype=torch.long), non_blocking=True
+        )
 
     @staticmethod
     def _copy(buffer: torch.Tensor, values: list[int]) -> None:
@@ -121,8 +134,14 @@ class DecodeInputBuffers:
 
     def step_inputs(self, size: int) -> tuple[torch.Tensor, ...]:
         """The first `size` rows of every buffer, in `DecodeGraphs.forward_from`'s argument order."""
-        return (self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
-                self.context_lens[:size], self.block_tables[:size], self.logits_rows[:size])
+        return (
+            self.input_ids[:size],
+            self.positions[:size],
+            self.slot_mapping[:size],
+            self.context_lens[:size],
+            self.block_tables[:size],
+            self.logits_rows[:size],
+        )
 
 
 def static_decode_metadata(
@@ -144,7 +163,9 @@ def untraceable_reason(model: LlamaModel, kv_spec: KVCacheSpec) -> str | None:
         return "traced decode steps need a bfloat16 KV cache (the C++ paged-attention kernel)"
     for linear in model.linears():
         if not linear.gemv_max_rows:
-            return "a matmul has no C++ GEMV (the CPU kernels are not loaded, or the weights are not bfloat16)"
+            return (
+                "a matmul has no C++ GEMV (the CPU kernels are not loaded, or the weights are not bfloat16)"
+            )
     return None
 
 
@@ -174,12 +195,16 @@ class DecodeGraphs:
         if not static:
             raise ValueError(f"attention backend {attention.name!r} cannot run static-shape decode steps")
         if kv_cache.quantized:
-            raise ValueError("decode graphs need a 16/32-bit KV cache: int8 writes have data-dependent shapes")
+            raise ValueError(
+                "decode graphs need a 16/32-bit KV cache: int8 writes have data-dependent shapes"
+            )
         reason = untraceable_reason(model, kv_cache.spec) if trace else None
         if reason is not None:
             raise ValueError(reason)
         if max(sizes) > buffers.max_batch:
-            raise ValueError(f"buffers hold {buffers.max_batch} rows, fewer than the largest size {max(sizes)}")
+            raise ValueError(
+                f"buffers hold {buffers.max_batch} rows, fewer than the largest size {max(sizes)}"
+            )
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention

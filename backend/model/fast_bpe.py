@@ -31,7 +31,11 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (how byte-level vocabularies are
     written in tokenizer.json)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     mapping = {byte: chr(byte) for byte in printable}
     shifted = 0
     for byte in range(256):
@@ -59,7 +63,9 @@ class FastBPE:
             import tiktoken
 
             encoding = tiktoken.Encoding(
-                f"ctxgate-{Path(tokenizer_json).parent.name}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                f"ctxgate-{Path(tokenizer_json).parent.name}",
+                pat_str=GPT2_PATTERN,
+                mergeable_ranks=ranks,
                 special_tokens=special,
             )
         except (OSError, ImportError, ValueError, KeyError, TypeError) as exc:
@@ -89,7 +95,12 @@ def _ranks_if_supported(spec: dict[str, Any]) -> tuple[dict[bytes, int] | None, 
     model = spec["model"]
     pre = spec.get("pre_tokenizer") or {}
     reasons = []
-    if model.get("type") != "BPE" or model.get("dropout") or model.get("byte_fallback") or model.get("ignore_merges"):
+    if (
+        model.get("type") != "BPE"
+        or model.get("dropout")
+        or model.get("byte_fallback")
+        or model.get("ignore_merges")
+    ):
         reasons.append("not a plain BPE model")
     if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         reasons.append("subword affixes")
@@ -121,4 +132,3 @@ def _ranks_if_supported(spec: dict[str, Any]) -> tuple[dict[bytes, int] | None, 
             return None, {}
         previous = token_id
     return ranks, special
-

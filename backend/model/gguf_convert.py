@@ -88,7 +88,9 @@ def _rope_scaling(reader: Any, arch: str, head_dim: int, rope_theta: float) -> d
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(field_value(reader, f"{arch}.rope.scaling.factor"))}
     if kind not in (None, "none"):
-        raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+        raise UnsupportedModelError(
+            f"rope scaling type {kind!r} is not supported (supported: linear, llama3)"
+        )
     # Llama 3.1+ files carry their llama3 scaling as per-frequency divisors (`rope_freqs.weight`).
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None:
@@ -128,11 +130,7 @@ def read_facts(reader: Any, arch: str) -> GGUFModelFacts:
 def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp interleaves the two rotary halves of each Q/K head of "llama" files; restore HF's layout."""
     head_half = weight.shape[0] // num_heads // 2
-    return (
-        weight.reshape(num_heads, head_half, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    return weight.reshape(num_heads, head_half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 _LAYER_NAMES = {
@@ -226,7 +224,9 @@ def write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not tokenizer.chat_template:
-        raise UnsupportedModelError(f"{gguf_path.name}: the file carries no chat template (tokenizer.chat_template)")
+        raise UnsupportedModelError(
+            f"{gguf_path.name}: the file carries no chat template (tokenizer.chat_template)"
+        )
     tokenizer.save_pretrained(str(out_dir))
 
 

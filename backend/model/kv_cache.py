@@ -107,8 +107,12 @@ class KVCache:
         self.device = device
         num_slots = num_blocks * spec.block_size
         shape = (spec.num_kv_heads, num_slots, spec.head_dim)
-        self.keys = [torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in range(spec.num_layers)]
-        self.values = [torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in range(spec.num_layers)]
+        self.keys = [
+            torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in range(spec.num_layers)
+        ]
+        self.values = [
+            torch.zeros(shape, dtype=spec.storage_dtype, device=device) for _ in range(spec.num_layers)
+        ]
         if spec.quantized:
             scale_shape = (spec.num_kv_heads, num_blocks)
             self.key_scales = [torch.zeros(scale_shape, device=device) for _ in range(spec.num_layers)]
@@ -173,7 +177,9 @@ class KVCache:
         heads, block_size, head_dim = spec.num_kv_heads, spec.block_size, spec.head_dim
         num_gathered = block_ids.shape[0]
         keys = self.keys[layer].view(heads, self.num_blocks, block_size * head_dim).index_select(1, block_ids)
-        values = self.values[layer].view(heads, self.num_blocks, block_size * head_dim).index_select(1, block_ids)
+        values = (
+            self.values[layer].view(heads, self.num_blocks, block_size * head_dim).index_select(1, block_ids)
+        )
         if self.quantized:
             dtype = spec.dtype
             key_scales = self.key_scales[layer].index_select(1, block_ids).unsqueeze(-1).to(dtype)

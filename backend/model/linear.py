@@ -34,7 +34,9 @@ INT4_MAX_ROWS = 2
 INT4_GROUP_SIZE = 32
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit quantization in groups along the input dimension.
 
     Returns torch's packed int4 CPU layout and the [in / group, out, 2] (scale, zero) tensor in the

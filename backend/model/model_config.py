@@ -26,9 +26,13 @@ def check_hf_architecture(model_dir: str | Path) -> None:
             f"engine (supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)})"
         )
     if raw.get("use_sliding_window"):
-        raise UnsupportedArchitectureError(f"{Path(model_dir).name}: sliding-window attention is not supported")
+        raise UnsupportedArchitectureError(
+            f"{Path(model_dir).name}: sliding-window attention is not supported"
+        )
     if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedArchitectureError(f"{Path(model_dir).name}: activation {raw['hidden_act']!r} is not supported")
+        raise UnsupportedArchitectureError(
+            f"{Path(model_dir).name}: activation {raw['hidden_act']!r} is not supported"
+        )
 
 
 @dataclass

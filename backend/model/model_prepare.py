@@ -95,6 +95,8 @@ def resolve_model_path(model: str | None) -> Path:
     if path.suffix.lower() == ".gguf":
         return prepare_gguf(path)
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is neither a GGUF file nor a Hugging Face model directory (no config.json)")
+        raise FileNotFoundError(
+            f"{path} is neither a GGUF file nor a Hugging Face model directory (no config.json)"
+        )
     check_hf_architecture(path)
     return path

@@ -45,7 +45,11 @@ def fit_llama3_scaling(
         span = original / a
         params["low_freq_factor"] = float(-b * span)
         params["high_freq_factor"] = float(-b * span + span)
-    expected = llama3_factors(head_dim, theta, factor, params["low_freq_factor"], params["high_freq_factor"], original)
+    expected = llama3_factors(
+        head_dim, theta, factor, params["low_freq_factor"], params["high_freq_factor"], original
+    )
     if expected.shape != factors.shape or not np.allclose(expected, factors, rtol=1e-4):
-        raise UnsupportedModelError("rope_freqs.weight does not follow llama3 rope scaling; cannot convert it")
+        raise UnsupportedModelError(
+            "rope_freqs.weight does not follow llama3 rope scaling; cannot convert it"
+        )
     return {"rope_type": "llama3", "original_max_position_embeddings": int(original), **params}

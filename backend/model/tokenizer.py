@@ -74,12 +74,17 @@ class Tokenizer:
         """Whether the chat template renders `tools` and tool-call turns itself."""
         return "tool" in str(self._hf.chat_template)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The prompt text the model sees for these messages (and tools), chat template applied.
         A template that knows no tools gets them, and tool-call turns, folded into plain messages."""
-        if not self.template_knows_tools and (tools or any(m.get("tool_calls") or m.get("content") is None
-                                                           for m in messages)):
+        if not self.template_knows_tools and (
+            tools or any(m.get("tool_calls") or m.get("content") is None for m in messages)
+        ):
             from ctxgate.backend.model.tool_prompt import fold_tool_messages
 
             messages, tools = fold_tool_messages(messages, tools), None
@@ -88,8 +93,12 @@ class Tokenizer:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     def count_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> int:

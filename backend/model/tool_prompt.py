@@ -12,7 +12,9 @@ from typing import Any
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
-def fold_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def fold_tool_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
     """Messages for a chat template that knows nothing of tools: the tools and the call format go
     into the system message, an assistant's calls become `<tool_call>` text, a tool result a turn of
     role "tool"."""
@@ -25,10 +27,12 @@ def fold_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any
             content = (content + "\n" if content else "") + "\n".join(_tagged(call) for call in calls)
         folded.append({"role": message["role"], "content": content})
     if tools:
-        preamble = ("You may call functions. The functions, as JSON schemas:\n"
-                    + "\n".join(json.dumps(tool.get("function", tool), ensure_ascii=False) for tool in tools)
-                    + f"\nTo call one, answer with {TOOL_CALL_OPEN}{{\"name\": <name>, \"arguments\": <object>}}"
-                    f"{TOOL_CALL_CLOSE}.")
+        preamble = (
+            "You may call functions. The functions, as JSON schemas:\n"
+            + "\n".join(json.dumps(tool.get("function", tool), ensure_ascii=False) for tool in tools)
+            + f'\nTo call one, answer with {TOOL_CALL_OPEN}{{"name": <name>, "arguments": <object>}}'
+            f"{TOOL_CALL_CLOSE}."
+        )
         if folded and folded[0]["role"] == "system":
             folded[0] = {"role": "system", "content": folded[0]["content"] + "\n\n" + preamble}
         else:

@@ -126,10 +126,27 @@ def paged_decode_attention(
     key_scales_arg = key_scales if quantized else keys
     value_scales_arg = value_scales if quantized else keys
     _paged_decode_kernel[(batch, num_kv_heads)](
-        out, q, keys, values, key_scales_arg, value_scales_arg, block_tables, context_lens, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), keys.stride(0), keys.stride(1),
-        key_scales_arg.stride(0), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        out,
+        q,
+        keys,
+        values,
+        key_scales_arg,
+        value_scales_arg,
+        block_tables,
+        context_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        key_scales_arg.stride(0),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
         QUANTIZED=quantized,
     )
     return out

@@ -85,8 +85,12 @@ class BodyTooLarge(APIError):
 
 class BodyReadTimeout(APIError):
     def __init__(self, timeout_s: float):
-        super().__init__(408, f"the request body was not received within {timeout_s:g} s",
-                         code="body_read_timeout", headers={"Connection": "close"})
+        super().__init__(
+            408,
+            f"the request body was not received within {timeout_s:g} s",
+            code="body_read_timeout",
+            headers={"Connection": "close"},
+        )
 
 
 class ClientDisconnected(APIError):
@@ -134,12 +138,16 @@ def request_id_of(request: Request) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def generic_server_error(status_code: int, request_id: str | None, code: str | None = None,
-                         headers: dict[str, str] | None = None) -> APIError:
+def generic_server_error(
+    status_code: int, request_id: str | None, code: str | None = None, headers: dict[str, str] | None = None
+) -> APIError:
     """A 5xx a client may see: what kind of failure, and the id to quote; never exception text or
     internal addresses (those go to the log under the same id)."""
-    what = {502: "the model backend failed", 503: "the service is unavailable; retry later",
-            504: "the model backend timed out"}.get(status_code, "internal error")
+    what = {
+        502: "the model backend failed",
+        503: "the service is unavailable; retry later",
+        504: "the model backend timed out",
+    }.get(status_code, "internal error")
     suffix = f" (request id {request_id})" if request_id else ""
     return APIError(status_code, what + suffix, code=code, headers=headers)
 

@@ -60,7 +60,9 @@ _SHARED: tuple[Capability, ...] = (
 )
 _CHAT_ONLY: tuple[Capability, ...] = (
     Capability("functions", _falsy, "it takes the legacy functions field as tools only"),
-    Capability("function_call", _no_forced_tool, "it takes the legacy function_call field as tool_choice only"),
+    Capability(
+        "function_call", _no_forced_tool, "it takes the legacy function_call field as tool_choice only"
+    ),
     Capability("audio", _none, "it has no audio output"),
     Capability("modalities", _text_modality, "it answers in text only"),
     Capability("prediction", _none, "it has no predicted outputs"),
@@ -106,16 +108,19 @@ def unsupported_fields(body: ChatCompletionRequest | CompletionRequest) -> list[
     return found
 
 
-def enforce_supported(body: ChatCompletionRequest | CompletionRequest, drop_params: bool,
-                      engine: str = "the built-in engine") -> list[str]:
+def enforce_supported(
+    body: ChatCompletionRequest | CompletionRequest, drop_params: bool, engine: str = "the built-in engine"
+) -> list[str]:
     """The names of the unsupported fields dropped (with `drop_params`), or a 400 naming the first."""
     found = unsupported_fields(body)
     if found and not drop_params:
         first = found[0]
         others = f" (also unsupported: {', '.join(u.param for u in found[1:])})" if len(found) > 1 else ""
         raise APIError(
-            400, f"{first.param} is not supported by {engine}: {first.why}{others}. Send it to an upstream "
+            400,
+            f"{first.param} is not supported by {engine}: {first.why}{others}. Send it to an upstream "
             "that supports it, or set drop_params (policy field or --drop-params) to drop such fields.",
-            param=first.param, code="unsupported_parameter",
+            param=first.param,
+            code="unsupported_parameter",
         )
     return [u.param for u in found]

@@ -61,7 +61,9 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:  # JSON escapes can smuggle lone surrogates, which no tokenizer can encode
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise APIError(400, "malformed JSON: a string holds an unpaired UTF-16 surrogate", code="invalid_json") from None
+        raise APIError(
+            400, "malformed JSON: a string holds an unpaired UTF-16 surrogate", code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return data
@@ -82,15 +84,18 @@ class BodySizeLimit:
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self._declared_length(scope) > self.max_body_bytes:
             return await BodyTooLarge(self.max_body_bytes).response()(scope, receive, send)
         received = 0
         body_done = False
-        deadline = None if self.read_timeout_s is None else asyncio.get_running_loop().time() + self.read_timeout_s
+        deadline = (
+            None if self.read_timeout_s is None else asyncio.get_running_loop().time() + self.read_timeout_s
+        )
 
         async def counting_receive() -> dict:
             nonlocal received, body_done
@@ -132,8 +137,9 @@ class BearerAuth:
         self.expected = f"Bearer {api_key}".encode()
         self.prefix = prefix
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
         if scope["type"] != "http" or not scope.get("path", "").startswith(self.prefix):
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers", [])).get(b"authorization", b"")
@@ -188,8 +194,12 @@ def document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]], er
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
             components[model.__name__] = body
-            operation["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            operation["requestBody"] = {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+                },
+            }
             for status, description in errors.items():
                 operation["responses"].setdefault(status, {"description": description})
         app.openapi_schema = schema

@@ -13,7 +13,9 @@ from ctxgate.backend.model.tokenizer import Tokenizer
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     # GPT-2's byte-level BPE alphabet: each byte is spelled by one printable unicode character.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    )
     codes = printable[:]
     extra = 0
     for byte in range(256):
@@ -42,11 +44,17 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict[str
         raw = token_bytes(tokenizer, token_id)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-    return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries], "refusal": None}
+    return {
+        "content": [
+            item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries
+        ],
+        "refusal": None,
+    }
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Tokenizer, entries: list[TokenLogprob], text_offset: int = 0
+) -> dict[str, Any]:
     tokens = [token_text(tokenizer, e.token_id) for e in entries]
     offsets = []
     for token in tokens:

@@ -41,8 +41,12 @@ def sampling_extras(body: Body) -> dict[str, Any]:
     fields: dict[str, Any] = {"n": body.n}
     if body.n > MAX_N:
         raise APIError(400, f"n must be at most {MAX_N}", param="n", code="invalid_value")
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                          ("min_p", 0.0)):
+    for name, neutral in (
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+        ("min_p", 0.0),
+    ):
         value = extra(body, name)
         if value is None:
             value = neutral
@@ -60,8 +64,9 @@ def _logit_bias(value: Any) -> dict[int, float]:
     try:
         bias = {int(token): float(amount) for token, amount in dict(value).items()}
     except (TypeError, ValueError):
-        raise APIError(400, "logit_bias must map token ids to numbers", param="logit_bias",
-                       code="invalid_value") from None
+        raise APIError(
+            400, "logit_bias must map token ids to numbers", param="logit_bias", code="invalid_value"
+        ) from None
     return bias
 
 
@@ -72,13 +77,20 @@ def _logprobs(body: Body) -> int | None:
     else:
         top = extra(body, "top_logprobs")
         if top is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+            raise APIError(
+                400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
+            )
         count = (top or 0) if body.logprobs else None
         name = "top_logprobs"
-    if count is not None and (isinstance(count, bool) or not isinstance(count, int)
-                              or not 0 <= count <= MAX_TOP_LOGPROBS):
-        raise APIError(400, f"{name} must be an integer between 0 and {MAX_TOP_LOGPROBS}", param=name,
-                       code="invalid_value")
+    if count is not None and (
+        isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_TOP_LOGPROBS
+    ):
+        raise APIError(
+            400,
+            f"{name} must be an integer between 0 and {MAX_TOP_LOGPROBS}",
+            param=name,
+            code="invalid_value",
+        )
     return count
 
 
@@ -90,11 +102,22 @@ def tools_of(body: Body) -> ToolUse | None:
 
 def guide_spec(body: Body, tools: ToolUse | None) -> GuideSpec | None:
     """The one grammar the request asks for, or None; a 400 when it asks for two."""
-    specs = [spec for spec in (_response_format(extra(body, "response_format")), *_guided_extras(body),
-                               _checked(tools.guide) if tools else None) if spec is not None]
+    specs = [
+        spec
+        for spec in (
+            _response_format(extra(body, "response_format")),
+            *_guided_extras(body),
+            _checked(tools.guide) if tools else None,
+        )
+        if spec is not None
+    ]
     if len(specs) > 1:
-        raise APIError(400, f"{specs[0].param} and {specs[1].param} both constrain the output; send one",
-                       param=specs[1].param, code="invalid_value")
+        raise APIError(
+            400,
+            f"{specs[0].param} and {specs[1].param} both constrain the output; send one",
+            param=specs[1].param,
+            code="invalid_value",
+        )
     return specs[0] if specs else None
 
 
@@ -110,20 +133,35 @@ def _response_format(value: Any) -> GuideSpec | None:
         wrapper = value.get("json_schema")
         schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
         return _checked(lambda: GuideSpec.json_schema(schema or {"type": "object"}, "response_format"))
-    raise APIError(400, "response_format.type must be text, json_object or json_schema", param="response_format",
-                   code="invalid_value")
+    raise APIError(
+        400,
+        "response_format.type must be text, json_object or json_schema",
+        param="response_format",
+        code="invalid_value",
+    )
 
 
 def _guided_extras(body: Body) -> list[GuideSpec | None]:
     found: list[GuideSpec | None] = []
     structured = extra(body, "structured_outputs")  # vLLM's newer spelling of the same four
     if structured is not None and not isinstance(structured, dict):
-        raise APIError(400, "structured_outputs must be an object", param="structured_outputs", code="invalid_value")
-    for kind, name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
-                       ("grammar", "guided_grammar")):
-        for param, value in ((name, extra(body, name)), (f"structured_outputs.{kind}", (structured or {}).get(kind))):
+        raise APIError(
+            400, "structured_outputs must be an object", param="structured_outputs", code="invalid_value"
+        )
+    for kind, name in (
+        ("json", "guided_json"),
+        ("regex", "guided_regex"),
+        ("choice", "guided_choice"),
+        ("grammar", "guided_grammar"),
+    ):
+        for param, value in (
+            (name, extra(body, name)),
+            (f"structured_outputs.{kind}", (structured or {}).get(kind)),
+        ):
             if value is not None:
-                found.append(_checked(lambda kind=kind, value=value, param=param: _guided(kind, value, param)))
+                found.append(
+                    _checked(lambda kind=kind, value=value, param=param: _guided(kind, value, param))
+                )
     return found
 
 
@@ -157,7 +195,9 @@ def _checked(build: Any) -> GuideSpec | None:
 _GUIDE_ERROR_CODES = {429: "rate_limit_exceeded", 503: "server_busy"}
 
 
-async def compile_guide(spec: GuideSpec | None, tokenizer: Tokenizer, tenant: str = ANONYMOUS_TENANT) -> Guide | None:
+async def compile_guide(
+    spec: GuideSpec | None, tokenizer: Tokenizer, tenant: str = ANONYMOUS_TENANT
+) -> Guide | None:
     """The compiled grammar (cached; compiled in a worker process, `tenant`'s compiles one at a
     time and in turn with other tenants'), or a 4xx/503 naming the problem."""
     if spec is None:
@@ -165,8 +205,9 @@ async def compile_guide(spec: GuideSpec | None, tokenizer: Tokenizer, tenant: st
     try:
         return await compiler_for(tokenizer).compile(spec, tenant)
     except GuideError as exc:
-        raise APIError(exc.status, str(exc), param=exc.param,
-                       code=_GUIDE_ERROR_CODES.get(exc.status, "invalid_value")) from None
+        raise APIError(
+            exc.status, str(exc), param=exc.param, code=_GUIDE_ERROR_CODES.get(exc.status, "invalid_value")
+        ) from None
 
 
 @dataclass(frozen=True)

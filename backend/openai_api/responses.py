@@ -31,9 +31,11 @@ class Usage(BaseModel):
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, **extra: Any) -> Usage:
         """Usage with the total filled in; `extra` adds server-specific blocks (the gateway's `ctxgate`)."""
         return cls(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens), **extra,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            **extra,
         )
 
 
@@ -114,17 +116,31 @@ class ResponseWriter:
         common = {"id": self.response_id, "model": self.model, "created": self.created, "usage": usage}
         if self.chat:
             return ChatCompletion(choices=[self._chat_choice(c) for c in choices], **common).model_dump(
-                exclude_none=False)
-        return TextCompletion(choices=[
-            CompletionChoice(index=c.index, text=c.text, logprobs=self._logprobs(c.logprobs),
-                             finish_reason=c.finish_reason or "stop") for c in choices], **common).model_dump()
+                exclude_none=False
+            )
+        return TextCompletion(
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=c.text,
+                    logprobs=self._logprobs(c.logprobs),
+                    finish_reason=c.finish_reason or "stop",
+                )
+                for c in choices
+            ],
+            **common,
+        ).model_dump()
 
     def _chat_choice(self, choice: ChoiceTotals) -> ChatChoice:
         content, calls = self._read_tools(choice.text)
         message = AssistantMessage(content=content, **({"tool_calls": calls} if calls else {}))
         finish = "tool_calls" if calls else choice.finish_reason or "stop"
-        return ChatChoice(index=choice.index, message=message, logprobs=self._logprobs(choice.logprobs),
-                          finish_reason=finish)
+        return ChatChoice(
+            index=choice.index,
+            message=message,
+            logprobs=self._logprobs(choice.logprobs),
+            finish_reason=finish,
+        )
 
     def _read_tools(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         tools = self.output.tools
@@ -142,8 +158,10 @@ class ResponseWriter:
         """Events before the first text: chat streams announce the assistant role, per choice."""
         if not self.chat:
             return []
-        return [self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
-                for i in range(num_choices)]
+        return [
+            self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
+            for i in range(num_choices)
+        ]
 
     def text(self, text: str) -> str:
         if self.chat:
@@ -159,10 +177,15 @@ class ResponseWriter:
             offset = len(choice.text) - len(delta.text)
             logprobs = self._logprobs(delta.logprobs or [], offset)
             if self.chat:
-                events.append(self._chunk([ChatChunkChoice(index=delta.index, delta={"content": delta.text},
-                                                           logprobs=logprobs)]))
+                events.append(
+                    self._chunk(
+                        [ChatChunkChoice(index=delta.index, delta={"content": delta.text}, logprobs=logprobs)]
+                    )
+                )
             else:
-                events.append(self._chunk([CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs)]))
+                events.append(
+                    self._chunk([CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs)])
+                )
         if delta.choice_finish_reason is not None or delta.finish_reason is not None:
             events.extend(self.choice_end(choice))
         return events
@@ -178,10 +201,21 @@ class ResponseWriter:
             if calls:
                 reason = "tool_calls"
                 pieces = [{"index": i, **call} for i, call in enumerate(calls)]
-                events.append(self._chunk([ChatChunkChoice(index=choice.index, delta={"tool_calls": pieces})]))
+                events.append(
+                    self._chunk([ChatChunkChoice(index=choice.index, delta={"tool_calls": pieces})])
+                )
             if content:
-                events.append(self._chunk([ChatChunkChoice(index=choice.index, delta={"content": content},
-                                                           logprobs=self._logprobs(choice.logprobs))]))
+                events.append(
+                    self._chunk(
+                        [
+                            ChatChunkChoice(
+                                index=choice.index,
+                                delta={"content": content},
+                                logprobs=self._logprobs(choice.logprobs),
+                            )
+                        ]
+                    )
+                )
         events.append(self._chunk([ChatChunkChoice(index=choice.index, delta={}, finish_reason=reason)]))
         return events
 
@@ -193,10 +227,18 @@ class ResponseWriter:
     def usage(self, usage: Usage) -> str:
         return self._chunk([], usage=usage)
 
-    def _chunk(self, choices: list[ChatChunkChoice] | list[CompletionChoice], usage: Usage | None = None) -> str:
+    def _chunk(
+        self, choices: list[ChatChunkChoice] | list[CompletionChoice], usage: Usage | None = None
+    ) -> str:
         chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
-        return StreamChunk(id=self.response_id, object=chunk_object, created=self.created, model=self.model,
-                           choices=choices, usage=usage).sse()
+        return StreamChunk(
+            id=self.response_id,
+            object=chunk_object,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        ).sse()
 
 
 # -- relaying another server's stream ------------------------------------------------------------

@@ -36,8 +36,12 @@ class ChatMessage(_Lenient):
         texts = []
         for part in self.content:
             if part.type != "text":
-                raise APIError(400, f"content part of type '{part.type}' is not supported (text only)",
-                               param="messages", code="unsupported_content")
+                raise APIError(
+                    400,
+                    f"content part of type '{part.type}' is not supported (text only)",
+                    param="messages",
+                    code="unsupported_content",
+                )
             texts.append(part.text or "")
         # Separate parts stay separate paragraphs (as OpenAI's own rendering does); "" would glue
         # the last word of one part to the first of the next.
@@ -61,10 +65,14 @@ class SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0, description="vLLM's: no EOS or stop token id before this many tokens")
+    min_tokens: int = Field(
+        default=0, ge=0, description="vLLM's: no EOS or stop token id before this many tokens"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = Field(default=None, description="requests with different salts share no cached KV blocks")
+    cache_salt: str | None = Field(
+        default=None, description="requests with different salts share no cached KV blocks"
+    )
     priority: int = Field(default=0, description="vLLM convention: above 0 is background work")
     user: str | None = None
 

@@ -23,8 +23,11 @@ def sse_event(payload: dict[str, Any]) -> str:
 
 def event_stream_response(events: AsyncIterable[str]) -> StreamingResponse:
     # No caching, and no proxy buffering: a buffered stream would arrive all at once at the end.
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 async def read_sse_payloads(lines: AsyncIterable[str]) -> AsyncIterator[dict[str, Any]]:
@@ -32,7 +35,7 @@ async def read_sse_payloads(lines: AsyncIterable[str]) -> AsyncIterator[dict[str
     async for line in lines:
         if not line.startswith(_DATA):
             continue
-        data = line[len(_DATA):].strip()
+        data = line[len(_DATA) :].strip()
         if data == _DONE_DATA:
             return
         try:

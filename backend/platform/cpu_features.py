@@ -19,9 +19,20 @@ from dataclasses import asdict, dataclass
 
 # The /proc/cpuinfo flags that matter to the engine, in the kernel's spelling.
 KNOWN_FLAGS = (
-    "avx2", "fma", "f16c",
-    "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
-    "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx_ne_convert",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
 )
 AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
 ISA_CAP_ENV = "CTXGATE_CPU_ISA"
@@ -39,7 +50,11 @@ ISA_FEATURES = {
 # ISA, so a child process capped to AVX2 runs what an AVX2-only CPU would run.
 TORCH_ISA_CAPS = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "portable": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    },
 }
 KERNEL_ISA_CFLAGS = {
     "avx512_bf16": ["-march=native"],
@@ -149,7 +164,7 @@ def cpu_path() -> CPUPath:
 def runnable_kernel_isas() -> list[str]:
     """Kernel builds this machine can execute: its own and every weaker one."""
     best = cpu_path().kernel_isa
-    return list(KERNEL_ISAS[KERNEL_ISAS.index(best):])
+    return list(KERNEL_ISAS[KERNEL_ISAS.index(best) :])
 
 
 def onednn_packing_available() -> bool:

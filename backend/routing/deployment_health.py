@@ -66,7 +66,7 @@ class DeploymentHealth:
         return True
 
     def _eject(self) -> None:
-        length = min(self.policy.max_eject_s, self.policy.eject_s * 2 ** self.ejections)
+        length = min(self.policy.max_eject_s, self.policy.eject_s * 2**self.ejections)
         self.ejected_until = self.clock() + length
         self.ejections += 1
         self.total_ejections += 1

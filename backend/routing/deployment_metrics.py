@@ -34,10 +34,16 @@ class _Live:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        in_flight = GaugeMetricFamily("ctxgate:deployment_in_flight", "requests this gateway has in flight on the "
-                                      "deployment", labels=["model", "deployment"])
-        up = GaugeMetricFamily("ctxgate:deployment_up", "1 when the deployment is routed to, 0 while ejected",
-                               labels=["model", "deployment"])
+        in_flight = GaugeMetricFamily(
+            "ctxgate:deployment_in_flight",
+            "requests this gateway has in flight on the deployment",
+            labels=["model", "deployment"],
+        )
+        up = GaugeMetricFamily(
+            "ctxgate:deployment_up",
+            "1 when the deployment is routed to, 0 while ejected",
+            labels=["model", "deployment"],
+        )
         for state in self.states():
             in_flight.add_metric([state.model, state.deployment], state.in_flight)
             up.add_metric([state.model, state.deployment], 1 if state.up else 0)
@@ -63,20 +69,43 @@ class DeploymentMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         labels = ["model", "deployment"]
-        self.ttft = Histogram("ctxgate:deployment_ttft_seconds", "time from sending to the deployment's first "
-                              "token", labels, buckets=_TTFT_BUCKETS, registry=r)
-        self.requests = Counter("ctxgate:deployment_requests", "requests the deployment started streaming",
-                                labels, registry=r)
-        self.errors = Counter("ctxgate:deployment_errors", "failed attempts by kind (unavailable: connection "
-                              "or 5xx before the first token, timeout, overloaded: at its parallel limit or "
-                              "429/503, stream: cut after tokens flowed)", [*labels, "kind"], registry=r)
-        self.ejections = Counter("ctxgate:deployment_ejections", "times the deployment was ejected (failures in a "
-                                 "row or a failed health probe)", labels, registry=r)
-        self.affinity_hits = Counter("ctxgate:deployment_affinity_hits", "cache-affinity requests served by the "
-                                     "deployment expected to hold their prefix (last served the key, else its ring owner)", labels,
-                                     registry=r)
-        self.fallbacks = Counter("ctxgate:model_fallbacks", "requests a model group could not take, sent to a "
-                                 "fallback model", ["model", "fallback"], registry=r)
+        self.ttft = Histogram(
+            "ctxgate:deployment_ttft_seconds",
+            "time from sending to the deployment's first token",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "ctxgate:deployment_requests", "requests the deployment started streaming", labels, registry=r
+        )
+        self.errors = Counter(
+            "ctxgate:deployment_errors",
+            "failed attempts by kind (unavailable: connection "
+            "or 5xx before the first token, timeout, overloaded: at its parallel limit or "
+            "429/503, stream: cut after tokens flowed)",
+            [*labels, "kind"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "ctxgate:deployment_ejections",
+            "times the deployment was ejected (failures in a row or a failed health probe)",
+            labels,
+            registry=r,
+        )
+        self.affinity_hits = Counter(
+            "ctxgate:deployment_affinity_hits",
+            "cache-affinity requests served by the "
+            "deployment expected to hold their prefix (last served the key, else its ring owner)",
+            labels,
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "ctxgate:model_fallbacks",
+            "requests a model group could not take, sent to a fallback model",
+            ["model", "fallback"],
+            registry=r,
+        )
 
     def watch(self, states: Callable[[], Iterable[DeploymentState]]) -> None:
         self.registry.register(_Live(states))

@@ -98,13 +98,21 @@ async def _until_first_token(stream: AsyncIterator[GenerationDelta]) -> list[Gen
 class ModelGroup:
     """EngineClient over a group of deployments serving one model."""
 
-    def __init__(self, name: str, deployments: Sequence[Deployment], router: Router, metrics: DeploymentMetrics,
-                 probe_interval_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        deployments: Sequence[Deployment],
+        router: Router,
+        metrics: DeploymentMetrics,
+        probe_interval_s: float = 5.0,
+    ) -> None:
         if not deployments:
             raise ValueError(f"model '{name}' has no deployments")
         kinds = {deployment.client.forwards_fields for deployment in deployments}
         if len(kinds) > 1:
-            raise ValueError(f"model '{name}' mixes the built-in engine with HTTP upstreams; give each its own model")
+            raise ValueError(
+                f"model '{name}' mixes the built-in engine with HTTP upstreams; give each its own model"
+            )
         self.model_name = name
         self.deployments = list(deployments)
         self.router = router
@@ -152,8 +160,9 @@ class ModelGroup:
 
     def states(self) -> Iterator[DeploymentState]:
         for deployment in self.deployments:
-            yield DeploymentState(self.model_name, deployment.name, deployment.in_flight,
-                                  deployment.health.available())
+            yield DeploymentState(
+                self.model_name, deployment.name, deployment.in_flight, deployment.health.available()
+            )
 
     # -- life ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -161,8 +170,9 @@ class ModelGroup:
             deployment.client.start()
         if self.probe_interval_s > 0 and self._prober is None:
             with contextlib.suppress(RuntimeError):  # no running loop: no active probes
-                self._prober = asyncio.get_running_loop().create_task(self._probe_forever(),
-                                                                      name=f"ctxgate-probe-{self.model_name}")
+                self._prober = asyncio.get_running_loop().create_task(
+                    self._probe_forever(), name=f"ctxgate-probe-{self.model_name}"
+                )
 
     async def stop(self) -> None:
         if self._prober is not None:
@@ -177,11 +187,14 @@ class ModelGroup:
                 await deployment.client.stop()
 
     def is_ready(self) -> bool:
-        return any(deployment.client.is_ready() and deployment.health.available() for deployment in self.deployments)
+        return any(
+            deployment.client.is_ready() and deployment.health.available() for deployment in self.deployments
+        )
 
     async def check_health(self) -> bool:
-        results = await asyncio.gather(*(deployment.client.check_health() for deployment in self.deployments),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(deployment.client.check_health() for deployment in self.deployments), return_exceptions=True
+        )
         return any(result is True for result in results)
 
     async def probe(self) -> None:
@@ -202,8 +215,9 @@ class ModelGroup:
                 await deployment.client.check_health()  # learn the model name it serves
         if deployment.health.probe(healthy):
             self.metrics.ejections.labels(self.model_name, deployment.name).inc()
-            logger.warning("deployment %s of model %s ejected: health probe failed", deployment.name,
-                           self.model_name)
+            logger.warning(
+                "deployment %s of model %s ejected: health probe failed", deployment.name, self.model_name
+            )
 
     async def _probe_forever(self) -> None:
         while True:
@@ -228,7 +242,9 @@ class ModelGroup:
         self.metrics.errors.labels(self.model_name, deployment.name, kind).inc()
         if kind != "overloaded" and deployment.health.failure():
             self.metrics.ejections.labels(self.model_name, deployment.name).inc()
-            logger.warning("deployment %s of model %s ejected after failures", deployment.name, self.model_name)
+            logger.warning(
+                "deployment %s of model %s ejected after failures", deployment.name, self.model_name
+            )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         ordered, affine = self.candidates(request.route_key)
@@ -274,8 +290,11 @@ class ModelGroup:
                     await stream.aclose()
         if overloaded == len(ordered):
             raise Overloaded(f"every deployment of model '{self.model_name}' is at its limit")
-        raise EngineError(f"no deployment of model '{self.model_name}' could take the request: "
-                          + "; ".join(problems or ["all at their parallel limit"]), status_code=502)
+        raise EngineError(
+            f"no deployment of model '{self.model_name}' could take the request: "
+            + "; ".join(problems or ["all at their parallel limit"]),
+            status_code=502,
+        )
 
     def _observe_start(self, deployment: Deployment, affine: Deployment | None, started: float) -> None:
         labels = (self.model_name, deployment.name)
@@ -293,8 +312,13 @@ class ModelGroup:
 class ModelRouter:
     """The served models of a model list, as one EngineClient; the first model is the default."""
 
-    def __init__(self, groups: Sequence[ModelGroup], fallbacks: dict[str, list[str]],
-                 metrics: DeploymentMetrics, builtin_registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        groups: Sequence[ModelGroup],
+        fallbacks: dict[str, list[str]],
+        metrics: DeploymentMetrics,
+        builtin_registry: CollectorRegistry | None = None,
+    ) -> None:
         # `EngineClient.groups`: the gateway reads each served model's own limits from its group.
         self.groups: dict[str, ModelGroup] = {group.model_name: group for group in groups}
         self.fallbacks = fallbacks
@@ -307,8 +331,10 @@ class ModelRouter:
         for name, targets in fallbacks.items():
             for target in targets:
                 if self.groups[name].forwards_fields != self.groups[target].forwards_fields:
-                    raise ValueError(f"model '{name}' cannot fall back to '{target}': one is the built-in engine, "
-                                     "the other an HTTP upstream")
+                    raise ValueError(
+                        f"model '{name}' cannot fall back to '{target}': one is the built-in engine, "
+                        "the other an HTTP upstream"
+                    )
 
     @property
     def names(self) -> list[str]:
@@ -365,11 +391,21 @@ class ModelRouter:
         first = self.group(request.model)
         allowed = request.allowed_models
         if allowed is not None and first.model_name not in allowed:
-            raise EngineError(f"model '{first.model_name}' is not allowed for this request", status_code=403,
-                              param="model", code="model_not_allowed")
+            raise EngineError(
+                f"model '{first.model_name}' is not allowed for this request",
+                status_code=403,
+                param="model",
+                code="model_not_allowed",
+            )
         # A fallback serves the request under the key's authority: only models the key may use.
-        chain = [first, *(self.groups[name] for name in self.fallbacks.get(first.model_name, [])
-                          if allowed is None or name in allowed)]
+        chain = [
+            first,
+            *(
+                self.groups[name]
+                for name in self.fallbacks.get(first.model_name, [])
+                if allowed is None or name in allowed
+            ),
+        ]
         for index, group in enumerate(chain):
             stream = group.generate(request)
             try:
@@ -379,8 +415,13 @@ class ModelRouter:
                     if index + 1 == len(chain) or error_kind(exc) is None:
                         raise
                     self.metrics.fallbacks.labels(first.model_name, chain[index + 1].model_name).inc()
-                    logger.warning("model %s could not take request %s (%s); falling back to %s", group.model_name,
-                                   request.request_id, exc, chain[index + 1].model_name)
+                    logger.warning(
+                        "model %s could not take request %s (%s); falling back to %s",
+                        group.model_name,
+                        request.request_id,
+                        exc,
+                        chain[index + 1].model_name,
+                    )
                     continue
                 for delta in held:
                     yield delta
@@ -394,4 +435,3 @@ class ModelRouter:
     async def abort(self, request_id: str) -> None:
         for group in self.groups.values():
             await group.abort(request_id)
-

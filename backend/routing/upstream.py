@@ -39,10 +39,22 @@ _FAILOVER_STATUSES = {502, 503, 504}
 # a tenant jump the upstream's queue, `cache_salt` (vLLM's prefix-cache namespace) is the
 # gateway's per-tenant value, never the client's, and a client's `request_id` could collide with
 # another tenant's request on the upstream. Every other client field is forwarded.
-GATEWAY_OWNED = frozenset({
-    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-    "stop", "ctxgate", "priority", "cache_salt", "request_id",
-})
+GATEWAY_OWNED = frozenset(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "stream",
+        "stream_options",
+        "stop",
+        "ctxgate",
+        "priority",
+        "cache_salt",
+        "request_id",
+    }
+)
 
 
 @dataclass
@@ -77,8 +89,12 @@ class UpstreamRefused(EngineError):
     identifiers, the OpenAI error's `param` and `code`."""
 
     def __init__(self, status_code: int, detail: str, param: str | None, code: str | None):
-        super().__init__(f"the model backend refused the request (HTTP {status_code})", status_code=status_code,
-                         param=param, code=code)
+        super().__init__(
+            f"the model backend refused the request (HTTP {status_code})",
+            status_code=status_code,
+            param=param,
+            code=code,
+        )
         self.detail = detail
 
 
@@ -112,8 +128,10 @@ class UpstreamClient:
                 write=config.read_timeout_s,
                 pool=config.connect_timeout_s,
             ),
-            headers={**({"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}),
-                     **config.extra_headers},
+            headers={
+                **({"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}),
+                **config.extra_headers,
+            },
         )
         self._down_until: dict[str, float] = {}
         self._round_robin = itertools.cycle(range(len(config.urls)))
@@ -215,8 +233,12 @@ class UpstreamClient:
                 try:
                     http_request = self._client.build_request("POST", f"{_base(url)}{path}", json=body)
                     response = await self._client.send(http_request, stream=True)
-                except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-                        httpx.PoolTimeout) as exc:
+                except (
+                    httpx.ConnectError,
+                    httpx.ConnectTimeout,
+                    httpx.RemoteProtocolError,
+                    httpx.PoolTimeout,
+                ) as exc:
                     self.connection_errors += 1
                     self.metrics.failure(url, "connect")
                     errors.append(f"{url}: {exc.__class__.__name__}")
@@ -233,7 +255,9 @@ class UpstreamClient:
                     await response.aread()
                     await response.aclose()
                     param, code = _error_fields(response)
-                    raise UpstreamRefused(response.status_code, f"{url}: {_error_message(response)}", param, code)
+                    raise UpstreamRefused(
+                        response.status_code, f"{url}: {_error_message(response)}", param, code
+                    )
                 self._down_until.pop(url, None)
                 self._healthy = self._upstream_model is not None
                 return url, response
@@ -254,13 +278,19 @@ class UpstreamClient:
             async for payload in read_sse_payloads(response.aiter_lines()):
                 if "error" in payload and not payload.get("choices"):
                     error = payload["error"]
-                    message = error.get("message", "upstream error") if isinstance(error, dict) else str(error)
+                    message = (
+                        error.get("message", "upstream error") if isinstance(error, dict) else str(error)
+                    )
                     raise EngineError(f"upstream error: {message}", status_code=502)
                 if payload.get("usage"):
                     usage = payload["usage"]
                 texts: list[str] = []
                 for choice in payload.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                    text = (
+                        (choice.get("delta") or {}).get("content")
+                        if "delta" in choice
+                        else choice.get("text")
+                    )
                     if text and int(choice.get("index", 0)) == 0:
                         texts.append(text)
                     if choice.get("finish_reason"):
@@ -269,8 +299,12 @@ class UpstreamClient:
                     if texts and first_token_at is None:
                         first_token_at = time.perf_counter()
                     completion_text_chunks += bool(texts)
-                    yield GenerationDelta(request_id=request.request_id, text="".join(texts), token_ids=[],
-                                          raw=payload if relay else None)
+                    yield GenerationDelta(
+                        request_id=request.request_id,
+                        text="".join(texts),
+                        token_ids=[],
+                        raw=payload if relay else None,
+                    )
         except httpx.ReadTimeout as exc:
             self.metrics.failure(url, "timeout")
             raise EngineError(f"upstream {url} read timeout", status_code=504) from exc
@@ -291,9 +325,12 @@ class UpstreamClient:
             prefill_ms=float(ctxgate_usage.get("prefill_ms", 0.0)),
             ttft_ms=ttft_ms,
             tpot_ms=((ended - (first_token_at or ended)) * 1000 / (completion_tokens - 1))
-            if completion_tokens > 1 else 0.0,
+            if completion_tokens > 1
+            else 0.0,
             e2e_ms=(ended - started) * 1000,
-            cached_prompt_tokens=int(details.get("cached_tokens") or ctxgate_usage.get("cached_prompt_tokens") or 0),
+            cached_prompt_tokens=int(
+                details.get("cached_tokens") or ctxgate_usage.get("cached_prompt_tokens") or 0
+            ),
         )
         yield GenerationDelta(
             request_id=request.request_id,
@@ -342,5 +379,7 @@ def _error_fields(response: httpx.Response) -> tuple[str | None, str | None]:
     if error is None:
         return None, None
     param, code = error.get("param"), error.get("code")
-    return ((param if isinstance(param, str) and _SAFE_PARAM.fullmatch(param) else None),
-            (code if isinstance(code, str) and _SAFE_CODE.fullmatch(code) else None))
+    return (
+        (param if isinstance(param, str) and _SAFE_PARAM.fullmatch(param) else None),
+        (code if isinstance(code, str) and _SAFE_CODE.fullmatch(code) else None),
+    )

@@ -33,8 +33,11 @@ class _Health:
         return []
 
     def collect(self):
-        family = GaugeMetricFamily("ctxgate:upstream_up", "1 when the upstream is routed to, 0 while skipped after "
-                                   "a failure", labels=["upstream"])
+        family = GaugeMetricFamily(
+            "ctxgate:upstream_up",
+            "1 when the upstream is routed to, 0 while skipped after a failure",
+            labels=["upstream"],
+        )
         now = time.monotonic()
         for url in self.client.config.urls:
             family.add_metric([upstream_label(url)], 0 if self.client._down_until.get(url, 0) > now else 1)
@@ -45,13 +48,26 @@ class UpstreamMetrics:
     def __init__(self, client: Any):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("ctxgate:upstream_ttft_seconds", "time from sending to the upstream's first token",
-                              ["upstream"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.duration = Histogram("ctxgate:upstream_request_seconds", "whole upstream request (stream included)",
-                                  ["upstream"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.failures = Counter("ctxgate:upstream_failures", "failed upstream attempts by kind "
-                                "(connect, status: 5xx failover, timeout, stream: cut mid-way)",
-                                ["upstream", "kind"], registry=r)
+        self.ttft = Histogram(
+            "ctxgate:upstream_ttft_seconds",
+            "time from sending to the upstream's first token",
+            ["upstream"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "ctxgate:upstream_request_seconds",
+            "whole upstream request (stream included)",
+            ["upstream"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.failures = Counter(
+            "ctxgate:upstream_failures",
+            "failed upstream attempts by kind (connect, status: 5xx failover, timeout, stream: cut mid-way)",
+            ["upstream", "kind"],
+            registry=r,
+        )
         r.register(_Health(client))
         for url in client.config.urls:  # series exist from the start, so rates work before the first error
             label = upstream_label(url)

@@ -20,11 +20,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model = subparsers.add_parser("model", help="manage the local model")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     prepare = model_sub.add_parser(
-        "prepare", help="convert a GGUF file (default: the packaged SmolLM2) into a cached Hugging Face directory"
+        "prepare",
+        help="convert a GGUF file (default: the packaged SmolLM2) into a cached Hugging Face directory",
     )
-    prepare.add_argument("--gguf", metavar="FILE", default=None,
-                         help="your own GGUF file (Llama 1-3, Mistral, Qwen2/2.5, SmolLM); prints the directory "
-                         "`--model` can name (or name the .gguf file itself)")
+    prepare.add_argument(
+        "--gguf",
+        metavar="FILE",
+        default=None,
+        help="your own GGUF file (Llama 1-3, Mistral, Qwen2/2.5, SmolLM); prints the directory "
+        "`--model` can name (or name the .gguf file itself)",
+    )
     prepare.add_argument("--force", action="store_true", help="convert again even if cached")
     prepare.set_defaults(func=_model_prepare)
 
@@ -34,8 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # Every flag is a settings field (backend/engine/config.py); unset ones take the field's default.
     add_model_flags(serve, EngineServerSettings)
     add_model_flags(serve, EngineConfig)
-    serve.set_defaults(func=_engine_serve, flag_defaults={**static_defaults(EngineServerSettings),
-                                                          **static_defaults(EngineConfig)})
+    serve.set_defaults(
+        func=_engine_serve,
+        flag_defaults={**static_defaults(EngineServerSettings), **static_defaults(EngineConfig)},
+    )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +95,13 @@ def _engine_serve(args: argparse.Namespace) -> int:
         from ctxgate.backend.engine.metrics import export_vllm_names
 
         export_vllm_names(engine.metrics)
-    serve(engine, host=server.host, port=server.port, log_level=args.log_level.lower(),
-          served_model_name=server.served_model_name, api_key=server.api_key, drop_params=server.drop_params)
+    serve(
+        engine,
+        host=server.host,
+        port=server.port,
+        log_level=args.log_level.lower(),
+        served_model_name=server.served_model_name,
+        api_key=server.api_key,
+        drop_params=server.drop_params,
+    )
     return 0

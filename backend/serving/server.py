@@ -63,7 +63,9 @@ class EngineServer:
     drop_params: bool = False  # drop (instead of refusing) fields the engine cannot honour
 
     @classmethod
-    def for_engine(cls, engine: AsyncEngine, served_model_name: str | None, drop_params: bool = False) -> EngineServer:
+    def for_engine(
+        cls, engine: AsyncEngine, served_model_name: str | None, drop_params: bool = False
+    ) -> EngineServer:
         model_name = served_model_name or engine.model_name
         # Clients may name the model as served, by the engine's own name, or by its path.
         names = {model_name, engine.model_name, str(engine.config.model or "")} - {""}
@@ -72,43 +74,60 @@ class EngineServer:
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested not in self.accepted_model_names:
             raise APIError(
-                404, f"The model `{requested}` does not exist. This server serves `{self.model_name}`.",
-                param="model", code="model_not_found",
+                404,
+                f"The model `{requested}` does not exist. This server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
             )
 
-    def sampling_for(self, body: SamplingFields, max_tokens: int | None, prompt_len: int,
-                     extras: dict | None = None) -> SamplingParams:
+    def sampling_for(
+        self, body: SamplingFields, max_tokens: int | None, prompt_len: int, extras: dict | None = None
+    ) -> SamplingParams:
         """Sampling parameters, with `max_tokens` checked against (or defaulted to) the room left."""
         max_model_len = self.engine.max_model_len
         if prompt_len >= max_model_len:
             raise APIError(
-                400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                 f"has {prompt_len} tokens, which leaves no room for output. Please shorten the prompt.",
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                 code="context_length_exceeded",
             )
         if max_tokens is not None and prompt_len + max_tokens > max_model_len:
             raise APIError(
-                400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                 f"completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens", code="context_length_exceeded",
+                param="max_tokens",
+                code="context_length_exceeded",
             )
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else max_model_len - prompt_len,
-            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed,
-            stop=body.stop_list(), stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens, **(extras or {}),
+            temperature=body.temperature,
+            top_k=body.top_k,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=body.stop_list(),
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            **(extras or {}),
         )
 
-    async def submit(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-                     asks: EngineAsks) -> RequestStream:
+    async def submit(
+        self, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None, asks: EngineAsks
+    ) -> RequestStream:
         """Hand the request to the engine; raises its EngineError if it refuses (e.g. overload)."""
-        return await self.engine.add_request(GenerationRequest(
-            request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids,
-            sampling=self.sampling_for(body, max_tokens, len(prompt_ids), asks.sampling),
-            priority=_priority_from(body.priority), cache_salt=body.cache_salt,
-        ))
+        return await self.engine.add_request(
+            GenerationRequest(
+                request_id=uuid.uuid4().hex,
+                prompt_token_ids=prompt_ids,
+                sampling=self.sampling_for(body, max_tokens, len(prompt_ids), asks.sampling),
+                priority=_priority_from(body.priority),
+                cache_salt=body.cache_salt,
+            )
+        )
 
 
 def _priority_from(value: int) -> Priority:
@@ -128,10 +147,16 @@ def _completion_prompt_ids(body: CompletionRequest, tokenizer: Tokenizer) -> lis
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict]:
     """The messages as the chat template takes them, tool-call turns and tool results included."""
-    return [{"role": m.role, "content": m.text() if m.content is not None or m.role != "assistant" else None}
-            | {key: value for key, value in (m.model_extra or {}).items() if key in ("tool_calls", "tool_call_id")}
-            | ({"name": m.name} if m.name else {})
-            for m in body.messages]
+    return [
+        {"role": m.role, "content": m.text() if m.content is not None or m.role != "assistant" else None}
+        | {
+            key: value
+            for key, value in (m.model_extra or {}).items()
+            if key in ("tool_calls", "tool_call_id")
+        }
+        | ({"name": m.name} if m.name else {})
+        for m in body.messages
+    ]
 
 
 def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, asks: EngineAsks) -> list[int]:
@@ -144,13 +169,22 @@ def _chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, asks: En
 
 # ---------------------------------------------------------------------------- one request's answer
 async def _answer(
-    request: Request, server: EngineServer, body: ChatCompletionRequest | CompletionRequest,
-    prompt_ids: list[int], max_tokens: int | None, asks: EngineAsks,
+    request: Request,
+    server: EngineServer,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    asks: EngineAsks,
 ) -> Response:
     chat = isinstance(body, ChatCompletionRequest)
     stream = await server.submit(body, prompt_ids, max_tokens, asks)
-    writer = ResponseWriter(f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}", server.model_name,
-                            int(time.time()), chat, asks.output)
+    writer = ResponseWriter(
+        f"{'chatcmpl' if chat else 'cmpl'}-{stream.request_id}",
+        server.model_name,
+        int(time.time()),
+        chat,
+        asks.output,
+    )
     if body.stream:
         return event_stream_response(_events(stream, writer, len(prompt_ids), body.usage_wanted(), body.n))
     totals = await unless_disconnected(request, _collect(stream, len(prompt_ids)))
@@ -173,8 +207,9 @@ async def _collect(stream: RequestStream, prompt_tokens: int) -> DeltaTotals:
     return totals
 
 
-async def _events(stream: RequestStream, writer: ResponseWriter, prompt_tokens: int,
-                  include_usage: bool, num_choices: int) -> AsyncIterator[str]:
+async def _events(
+    stream: RequestStream, writer: ResponseWriter, prompt_tokens: int, include_usage: bool, num_choices: int
+) -> AsyncIterator[str]:
     totals = DeltaTotals(prompt_tokens=prompt_tokens)
     try:
         for event in writer.opening(num_choices):
@@ -226,12 +261,20 @@ async def chat_completions(request: Request) -> Response:
 
 async def models(request: Request) -> dict:
     server = _server(request)
-    return {"object": "list", "data": [{
-        "id": server.model_name, "object": "model", "created": int(time.time()), "owned_by": "ctxgate",
-        "root": str(server.engine.config.model or server.model_name),
-        "max_model_len": server.engine.max_model_len,
-        "engine_path": server.engine.path_info,
-    }]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": server.model_name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "ctxgate",
+                "root": str(server.engine.config.model or server.model_name),
+                "max_model_len": server.engine.max_model_len,
+                "engine_path": server.engine.path_info,
+            }
+        ],
+    }
 
 
 async def metrics(request: Request) -> Response:
@@ -260,8 +303,13 @@ async def _run_engine(app: FastAPI) -> AsyncIterator[None]:
 
 
 # ---------------------------------------------------------------------------- application
-def create_app(engine: AsyncEngine, served_model_name: str | None = None, manage_engine: bool = True,
-               api_key: str | None = None, drop_params: bool = False) -> FastAPI:
+def create_app(
+    engine: AsyncEngine,
+    served_model_name: str | None = None,
+    manage_engine: bool = True,
+    api_key: str | None = None,
+    drop_params: bool = False,
+) -> FastAPI:
     """The FastAPI app around `engine`. With `manage_engine` the app starts and stops the engine;
     with `api_key` every /v1 route needs `Authorization: Bearer <api_key>`."""
     app = FastAPI(title="ctxgate engine", lifespan=_run_engine if manage_engine else None)
@@ -279,8 +327,15 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, manage
     return app
 
 
-def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8001, log_level: str = "info",
-          served_model_name: str | None = None, api_key: str | None = None, drop_params: bool = False) -> None:
+def serve(
+    engine: AsyncEngine,
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    log_level: str = "info",
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    drop_params: bool = False,
+) -> None:
     """Run the server in the foreground until interrupted."""
     import uvicorn
 

@@ -53,7 +53,9 @@ def error_text(error: Any) -> str:
     return error["msg"]
 
 
-def describe_errors(exc: ValidationError, name_of: Callable[[str], str] = str, root: str = "settings") -> list[str]:
+def describe_errors(
+    exc: ValidationError, name_of: Callable[[str], str] = str, root: str = "settings"
+) -> list[str]:
     """One line per problem: where (the field through `name_of`; `root` for the whole model) and why."""
     lines = []
     for error in exc.errors(include_url=False):
@@ -140,7 +142,10 @@ def _help(info: FieldInfo, cli: Cli, default: Any) -> str:
     text = (info.description or "").replace("%", "%%")
     if cli.replacement:
         text = f"deprecated: use {cli.replacement}. {text}"
-    if default not in (None, False, [], argparse.SUPPRESS, PydanticUndefined) and info.default_factory is None:
+    if (
+        default not in (None, False, [], argparse.SUPPRESS, PydanticUndefined)
+        and info.default_factory is None
+    ):
         text += f" (default {default})"
     if cli.old:
         text += f" ({', '.join(cli.old)}: deprecated spelling)"
@@ -150,8 +155,12 @@ def _help(info: FieldInfo, cli: Cli, default: Any) -> str:
 _METAVARS = {int: "N", float: "X", Path: "PATH"}
 
 
-def add_field_flag(parser: argparse.ArgumentParser | argparse._ActionsContainer, name: str, info: FieldInfo,
-                   default: Any = argparse.SUPPRESS) -> argparse.Action:
+def add_field_flag(
+    parser: argparse.ArgumentParser | argparse._ActionsContainer,
+    name: str,
+    info: FieldInfo,
+    default: Any = argparse.SUPPRESS,
+) -> argparse.Action:
     """Add the flag of one settings field to `parser`."""
     cli = cli_of(info)
     annotation = _without_none(info.annotation)
@@ -185,8 +194,9 @@ def add_field_flag(parser: argparse.ArgumentParser | argparse._ActionsContainer,
     return action
 
 
-def _help_groups(parser: argparse.ArgumentParser, model: type[BaseModel],
-                 title: str | None) -> dict[str, argparse._ActionsContainer]:
+def _help_groups(
+    parser: argparse.ArgumentParser, model: type[BaseModel], title: str | None
+) -> dict[str, argparse._ActionsContainer]:
     """Field name -> the `--help` section its flag is listed in: the model's `CLI_GROUPS` (section
     title -> field names), else the section `title` (else the parser's own options)."""
     sections: dict[str, argparse._ActionsContainer] = {}
@@ -197,8 +207,14 @@ def _help_groups(parser: argparse.ArgumentParser, model: type[BaseModel],
     return {name: sections.get(name, fallback) for name in model.model_fields}
 
 
-def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *, skip: Iterable[str] = (),
-                    defaults: bool = False, title: str | None = None) -> dict[str, argparse.Action]:
+def add_model_flags(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel],
+    *,
+    skip: Iterable[str] = (),
+    defaults: bool = False,
+    title: str | None = None,
+) -> dict[str, argparse.Action]:
     """Add a flag for every field of `model` (but `skip`); returns them by field name.
 
     `defaults=False`: no argparse defaults (a dest absent after parsing was not given).
@@ -223,12 +239,19 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], *, 
     return actions
 
 
-def given_values(args: argparse.Namespace, model: type[BaseModel], skip: Sequence[str] = ()) -> dict[str, Any]:
+def given_values(
+    args: argparse.Namespace, model: type[BaseModel], skip: Sequence[str] = ()
+) -> dict[str, Any]:
     """The fields of `model` present in `args` (with SUPPRESS defaults: the flags really given)."""
-    return {name: getattr(args, name) for name in model.model_fields if name not in skip and hasattr(args, name)}
+    return {
+        name: getattr(args, name) for name in model.model_fields if name not in skip and hasattr(args, name)
+    }
 
 
 def static_defaults(model: type[BaseModel], skip: Iterable[str] = ()) -> dict[str, Any]:
     """Field name -> the model's default, for fields whose default is not computed at start-up."""
-    return {name: info.default for name, info in model.model_fields.items()
-            if name not in set(skip) and info.default is not PydanticUndefined and info.default_factory is None}
+    return {
+        name: info.default
+        for name, info in model.model_fields.items()
+        if name not in set(skip) and info.default is not PydanticUndefined and info.default_factory is None
+    }

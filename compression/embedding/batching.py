@@ -161,8 +161,12 @@ class EngineJobBatcher:
     time until the engine's next layer boundary is the window.
     """
 
-    def __init__(self, runner: Callable[[Callable[[], None]], Future], encode_packed: Callable[[Any], np.ndarray],
-                 max_tokens: int):
+    def __init__(
+        self,
+        runner: Callable[[Callable[[], None]], Future],
+        encode_packed: Callable[[Any], np.ndarray],
+        max_tokens: int,
+    ):
         self._runner = runner
         self._encode_packed = encode_packed
         self.max_tokens = max_tokens
@@ -205,7 +209,9 @@ class EngineJobBatcher:
         to `max_tokens` word pieces. The own call comes first so that a job run inline (asked from
         the engine's thread itself) always answers the call that is waiting on it."""
         with self._lock:
-            waiting = ([own] if own in self._pending else []) + [call for call in self._pending if call is not own]
+            waiting = ([own] if own in self._pending else []) + [
+                call for call in self._pending if call is not own
+            ]
             taken: list[_PackedCall] = []
             tokens = 0
             for call in waiting:
@@ -237,7 +243,7 @@ class EngineJobBatcher:
         for call in calls:
             call.engine_seconds = seconds * sum(call.batch.lengths) / total_tokens
             rows = len(call.batch.lengths)
-            call.future.set_result(vectors[first_row:first_row + rows])
+            call.future.set_result(vectors[first_row : first_row + rows])
             first_row += rows
 
 

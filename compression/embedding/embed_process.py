@@ -106,8 +106,17 @@ class EmbedProcess:
         # not multiprocessing's spawn, which would re-run the parent's __main__, i.e. the CLI).
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
         process = subprocess.Popen(
-            [sys.executable, "-m", "ctxgate.compression.embedding.embed_process", self.model_path, self.precision, str(self.threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            [
+                sys.executable,
+                "-m",
+                "ctxgate.compression.embedding.embed_process",
+                self.model_path,
+                self.precision,
+                str(self.threads),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
         )
         assert process.stdout is not None
         timer = threading.Timer(START_TIMEOUT_S, process.kill)
@@ -115,15 +124,22 @@ class EmbedProcess:
         try:
             status, payload = read_frame(process.stdout)
         except EOFError:
-            status, payload = ERROR, f"it exited with {process.wait()} (its stderr is this process's)".encode()
+            status, payload = (
+                ERROR,
+                f"it exited with {process.wait()} (its stderr is this process's)".encode(),
+            )
         finally:
             timer.cancel()
         if status != READY:
             process.kill()
-            raise EmbedProcessError(f"the embedding process failed to start: {payload.decode(errors='replace')}")
+            raise EmbedProcessError(
+                f"the embedding process failed to start: {payload.decode(errors='replace')}"
+            )
         self._process, self.dimension = process, int(json.loads(payload)["dimension"])
         self.starts += 1
-        logger.info("embedding model in process %s (%s, %d OpenMP threads)", process.pid, self.precision, self.threads)
+        logger.info(
+            "embedding model in process %s (%s, %d OpenMP threads)", process.pid, self.precision, self.threads
+        )
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """Rows for `texts`; a child found dead (before or during the call) is started again and
@@ -145,7 +161,9 @@ class EmbedProcess:
                     process.wait()
                     self._process = None
                     if attempt == 2:
-                        raise EmbedProcessError(f"the embedding process died twice on one call: {exc}") from exc
+                        raise EmbedProcessError(
+                            f"the embedding process died twice on one call: {exc}"
+                        ) from exc
         if status != OK:
             raise EmbedProcessError(f"the embedding process failed: {payload.decode(errors='replace')}")
         return np.frombuffer(payload, dtype=np.float32).reshape(len(texts), self.dimension).copy()

@@ -90,7 +90,9 @@ def choose_precision(kernel_isa: str, requested: str | None = None, amx: bool = 
     if requested not in PRECISIONS:
         raise ValueError(f"{PRECISION_ENV} must be auto or one of {', '.join(PRECISIONS)}, not {requested!r}")
     if requested == "bfloat16" and not native_bf16_gemm:
-        raise ValueError(f"{PRECISION_ENV}=bfloat16 needs a CPU with a native bf16 GEMM (AVX-512 BF16 or AMX)")
+        raise ValueError(
+            f"{PRECISION_ENV}=bfloat16 needs a CPU with a native bf16 GEMM (AVX-512 BF16 or AMX)"
+        )
     return requested
 
 
@@ -143,7 +145,9 @@ class Embedder:
 
             self._model.to(torch.bfloat16)
         # Padding-free forward (compression/embedding/packed_encoder.py): ~half the time of the padded batches.
-        self._packed = PackedEncoder(self._model, self._model.max_seq_length) if packed_supports(self._model) else None
+        self._packed = (
+            PackedEncoder(self._model, self._model.max_seq_length) if packed_supports(self._model) else None
+        )
         self._cache = cache
         self._batcher: EmbedBatcher | None = None
         self._process: EmbedProcess | None = None
@@ -152,7 +156,8 @@ class Embedder:
         self._batcher_lock = threading.Lock()
         # Bounded by bytes as well as entries: client text decides how many vectors arrive.
         self._local: ByteLRU[str, np.ndarray] = ByteLRU(
-            max_local_entries, max_local_bytes or budget_bytes("embeddings"), sizer=_vector_size)
+            max_local_entries, max_local_bytes or budget_bytes("embeddings"), sizer=_vector_size
+        )
         if max_local_bytes is None:
             track_budget("embeddings", self._local)
         # Vectors of different precisions differ, so they never share cache entries.
@@ -268,7 +273,8 @@ class Embedder:
             # Concurrent requests' packed calls share one forward pass on the engine's thread.
             self._engine_jobs = (
                 EngineJobBatcher(runner, self._packed.encode_packed, ENGINE_BATCH_MAX_TOKENS)
-                if self._packed is not None else None
+                if self._packed is not None
+                else None
             )
 
     def release_runner(self, runner: Runner) -> None:
@@ -277,7 +283,9 @@ class Embedder:
                 self._runner = None
                 self._engine_jobs = None
 
-    def _encode_now(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
+    def _encode_now(
+        self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False
+    ) -> np.ndarray:
         if self._runner is not None:
             # Packed here, on the caller's thread: the word-piece tokenizer releases the GIL, so the
             # engine keeps stepping meanwhile and its thread runs only the forward pass.
@@ -298,7 +306,9 @@ class Embedder:
             return self._on_runner(self._forward(texts, batch_size, show_progress_bar))
         from ctxgate.backend.engine.api import EngineError
 
-        assert self._packed is not None and runner is not None  # engine jobs come with a runner, for packed calls
+        assert (
+            self._packed is not None and runner is not None
+        )  # engine jobs come with a runner, for packed calls
         batch = self._packed.pack(texts)
         try:
             return _normalized(jobs.encode(batch))
@@ -336,10 +346,14 @@ class Embedder:
         logger.warning("embedding off the engine thread from now on: %s", error)
         self.release_runner(runner)
 
-    def _encode_here(self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False) -> np.ndarray:
+    def _encode_here(
+        self, texts: list[str], batch_size: int = 64, show_progress_bar: bool = False
+    ) -> np.ndarray:
         return self._forward(texts, batch_size, show_progress_bar)()
 
-    def _forward(self, texts: list[str], batch_size: int, show_progress_bar: bool) -> Callable[[], np.ndarray]:
+    def _forward(
+        self, texts: list[str], batch_size: int, show_progress_bar: bool
+    ) -> Callable[[], np.ndarray]:
         """The model call for `texts`: tokenized now (packed encoder), run when called."""
         packed = self._packed
         if not texts:

@@ -98,7 +98,9 @@ class PackedEncoder:
         lengths = [len(ids) for ids in encoded]
         flat = [token for ids in encoded for token in ids]
         positions = [position for length in lengths for position in range(length)]
-        return PackedBatch(torch.tensor(flat, dtype=torch.long), torch.tensor(positions, dtype=torch.long), lengths)
+        return PackedBatch(
+            torch.tensor(flat, dtype=torch.long), torch.tensor(positions, dtype=torch.long), lengths
+        )
 
     def encode(self, texts: list[str]) -> np.ndarray:
         if not texts:
@@ -120,7 +122,9 @@ class PackedEncoder:
 
     def chunk_width(self, lengths: list[int]) -> int:
         """The chunk width of a call: SMALL_CALL_TOKENS when every word piece fits in one such chunk."""
-        return SMALL_CALL_TOKENS if sum(lengths) <= SMALL_CALL_TOKENS < self.chunk_tokens else self.chunk_tokens
+        return (
+            SMALL_CALL_TOKENS if sum(lengths) <= SMALL_CALL_TOKENS < self.chunk_tokens else self.chunk_tokens
+        )
 
     def warm_up_batches(self, max_rows: int | None = None) -> list[PackedBatch]:
         """One synthetic batch per chunk count up to `max_rows` rows (WARM_UP_ROWS), for
@@ -234,7 +238,9 @@ class _QKV:
                 fused.weight.copy_(torch.cat([part.weight.float() for part in parts]))
                 fused.bias.copy_(torch.cat([part.bias.float() for part in parts]))
             weight = parts[0].weight
-            self.parts = [Projection(fused.to(device=weight.device, dtype=weight.dtype).requires_grad_(False))]
+            self.parts = [
+                Projection(fused.to(device=weight.device, dtype=weight.dtype).requires_grad_(False))
+            ]
         else:
             self.parts = [Projection(part) for part in parts]
 
@@ -296,9 +302,9 @@ class AttentionChunks:
         for index, (chunk, first_slot) in enumerate(placed):
             slot = chunk * self.width + first_slot
             tokens = torch.arange(starts[index], starts[index] + lengths[index])
-            source[slot:slot + lengths[index]] = tokens
+            source[slot : slot + lengths[index]] = tokens
             token_slots[tokens] = torch.arange(slot, slot + lengths[index])
-            segment[slot:slot + lengths[index]] = index
+            segment[slot : slot + lengths[index]] = index
         self.source_rows = source  # per slot: its token in packed (input) order, or the padding index
         self.token_slots = token_slots  # per token in packed order: its slot
         self.segments = segment.view(self.num_chunks, self.width)

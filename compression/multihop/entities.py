@@ -22,9 +22,7 @@ from ctxgate.compression.text import STOPWORDS, content_words
 # the lower-case particles names carry ("Charles University", "Mark Twain", "Alice de Lusignan",
 # "House of Commons"). The particles are a closed list, matched as whole words.
 _PARTICLES = "of|de|la|le|du|von|van|der|den|di|da|del|bin|al"
-_NAME = re.compile(
-    rf"[A-Z][\w'’-]*(?:[ \t]+(?:(?:{_PARTICLES})[ \t]+)?(?:[A-Z][\w'’-]*|\d+\b))*"
-)
+_NAME = re.compile(rf"[A-Z][\w'’-]*(?:[ \t]+(?:(?:{_PARTICLES})[ \t]+)?(?:[A-Z][\w'’-]*|\d+\b))*")
 # A name of one word that is one of these says nothing (sentence openers, pronouns, months).
 _NOT_NAMES = frozenset(
     """he she it they we you i his her its their our this that these those there here when where what
@@ -64,6 +62,7 @@ def new_entities(text: str, question: str) -> list[str]:
     question_lower = question.lower()
     question_words = content_words(question)
     return [
-        name for name in entities(text)
+        name
+        for name in entities(text)
         if not mentions(question_lower, name) and not content_words(name) <= question_words
     ]

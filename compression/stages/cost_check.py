@@ -32,7 +32,9 @@ class CostCheckStage(Stage):
         if state.skip_reason is not None:
             return StageReport(self.name, details={"skipped": state.skip_reason})
         policy = ctx.policy
-        state.history_budget = max(0, min(policy.history.max_tokens, state.budget_tokens - state.pinned_tokens))
+        state.history_budget = max(
+            0, min(policy.history.max_tokens, state.budget_tokens - state.pinned_tokens)
+        )
         return StageReport(self.name)
 
     def skip_reason(self, state: PipelineState, ctx: StageContext) -> str | None:
@@ -53,5 +55,7 @@ def render_original(state: PipelineState, ctx: StageContext) -> RenderedPrompt:
     passages = order_passages(state.passages, "original")
     context_text = render_context(passages)
     slot_texts = render_slots(passages) if state.context_slots else None
-    messages = render_messages(state, context_text, list(state.history), None, ctx.policy.assembly, slot_texts)
+    messages = render_messages(
+        state, context_text, list(state.history), None, ctx.policy.assembly, slot_texts
+    )
     return RenderedPrompt(messages, ctx.counter.count_chat(messages))

@@ -37,7 +37,10 @@ class ExtractionStage(Stage):
         before = passages_tokens(ctx.counter, state.passages)
         # The rendered block is every body plus its headers: when the bodies alone are over the
         # budget it cannot fit, and counting it (a first sight's whole context) would only say so.
-        if before <= budget and ctx.counter.count(render_context(state.passages, policy.keep_titles)) <= budget:
+        if (
+            before <= budget
+            and ctx.counter.count(render_context(state.passages, policy.keep_titles)) <= budget
+        ):
             return report
         if policy.enabled and policy.unit == "sentence":
             ensure_candidates(ctx, state)
@@ -52,7 +55,9 @@ class ExtractionStage(Stage):
         return report
 
 
-def select_passages(passages: list[Passage], budget: int, counter: CachedCounter, policy: ExtractionPolicy) -> None:
+def select_passages(
+    passages: list[Passage], budget: int, counter: CachedCounter, policy: ExtractionPolicy
+) -> None:
     """Whole-passage knapsack (extraction unit 'passage' or extraction disabled)."""
     costs = [counter.count(render_passage(i + 1, p, policy.keep_titles)) + 2 for i, p in enumerate(passages)]
     values = values_from_scores(np.array([p.score for p in passages], dtype=np.float64))

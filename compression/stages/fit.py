@@ -83,5 +83,7 @@ def render_sent(state: PipelineState, ctx: StageContext) -> RenderedPrompt:
     keep_titles = ctx.policy.extraction.keep_titles
     context_text = render_context(passages, keep_titles)
     slot_texts = render_slots(passages, keep_titles) if state.context_slots else None
-    messages = render_messages(state, context_text, state.history, state.summary, ctx.policy.assembly, slot_texts)
+    messages = render_messages(
+        state, context_text, state.history, state.summary, ctx.policy.assembly, slot_texts
+    )
     return RenderedPrompt(messages, ctx.counter.count_chat(messages))

@@ -45,14 +45,16 @@ class HistoryStage(Stage):
         if ctx.policy.history.strategy == "truncate":
             keep_from = oldest_kept_turn(unit_costs, budget)
             kept = set(range(keep_from, len(units)))
-            report.details["dropped_turns"] = units[keep_from][0] if keep_from < len(units) else len(state.history)
+            report.details["dropped_turns"] = (
+                units[keep_from][0] if keep_from < len(units) else len(state.history)
+            )
         else:
             kept = await self.summarize_older_turns(state, ctx, units, unit_costs, report)
         tool_units = [u for u, unit in enumerate(units) if is_tool_unit(state.history, unit)]
         if tool_units:
             report.details["tool_exchanges_kept"] = sum(u in kept for u in tool_units)
             report.details["tool_exchanges_dropped"] = sum(u not in kept for u in tool_units)
-        state.history = [m for u in sorted(kept) for m in state.history[units[u][0]:units[u][1]]]
+        state.history = [m for u in sorted(kept) for m in state.history[units[u][0] : units[u][1]]]
         report.saved_tokens = before - history_tokens(ctx.counter, state)
         return report
 
@@ -83,7 +85,7 @@ class HistoryStage(Stage):
             message
             for u in range(tail)
             if u not in kept and not is_tool_unit(state.history, units[u])
-            for message in state.history[units[u][0]:units[u][1]]
+            for message in state.history[units[u][0] : units[u][1]]
         ]
         # The header, the turn's framing and the quote mark (+ the newline) around the summary.
         summary_overhead = ctx.counter.count(SUMMARY_HEADER + "\n> ") + MESSAGE_FRAMING_TOKENS + 1

@@ -34,9 +34,12 @@ class MessageContextStage(Stage):
         details: dict[str, Any] = {
             "message": ", ".join(dict.fromkeys(where for where, _ in lifted)),
             "layout": ", ".join(dict.fromkeys(found.layout for _, found in lifted)),
-            "passages_found": len(passages), "tokens_found": passages_tokens(ctx.counter, passages),
+            "passages_found": len(passages),
+            "tokens_found": passages_tokens(ctx.counter, passages),
         }
         if len(lifted) > 1:
-            details["blocks"] = [{"message": where, "layout": found.layout, "passages": len(found.passages)}
-                                 for where, found in lifted]
+            details["blocks"] = [
+                {"message": where, "layout": found.layout, "passages": len(found.passages)}
+                for where, found in lifted
+            ]
         return StageReport(self.name, details=details)

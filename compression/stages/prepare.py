@@ -25,8 +25,11 @@ def ensure_candidates(ctx: StageContext, state: PipelineState) -> None:
     ensure_sentences(ctx, state.passages)
     documents = ctx.policy.documents
     mark_embedding_candidates(
-        state.question_text, state.passages, documents_budget(state, ctx),
-        documents.embed_budget_multiple, documents.embed_min_share,
+        state.question_text,
+        state.passages,
+        documents_budget(state, ctx),
+        documents.embed_budget_multiple,
+        documents.embed_min_share,
     )
 
 

@@ -51,7 +51,9 @@ class RerankStage(Stage):
         ensure_candidates(ctx, state)
         reranker = self.reranker(ctx)
         scores = reranker.score(state.question_text, state.passages)
-        limit = min(policy.top_k or len(state.passages), ctx.policy.documents.max_documents or len(state.passages))
+        limit = min(
+            policy.top_k or len(state.passages), ctx.policy.documents.max_documents or len(state.passages)
+        )
         scores = refine_untitled(reranker, state.question_text, state.passages, scores, limit)
         for passage, score in zip(state.passages, scores, strict=True):
             passage.score = float(score)

@@ -32,8 +32,12 @@ class RetrievalStage(Stage):
             sentences = [clean(sentence) for sentence in sentences]  # a changed sentence keeps its vector
             ctx.services.embedder.prime(sentences, vectors)
             document = index.document(chunk_id, score)
-            document = Document(text=clean(document.text), id=document.id, score=document.score,
-                                title=None if document.title is None else clean(document.title))
+            document = Document(
+                text=clean(document.text),
+                id=document.id,
+                score=document.score,
+                title=None if document.title is None else clean(document.title),
+            )
             passage = Passage(document=document, position=first_position + rank, score=score)
             passage.sentences = sentences
             state.passages.append(passage)

@@ -1,2 +1,1 @@
-"""What the compressor keeps: caches (in process, in Redis) and retrieval indexes.
-"""
+"""What the compressor keeps: caches (in process, in Redis) and retrieval indexes."""

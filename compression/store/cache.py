@@ -29,15 +29,15 @@ DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
 # Each cache's part of the total. Embedding vectors (1.5 KB per sentence) are what first-sight
 # traffic fills fastest and what saves the most time on a repeat.
 BUDGET_SHARES: dict[str, float] = {
-    "embeddings": 0.35,       # compression/embedding/embeddings.py: sentence vectors
-    "summaries": 0.15,        # history summaries (the pipeline's LRUBytesCache)
-    "token_counts": 0.10,     # compression/counting.py: per-text token counts (each CachedCounter)
-    "sentences": 0.10,        # compression/text.py: sentence splits
-    "content_words": 0.10,    # compression/text.py: word sets
-    "bm25": 0.10,             # compression/rerank.py: term counts
-    "dedup_forms": 0.05,      # compression/text.py: normalised forms
-    "names": 0.03,            # compression/multihop/names.py: normalised names
-    "mention_patterns": 0.02, # compression/multihop/names.py: compiled patterns
+    "embeddings": 0.35,  # compression/embedding/embeddings.py: sentence vectors
+    "summaries": 0.15,  # history summaries (the pipeline's LRUBytesCache)
+    "token_counts": 0.10,  # compression/counting.py: per-text token counts (each CachedCounter)
+    "sentences": 0.10,  # compression/text.py: sentence splits
+    "content_words": 0.10,  # compression/text.py: word sets
+    "bm25": 0.10,  # compression/rerank.py: term counts
+    "dedup_forms": 0.05,  # compression/text.py: normalised forms
+    "names": 0.03,  # compression/multihop/names.py: normalised names
+    "mention_patterns": 0.02,  # compression/multihop/names.py: compiled patterns
 }
 _total_bytes = DEFAULT_CACHE_BYTES
 _tracked: dict[str, weakref.WeakSet[Any]] = {name: weakref.WeakSet() for name in BUDGET_SHARES}

@@ -105,10 +105,15 @@ def read_chunks(input_path: str | Path, chunk_words: int) -> list[dict[str, Any]
         doc_id = str(row.get("id", row_number))
         title = row.get("title") if isinstance(row.get("title"), str) else None
         for chunk_number, sentences in enumerate(chunk_sentences(splitter.split(row["text"]), chunk_words)):
-            chunks.append({
-                "id": f"{doc_id}#{chunk_number}", "doc_id": doc_id, "title": title,
-                "text": " ".join(sentences), "sentences": sentences,
-            })
+            chunks.append(
+                {
+                    "id": f"{doc_id}#{chunk_number}",
+                    "doc_id": doc_id,
+                    "title": title,
+                    "text": " ".join(sentences),
+                    "sentences": sentences,
+                }
+            )
     if not chunks:
         raise ValueError(f"{input_path}: no documents")
     return chunks
@@ -121,8 +126,9 @@ class EmbeddedChunks:
     sentence_offsets: np.ndarray  # [chunks + 1] int64: chunk i's sentences are offsets[i]:offsets[i+1]
 
 
-def embed_chunks(chunks: list[dict[str, Any]], embedder: Any, description: str, show_progress: bool,
-                 batch: int = 64) -> EmbeddedChunks:
+def embed_chunks(
+    chunks: list[dict[str, Any]], embedder: Any, description: str, show_progress: bool, batch: int = 64
+) -> EmbeddedChunks:
     from tqdm import tqdm
 
     from ctxgate.compression.rerank import combine_vectors
@@ -143,7 +149,9 @@ def embed_chunks(chunks: list[dict[str, Any]], embedder: Any, description: str, 
                 end = start + len(chunk["sentences"])
                 # The same passage vector the rerankers compute (sentences + title), so search
                 # scores and rerank scores agree.
-                chunk_vectors.append(combine_vectors(vectors[start:end], title_vectors.get(chunk["title"]))[None, :])
+                chunk_vectors.append(
+                    combine_vectors(vectors[start:end], title_vectors.get(chunk["title"]))[None, :]
+                )
                 start = end
                 offsets.append(offsets[-1] + len(chunk["sentences"]))
             progress.update(len(part))

@@ -22,8 +22,9 @@ class CircuitBreaker:
     """closed -> (failure_threshold consecutive failures) -> open -> (cooldown_s) -> half-open: one
     trial call; success closes the breaker, failure opens it again."""
 
-    def __init__(self, failure_threshold: int = 3, cooldown_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, failure_threshold: int = 3, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ):
         self.failure_threshold = failure_threshold
         self.cooldown_s = cooldown_s
         self._clock = clock
@@ -73,16 +74,23 @@ class CircuitBreaker:
 class RedisBytesCache:
     """`BytesCache` over Redis (redis-py, synchronous: it is called from compression worker threads)."""
 
-    def __init__(self, url: str, key_prefix: str = "ctxgate:", ttl_s: float | None = 7 * 24 * 3600,
-                 timeout_s: float = 0.2, breaker: CircuitBreaker | None = None):
+    def __init__(
+        self,
+        url: str,
+        key_prefix: str = "ctxgate:",
+        ttl_s: float | None = 7 * 24 * 3600,
+        timeout_s: float = 0.2,
+        breaker: CircuitBreaker | None = None,
+    ):
         import redis
 
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
         self.breaker = breaker or CircuitBreaker()
         # Short timeouts and no retries: a cache that is slow to answer is worth less than a miss.
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                            retry_on_timeout=False)
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+        )
         self.hits = 0
         self.misses = 0
         self.errors = 0

@@ -27,13 +27,35 @@ ALL_SHAPES = random_model.SHAPES
 # The workloads of issue 50 (in tokens): (concurrency, prompt, output, requests in full / quick mode).
 WORKLOADS = {"W1": (1, 256, 128, 8, 4), "W2": (32, 512, 128, 64, 32), "W3": (8, 2000, 32, 32, 16)}
 # Seconds per stage on an H100, in full / quick mode (about 8 / 3 minutes in all).
-BUDGET_S = {"environment": (15, 10), "install": (10, 5), "build": (90, 40), "parity": (90, 35),
-            "throughput": (180, 60), "e2e": (90, 30)}
+BUDGET_S = {
+    "environment": (15, 10),
+    "install": (10, 5),
+    "build": (90, 40),
+    "parity": (90, 35),
+    "throughput": (180, 60),
+    "e2e": (90, 30),
+}
 
 
-INSTALL_MODULES = ("fastapi", "starlette", "uvicorn", "pydantic", "pydantic_core", "gguf", "redis", "xgrammar",
-                   "bm25s", "sentencex", "ninja", "tiktoken", "transformers", "sentence_transformers", "safetensors",
-                   "ctxgate.gateway.app", "ctxgate.backend.engine.llm_engine")
+INSTALL_MODULES = (
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "pydantic",
+    "pydantic_core",
+    "gguf",
+    "redis",
+    "xgrammar",
+    "bm25s",
+    "sentencex",
+    "ninja",
+    "tiktoken",
+    "transformers",
+    "sentence_transformers",
+    "safetensors",
+    "ctxgate.gateway.app",
+    "ctxgate.backend.engine.llm_engine",
+)
 
 
 class Skipped(Exception):
@@ -60,17 +82,27 @@ class Check:
         except Skipped as why:
             entry = {"status": "skipped", "reason": str(why)}
         except Exception as error:  # a failed stage is recorded; the next one still runs
-            entry = {"status": "failed", "error": f"{type(error).__name__}: {error}",
-                     "traceback": traceback.format_exc(limit=6)}
+            entry = {
+                "status": "failed",
+                "error": f"{type(error).__name__}: {error}",
+                "traceback": traceback.format_exc(limit=6),
+            }
         entry["seconds"] = round(time.monotonic() - started, 1)
         entry["budget_s"] = self.budget(name)
         self.stages[name] = entry
-        print(f"[gpu check] {name}: {entry['status']} in {entry['seconds']} s {entry.get('reason', entry.get('error', ''))}",
-              flush=True)
+        print(
+            f"[gpu check] {name}: {entry['status']} in {entry['seconds']} s {entry.get('reason', entry.get('error', ''))}",
+            flush=True,
+        )
         self.write()
 
     def write(self) -> None:
-        report = {"schema": "ctxgate.gpu_check/v1", "quick": self.quick, "shapes": self.shapes, "stages": self.stages}
+        report = {
+            "schema": "ctxgate.gpu_check/v1",
+            "quick": self.quick,
+            "shapes": self.shapes,
+            "stages": self.stages,
+        }
         (self.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
         (self.out / "gpu_check.md").write_text(render_markdown(report))
 
@@ -78,14 +110,23 @@ class Check:
 def environment(check: Check) -> dict[str, Any]:
     import torch
 
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "cuda": torch.version.cuda, "cuda_available": check.cuda,
-                            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                                     cwd=random_model.HERE).stdout.strip() or None}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": check.cuda,
+        "commit": subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=random_model.HERE
+        ).stdout.strip()
+        or None,
+    }
     if check.cuda:
         props = torch.cuda.get_device_properties(0)
-        info |= {"gpu": torch.cuda.get_device_name(), "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-                 "copy_bandwidth_gb_s": round(copy_bandwidth_gb_s(), 1)}
+        info |= {
+            "gpu": torch.cuda.get_device_name(),
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "copy_bandwidth_gb_s": round(copy_bandwidth_gb_s(), 1),
+        }
     return info
 
 
@@ -120,8 +161,10 @@ def build(check: Check) -> dict[str, Any]:
     for shape in check.shapes:
         started = time.monotonic()
         check.models[shape] = random_model.build_model(shape, check.work / "models" / shape)
-        built[shape] = {"params_b": round(random_model.parameter_count(random_model.shape_config(shape)) / 1e9, 3),
-                        "seconds": round(time.monotonic() - started, 1)}
+        built[shape] = {
+            "params_b": round(random_model.parameter_count(random_model.shape_config(shape)) / 1e9, 3),
+            "seconds": round(time.monotonic() - started, 1),
+        }
     check.models["embedder"] = random_model.build_embedder(check.work / "models" / "minilm-random")
     return built
 
@@ -131,7 +174,11 @@ def parity(check: Check) -> dict[str, Any]:
 
     results, failed = {}, []
     # On a CPU the reference is exact in float32; bfloat16 (and the CUDA-graph path) is the GPU's.
-    variants = [("cuda", "bfloat16", False), ("cuda", "bfloat16", True)] if check.cuda else [("cpu", "float32", False)]
+    variants = (
+        [("cuda", "bfloat16", False), ("cuda", "bfloat16", True)]
+        if check.cuda
+        else [("cpu", "float32", False)]
+    )
     for shape in check.shapes:
         if not check.cuda and shape != "smollm2-135m":
             continue  # the larger shapes take minutes on a CPU; the GPU checks them all
@@ -162,18 +209,33 @@ def e2e(check: Check) -> dict[str, Any]:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    lines = [f"# GPU check{' (quick)' if report['quick'] else ''}", "", f"shapes: {', '.join(report['shapes'])}", "",
-             "| stage | status | seconds | budget s | note |", "|---|---|---|---|---|"]
+    lines = [
+        f"# GPU check{' (quick)' if report['quick'] else ''}",
+        "",
+        f"shapes: {', '.join(report['shapes'])}",
+        "",
+        "| stage | status | seconds | budget s | note |",
+        "|---|---|---|---|---|",
+    ]
     for name, entry in report["stages"].items():
         note = entry.get("reason") or entry.get("error") or ""
-        lines.append(f"| {name} | {entry['status']} | {entry['seconds']} | {entry['budget_s']} | {note[:200]} |")
+        lines.append(
+            f"| {name} | {entry['status']} | {entry['seconds']} | {entry['budget_s']} | {note[:200]} |"
+        )
     env = report["stages"].get("environment", {}).get("result") or {}
     if env:
         lines += ["", "environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
     for name in ("parity", "throughput", "e2e"):
         result = report["stages"].get(name, {}).get("result")
         if result:
-            lines += ["", f"## {name}", "", "```json", json.dumps(result, indent=1, default=str)[:6000], "```"]
+            lines += [
+                "",
+                f"## {name}",
+                "",
+                "```json",
+                json.dumps(result, indent=1, default=str)[:6000],
+                "```",
+            ]
     return "\n".join(lines) + "\n"
 
 

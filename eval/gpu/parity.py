@@ -49,8 +49,16 @@ def _engine_run(model_dir: Path, device: str, dtype: str, cuda_graphs: bool, pro
     from ctxgate.backend.engine.config import EngineConfig
     from ctxgate.backend.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, kv_cache_memory_mb=256,
-                                    max_model_len=512, cuda_graphs=cuda_graphs if device != "cpu" else None))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            device=device,
+            dtype=dtype,
+            kv_cache_memory_mb=256,
+            max_model_len=512,
+            cuda_graphs=cuda_graphs if device != "cpu" else None,
+        )
+    )
     # The first step prefills all three prompts at once; its logits are what the sampler saw.
     execute = engine.runner.execute
     first: list[torch.Tensor] = []
@@ -63,7 +71,9 @@ def _engine_run(model_dir: Path, device: str, dtype: str, cuda_graphs: bool, pro
 
     engine.runner.execute = recording
     try:
-        tokens = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        tokens = engine.generate(
+            prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        )
     finally:
         engine.runner.execute = execute
     del engine
@@ -79,9 +89,16 @@ def _hf_run(model_dir: Path, device: str, dtype: torch.dtype, prompts: list[list
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt], device=device)
-            out = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=2)
-            tokens.append(out.sequences[0, len(prompt):].tolist())
+            out = model.generate(
+                ids,
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=2,
+            )
+            tokens.append(out.sequences[0, len(prompt) :].tolist())
             logits = [step[0].float().cpu() for step in out.logits]
             first_logits.append(logits[0])
             steps_logits.append(logits)
@@ -97,7 +114,9 @@ def _compare(engine_tokens: list[int], hf_tokens: list[int], hf_logits: list[tor
     return PromptParity(True, None, None)
 
 
-def check_parity(model_dir: str | Path, device: str, dtype: str = "bfloat16", cuda_graphs: bool = False) -> ParityResult:
+def check_parity(
+    model_dir: str | Path, device: str, dtype: str = "bfloat16", cuda_graphs: bool = False
+) -> ParityResult:
     from ctxgate.backend.model.tokenizer import Tokenizer
 
     model_dir = Path(model_dir)

@@ -46,7 +46,11 @@ def tensor_specs(config: dict) -> Iterator[tuple[str, tuple[int, ...], str]]:
     yield "model.embed_tokens.weight", (vocab, hidden), "normal"
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        for name, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim), ("v_proj", kv_heads * head_dim)):
+        for name, rows in (
+            ("q_proj", heads * head_dim),
+            ("k_proj", kv_heads * head_dim),
+            ("v_proj", kv_heads * head_dim),
+        ):
             yield f"{p}self_attn.{name}.weight", (rows, hidden), "normal"
             if bias:
                 yield f"{p}self_attn.{name}.bias", (rows,), "normal"
@@ -79,8 +83,13 @@ def _fingerprint(config: dict, seed: int) -> str:
     return hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_model(shape: str, out_dir: str | Path, seed: int = 0, device: str | None = None,
-                overrides: dict[str, Any] | None = None) -> Path:
+def build_model(
+    shape: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    device: str | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
     """Write `shape` with seeded random bfloat16 weights to `out_dir` (kept if already built alike);
     `overrides` change config fields (the tests shrink the layer count)."""
     import torch
@@ -120,7 +129,8 @@ def build_model(shape: str, out_dir: str | Path, seed: int = 0, device: str | No
         flush()
     total = sum(math.prod(shape) * 2 for _, shape, _ in tensor_specs(config))
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     for file in SMOLLM2_TOKENIZER.iterdir():

@@ -35,8 +35,12 @@ def roofline_tpot_ms(config: dict, batch: int, prompt: int, output: int, bandwid
 
 
 def _child(args: list[str], timeout_s: float) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(random_model.HERE.parents[1]), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(random_model.HERE.parents[1]), os.environ.get("PYTHONPATH")])
+        ),
+    }
     subprocess.run([sys.executable, "-m", "ctxgate.cli", *args], check=True, timeout=timeout_s, env=env)
 
 
@@ -51,17 +55,44 @@ def run_workloads(check: Check, workloads: dict[str, tuple[int, int, int, int, i
         for name in names:
             concurrency, prompt, output, full_n, quick_n = workloads[name]
             with tempfile.TemporaryDirectory() as scratch:
-                _child(["bench", "engine", "--model", str(check.models[shape]), "--device", "cuda", "--dtype", "bfloat16",
-                        "--workloads", name, "--num-requests", str(quick_n if check.quick else full_n),
-                        "--prompt-tokens", str(prompt), "--output-tokens", str(output), "--concurrency",
-                        str(concurrency), "--repeats", "1", "--no-progress", "--out", scratch], per_run)
+                _child(
+                    [
+                        "bench",
+                        "engine",
+                        "--model",
+                        str(check.models[shape]),
+                        "--device",
+                        "cuda",
+                        "--dtype",
+                        "bfloat16",
+                        "--workloads",
+                        name,
+                        "--num-requests",
+                        str(quick_n if check.quick else full_n),
+                        "--prompt-tokens",
+                        str(prompt),
+                        "--output-tokens",
+                        str(output),
+                        "--concurrency",
+                        str(concurrency),
+                        "--repeats",
+                        "1",
+                        "--no-progress",
+                        "--out",
+                        scratch,
+                    ],
+                    per_run,
+                )
                 report = json.loads((Path(scratch) / "bench_engine.json").read_text())
             entry = report["workloads"][name]
             roof = roofline_tpot_ms(config, concurrency, prompt, output, bandwidth)
             tpot = entry["engine"]["tpot_ms"]["p50"]
             results[f"{shape}/{name}"] = {
-                "engine": entry["engine"], "hf_generate": entry.get("hf_generate"), "ratios": entry.get("ratios"),
-                "roofline_tpot_ms": round(roof, 3), "tpot_over_roofline": round(tpot / roof, 2),
+                "engine": entry["engine"],
+                "hf_generate": entry.get("hf_generate"),
+                "ratios": entry.get("ratios"),
+                "roofline_tpot_ms": round(roof, 3),
+                "tpot_over_roofline": round(tpot / roof, 2),
             }
     return results
 
@@ -72,8 +103,28 @@ def run_e2e(check: Check) -> dict[str, Any]:
     os.environ["CTXGATE_EMBED_MODEL"] = str(check.models["embedder"])
     limit = 8 if check.quick else 16
     with tempfile.TemporaryDirectory() as scratch:
-        _child(["bench", "e2e", "--model", str(check.models[E2E_SHAPE]), "--input", str(random_model.HERE / "nq-dev-sample.jsonl"),
-                "--limit", str(limit), "--concurrency", "4", "--no-warm-pass", "--engine-server", "--no-progress",
-                "--out", scratch], check.budget("e2e"))
+        _child(
+            [
+                "bench",
+                "e2e",
+                "--model",
+                str(check.models[E2E_SHAPE]),
+                "--input",
+                str(random_model.HERE / "nq-dev-sample.jsonl"),
+                "--limit",
+                str(limit),
+                "--concurrency",
+                "4",
+                "--no-warm-pass",
+                "--engine-server",
+                "--no-progress",
+                "--out",
+                scratch,
+            ],
+            check.budget("e2e"),
+        )
         report = json.loads((Path(scratch) / "bench_e2e.json").read_text())
-    return {level: data["summary"] | {"acceptance": data["acceptance"]} for level, data in report["levels"].items()}
+    return {
+        level: data["summary"] | {"acceptance": data["acceptance"]}
+        for level, data in report["levels"].items()
+    }

@@ -24,10 +24,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MACHINE_REQUIREMENTS = Path(__file__).with_name("machine_requirements.txt")
 TARGET = [
-    "--only-binary", ":all:", "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
+    "--only-binary",
+    ":all:",
+    "--python-version",
+    "3.12",
+    "--implementation",
+    "cp",
+    "--abi",
+    "cp312",
     # torch 2.11's own wheel is manylinux_2_28, so the machine's glibc is at least 2.28.
     *(arg for minor in range(28, 16, -1) for arg in ("--platform", f"manylinux_2_{minor}_x86_64")),
-    "--platform", "manylinux2014_x86_64", "--platform", "linux_x86_64",
+    "--platform",
+    "manylinux2014_x86_64",
+    "--platform",
+    "linux_x86_64",
 ]
 # Runtime dependencies the check does not carry, and why; their imports are lazy, so the gateway and
 # the engine start without them.
@@ -64,8 +74,21 @@ def resolve(requirements: list[str], scratch: Path) -> dict[str, str]:
     """name -> version pip would install for cp312 manylinux x86_64 (a dry run: metadata only)."""
     report = scratch / f"report-{len(requirements)}.json"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--report", str(report),
-         *TARGET, "--target", str(scratch / "unused"), *requirements],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            *TARGET,
+            "--target",
+            str(scratch / "unused"),
+            *requirements,
+        ],
         check=True,
     )
     items = json.loads(report.read_text())["install"]
@@ -85,7 +108,8 @@ def download(pins: dict[str, str], out: Path) -> None:
         stale.unlink()
     specs = [f"{name}=={version}" for name, version in pins.items()]
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *TARGET, "-d", str(out), *specs], check=True
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *TARGET, "-d", str(out), *specs],
+        check=True,
     )
 
 

@@ -44,7 +44,9 @@ def offline_tiktoken_cache() -> None:
     import tiktoken_ext
 
     bundled = Path(next(iter(tiktoken_ext.__path__))) / "data" / "cl100k_base.tiktoken"
-    cache_dir = Path(os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(Path.home() / ".cache" / "ctxgate" / "tiktoken")))
+    cache_dir = Path(
+        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(Path.home() / ".cache" / "ctxgate" / "tiktoken"))
+    )
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / hashlib.sha1(CL100K_URL.encode()).hexdigest()
     if not target.exists():
@@ -122,13 +124,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", action="append", required=True, dest="datasets")
     parser.add_argument("--ratios", default="2,3,5,8,12", help="target compression ratios")
-    parser.add_argument("--split", choices=["all", "tune", "test"], default="test",
-                        help="as `ctxgate eval retention --split` (eval/splits.py): the test half by default")
-    parser.add_argument("--limit", type=int, default=40, help="questions per dataset (scored ones: yes/no skipped)")
+    parser.add_argument(
+        "--split",
+        choices=["all", "tune", "test"],
+        default="test",
+        help="as `ctxgate eval retention --split` (eval/splits.py): the test half by default",
+    )
+    parser.add_argument(
+        "--limit", type=int, default=40, help="questions per dataset (scored ones: yes/no skipped)"
+    )
     parser.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="HF directory of the scorer model")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--time-box-min", type=float, default=None,
-                        help="start no new question after this many minutes (what finished is kept)")
+    parser.add_argument(
+        "--time-box-min",
+        type=float,
+        default=None,
+        help="start no new question after this many minutes (what finished is kept)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -139,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     loaded = time.perf_counter()
     model_dir = transformers4_view(Path(args.model))
-    compressor = PromptCompressor(model_name=str(model_dir), device_map="cpu", model_config={"trust_remote_code": False})
+    compressor = PromptCompressor(
+        model_name=str(model_dir), device_map="cpu", model_config={"trust_remote_code": False}
+    )
     load_s = time.perf_counter() - loaded
     ratios = [float(r) for r in args.ratios.split(",")]
     out: dict[str, Any] = {
@@ -171,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             if index < len(examples):
                 try:
                     rows = [compress_one(compressor, examples[index], ratio) for ratio in ratios]
-                except Exception as exc:  # llmlingua asserts on some inputs; one question must not end the run
+                except (
+                    Exception
+                ) as exc:  # llmlingua asserts on some inputs; one question must not end the run
                     out.setdefault("failed", []).append(
-                        {"dataset": name, "id": examples[index].id, "error": f"{type(exc).__name__}: {exc}"})
+                        {"dataset": name, "id": examples[index].id, "error": f"{type(exc).__name__}: {exc}"}
+                    )
                     write(out, args.out)
                     print(f"{name} {index + 1}/{len(examples)} failed: {type(exc).__name__}", flush=True)
                     continue

@@ -33,8 +33,22 @@ from ctxgate.gateway.quota.redis_store import RedisQuotaStore
 from ctxgate.gateway.quota.store import Clock, QuotaStore
 
 __all__ = [
-    "BUDGET_PERIODS", "DEFAULT_SLOT_TTL_S", "SPEND_SCALE", "Clock", "InProcessQuotaStore", "Meter", "QuotaExceeded",
-    "QuotaLimits", "QuotaStore", "RateLimit", "RateLimitState", "RedisQuotaStore", "Reservation", "StoreUnavailable", "Windows", "build_meters",
+    "BUDGET_PERIODS",
+    "DEFAULT_SLOT_TTL_S",
+    "SPEND_SCALE",
+    "Clock",
+    "InProcessQuotaStore",
+    "Meter",
+    "QuotaExceeded",
+    "QuotaLimits",
+    "QuotaStore",
+    "RateLimit",
+    "RateLimitState",
+    "RedisQuotaStore",
+    "Reservation",
+    "StoreUnavailable",
+    "Windows",
+    "build_meters",
     "create_store",
 ]
 

@@ -63,8 +63,16 @@ class InProcessQuotaStore:
             self._expiry.pop(key, None)
 
     async def reserve(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        tokens: int,
+        spend_micros: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
+        slot_id: str | None = None,
     ) -> Reservation:
         now = self.clock() if now is None else now
         meters = plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, slot_id)
@@ -80,15 +88,26 @@ class InProcessQuotaStore:
         return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id, rate_limits=state)
 
     async def check(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        tokens: int,
+        spend_micros: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
     ) -> None:
         now = self.clock() if now is None else now
-        self._refuse_if_over(plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, None), now)
+        self._refuse_if_over(
+            plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, None), now
+        )
 
     def _levels(self, meters: list[Meter], now: float) -> list[int]:
         """Each meter's counter, or the number of slots held."""
-        return [self._get(m.key, now) if m.kind == COUNTER else len(self._live_slots(m.key, now)) for m in meters]
+        return [
+            self._get(m.key, now) if m.kind == COUNTER else len(self._live_slots(m.key, now)) for m in meters
+        ]
 
     def _refuse_if_over(self, meters: list[Meter], now: float) -> None:
         levels = self._levels(meters, now)
@@ -101,8 +120,13 @@ class InProcessQuotaStore:
                 raise exceeded(meter, level, rate_limit_state(meters, levels))
 
     async def tokens_left(
-        self, tenant: str, limits: QuotaLimits, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
     ) -> int | None:
         now = self.clock() if now is None else now
         meters = token_meters(tenant, limits, now, key_id, key_limits)
@@ -117,7 +141,9 @@ class InProcessQuotaStore:
 
     async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]:
         now = self.clock() if now is None else now
-        return {name: self._get(key, now) for name, key in zip(USAGE_NAMES, usage_keys(tenant, now), strict=True)}
+        return {
+            name: self._get(key, now) for name, key in zip(USAGE_NAMES, usage_keys(tenant, now), strict=True)
+        }
 
     async def ping(self) -> bool:
         return True

@@ -77,8 +77,14 @@ class QuotaLimits:
     def unlimited(self) -> bool:
         return all(
             limit is None
-            for limit in (self.requests_per_minute, self.tokens_per_minute, self.tokens_per_day, self.spend_per_day,
-                          self.max_parallel_requests, self.budget)
+            for limit in (
+                self.requests_per_minute,
+                self.tokens_per_minute,
+                self.tokens_per_day,
+                self.spend_per_day,
+                self.max_parallel_requests,
+                self.budget,
+            )
         )
 
     def spend_limit_micros(self) -> int | None:
@@ -88,12 +94,20 @@ class QuotaLimits:
         return None if self.budget is None else int(round(self.budget * SPEND_SCALE))
 
 
-_NUMERIC_LIMITS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "spend_per_day",
-                   "max_parallel_requests", "budget")
+_NUMERIC_LIMITS = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "tokens_per_day",
+    "spend_per_day",
+    "max_parallel_requests",
+    "budget",
+)
 
 
 class QuotaExceeded(Exception):
-    def __init__(self, reason: str, retry_after_s: int, message: str, rate_limits: RateLimitState | None = None):
+    def __init__(
+        self, reason: str, retry_after_s: int, message: str, rate_limits: RateLimitState | None = None
+    ):
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = max(1, retry_after_s)
@@ -180,38 +194,110 @@ def _tenant_prefix(tenant: str) -> str:
     return f"ctxgate:quota:{{{tenant}}}"
 
 
-def _meters(prefix: str, scope: str, limits: QuotaLimits, tokens: int, spend_micros: int, windows: Windows,
-            slot: int, always_count: bool) -> list[Meter]:
+def _meters(
+    prefix: str,
+    scope: str,
+    limits: QuotaLimits,
+    tokens: int,
+    spend_micros: int,
+    windows: Windows,
+    slot: int,
+    always_count: bool,
+) -> list[Meter]:
     """The meters of one scope. `always_count`: also count unlimited windows (the tenant's usage)."""
     counted = [
-        ("requests_per_minute", limits.requests_per_minute, 1, f"rpm:{windows.minute}", MINUTE_S * 2,
-         windows.seconds_to_minute_end, "requests"),
-        ("tokens_per_minute", limits.tokens_per_minute, tokens, f"tpm:{windows.minute}", MINUTE_S * 2,
-         windows.seconds_to_minute_end, "tokens"),
-        ("tokens_per_day", limits.tokens_per_day, tokens, f"tpd:{windows.day}", DAY_S * 2,
-         windows.seconds_to_day_end, "tokens"),
-        ("spend_per_day", limits.spend_limit_micros(), spend_micros, f"spd:{windows.day}", DAY_S * 2,
-         windows.seconds_to_day_end, "spend"),
+        (
+            "requests_per_minute",
+            limits.requests_per_minute,
+            1,
+            f"rpm:{windows.minute}",
+            MINUTE_S * 2,
+            windows.seconds_to_minute_end,
+            "requests",
+        ),
+        (
+            "tokens_per_minute",
+            limits.tokens_per_minute,
+            tokens,
+            f"tpm:{windows.minute}",
+            MINUTE_S * 2,
+            windows.seconds_to_minute_end,
+            "tokens",
+        ),
+        (
+            "tokens_per_day",
+            limits.tokens_per_day,
+            tokens,
+            f"tpd:{windows.day}",
+            DAY_S * 2,
+            windows.seconds_to_day_end,
+            "tokens",
+        ),
+        (
+            "spend_per_day",
+            limits.spend_limit_micros(),
+            spend_micros,
+            f"spd:{windows.day}",
+            DAY_S * 2,
+            windows.seconds_to_day_end,
+            "spend",
+        ),
     ]
     meters = [
-        Meter(f"{prefix}:{suffix}", NO_LIMIT if limit is None else int(limit), amount, ttl, reason, scope, unit,
-              retry)
+        Meter(
+            f"{prefix}:{suffix}",
+            NO_LIMIT if limit is None else int(limit),
+            amount,
+            ttl,
+            reason,
+            scope,
+            unit,
+            retry,
+        )
         for reason, limit, amount, suffix, ttl, retry, unit in counted
         if always_count or limit is not None
     ]
     if limits.budget is not None:
         window, remaining = windows.budget_window(limits.budget_period)
-        meters.append(Meter(f"{prefix}:budget:{limits.budget_period}:{window}", limits.budget_micros(), spend_micros,
-                            remaining + DAY_S, "budget", scope, "spend", remaining))
+        meters.append(
+            Meter(
+                f"{prefix}:budget:{limits.budget_period}:{window}",
+                limits.budget_micros(),
+                spend_micros,
+                remaining + DAY_S,
+                "budget",
+                scope,
+                "spend",
+                remaining,
+            )
+        )
     if limits.max_parallel_requests is not None:
-        meters.append(Meter(f"{prefix}:parallel", limits.max_parallel_requests, 1, DEFAULT_SLOT_TTL_S,
-                            "max_parallel_requests", scope, "slots", 1, kind=slot))
+        meters.append(
+            Meter(
+                f"{prefix}:parallel",
+                limits.max_parallel_requests,
+                1,
+                DEFAULT_SLOT_TTL_S,
+                "max_parallel_requests",
+                scope,
+                "slots",
+                1,
+                kind=slot,
+            )
+        )
     return meters
 
 
-def build_meters(tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float,
-                 key_id: str | None = None, key_limits: QuotaLimits | None = None,
-                 hold_slot: bool = False) -> list[Meter]:
+def build_meters(
+    tenant: str,
+    limits: QuotaLimits,
+    tokens: int,
+    spend_micros: int,
+    now: float,
+    key_id: str | None = None,
+    key_limits: QuotaLimits | None = None,
+    hold_slot: bool = False,
+) -> list[Meter]:
     """Every meter one request touches: the tenant's, then its API key's (when the key has limits)."""
     windows = Windows.at(now)
     slot = SLOT_HOLD if hold_slot else SLOT_CHECK
@@ -220,8 +306,16 @@ def build_meters(tenant: str, limits: QuotaLimits, tokens: int, spend_micros: in
     if not limits.unlimited:
         meters = _meters(prefix, f"tenant '{tenant}'", limits, tokens, spend_micros, windows, slot, True)
     if key_id is not None and key_limits is not None and not key_limits.unlimited:
-        meters += _meters(f"{prefix}:key:{key_id}", f"API key '{key_id}'", key_limits, tokens, spend_micros,
-                          windows, slot, False)
+        meters += _meters(
+            f"{prefix}:key:{key_id}",
+            f"API key '{key_id}'",
+            key_limits,
+            tokens,
+            spend_micros,
+            windows,
+            slot,
+            False,
+        )
     return meters
 
 
@@ -232,17 +326,28 @@ def _check_fits_at_all(meters: list[Meter]) -> None:
             unit = " micro-units" if meter.unit == "spend" else " tokens"
             owner = "the tenant's" if meter.scope.startswith("tenant") else "the API key's"
             raise QuotaExceeded(
-                meter.reason, meter.retry_after_s,
+                meter.reason,
+                meter.retry_after_s,
                 f"this request alone needs more than {owner} {meter.reason} quota ({meter.amount} > {meter.limit}"
                 f"{unit}); lower max_tokens or the prompt",
             )
 
 
-def plan_reservation(tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float,
-                     key_id: str | None, key_limits: QuotaLimits | None, slot_id: str | None) -> list[Meter]:
+def plan_reservation(
+    tenant: str,
+    limits: QuotaLimits,
+    tokens: int,
+    spend_micros: int,
+    now: float,
+    key_id: str | None,
+    key_limits: QuotaLimits | None,
+    slot_id: str | None,
+) -> list[Meter]:
     """The meters a store checks and applies for one request at `now`; raises QuotaExceeded at once
     for a request that could not fit in an empty window. `slot_id`: hold a parallel slot under it."""
-    meters = build_meters(tenant, limits, tokens, spend_micros, now, key_id, key_limits, hold_slot=slot_id is not None)
+    meters = build_meters(
+        tenant, limits, tokens, spend_micros, now, key_id, key_limits, hold_slot=slot_id is not None
+    )
     _check_fits_at_all(meters)
     return meters
 
@@ -258,8 +363,13 @@ def go_duration(seconds: int) -> str:
     return f"{secs}s"
 
 
-_WINDOW_OF = {"requests_per_minute": "a minute", "tokens_per_minute": "a minute", "tokens_per_day": "a day",
-              "spend_per_day": "a day", "budget": "this budget period"}
+_WINDOW_OF = {
+    "requests_per_minute": "a minute",
+    "tokens_per_minute": "a minute",
+    "tokens_per_day": "a day",
+    "spend_per_day": "a day",
+    "budget": "this budget period",
+}
 
 
 def exceeded(meter: Meter, level: int, rate_limits: RateLimitState | None = None) -> QuotaExceeded:
@@ -285,8 +395,12 @@ def usage_keys(tenant: str, now: float) -> list[str]:
     """The tenant's counters at `now`, in the order of `USAGE_NAMES`."""
     windows = Windows.at(now)
     prefix = _tenant_prefix(tenant)
-    return [f"{prefix}:rpm:{windows.minute}", f"{prefix}:tpm:{windows.minute}", f"{prefix}:tpd:{windows.day}",
-            f"{prefix}:spd:{windows.day}"]
+    return [
+        f"{prefix}:rpm:{windows.minute}",
+        f"{prefix}:tpm:{windows.minute}",
+        f"{prefix}:tpd:{windows.day}",
+        f"{prefix}:spd:{windows.day}",
+    ]
 
 
 def reconcile_deltas(

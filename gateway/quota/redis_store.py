@@ -147,11 +147,21 @@ class RedisQuotaStore:
         try:
             return await coro_factory()
         except (RedisError, OSError, TimeoutError) as exc:
-            raise StoreUnavailable(f"quota store (redis) unavailable: {exc.__class__.__name__}: {exc}") from exc
+            raise StoreUnavailable(
+                f"quota store (redis) unavailable: {exc.__class__.__name__}: {exc}"
+            ) from exc
 
     async def reserve(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        tokens: int,
+        spend_micros: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
+        slot_id: str | None = None,
     ) -> Reservation:
         now = self.clock() if now is None else now
         meters = plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, slot_id)
@@ -167,8 +177,15 @@ class RedisQuotaStore:
         return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id, rate_limits=state)
 
     async def check(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        tokens: int,
+        spend_micros: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
     ) -> None:
         now = self.clock() if now is None else now
         meters = plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, None)
@@ -185,8 +202,13 @@ class RedisQuotaStore:
             raise exceeded(meters[int(index) - 1], levels[int(index) - 1], rate_limit_state(meters, levels))
 
     async def tokens_left(
-        self, tenant: str, limits: QuotaLimits, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
     ) -> int | None:
         now = self.clock() if now is None else now
         meters = token_meters(tenant, limits, now, key_id, key_limits)
@@ -196,12 +218,17 @@ class RedisQuotaStore:
         return room_left(meters, [int(value or 0) for value in values])
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
-        deltas = [(meter, delta) for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros)
-                  if delta or meter.kind == SLOT_HOLD]
+        deltas = [
+            (meter, delta)
+            for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros)
+            if delta or meter.kind == SLOT_HOLD
+        ]
         if not deltas:
             return
         keys = [meter.key for meter, _ in deltas]
-        args = [reservation.slot_id or ""] + ["slot" if meter.kind == SLOT_HOLD else delta for meter, delta in deltas]
+        args = [reservation.slot_id or ""] + [
+            "slot" if meter.kind == SLOT_HOLD else delta for meter, delta in deltas
+        ]
         await self._call(lambda: self._reconcile(keys=keys, args=args))
 
     async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]:

@@ -29,31 +29,52 @@ class QuotaStore(Protocol):
     name: str
 
     async def reserve(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None, slot_id: str | None = None,
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        tokens: int,
+        spend_micros: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
+        slot_id: str | None = None,
     ) -> Reservation: ...
 
     async def check(
-        self, tenant: str, limits: QuotaLimits, tokens: int, spend_micros: int, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        tokens: int,
+        spend_micros: int,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
     ) -> None:
         """Raise `QuotaExceeded` where `reserve` would (parallel slots only counted), applying nothing:
         the cheap refusal before a request's expensive work."""
         ...
 
     async def tokens_left(
-        self, tenant: str, limits: QuotaLimits, now: float | None = None, *,
-        key_id: str | None = None, key_limits: QuotaLimits | None = None,
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
     ) -> int | None:
         """The tokens a reservation could still take under every token limit (None: no token limit).
         A read only: `reserve` stays the atomic decision."""
         ...
 
-    async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None: ...
+    async def reconcile(
+        self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int
+    ) -> None: ...
 
     async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]: ...
 
     async def ping(self) -> bool: ...
 
     async def close(self) -> None: ...
-

@@ -13,7 +13,9 @@ from ctxgate.backend.platform.cpu_features import ISA_CAP_ENV, TORCH_ISA_CAPS
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_capped(isa: str, test_file: str, cache_dir: Path, keyword: str | None = None) -> subprocess.CompletedProcess:
+def run_capped(
+    isa: str, test_file: str, cache_dir: Path, keyword: str | None = None
+) -> subprocess.CompletedProcess:
     """pytest on `test_file` with CTXGATE_CPU_ISA=`isa`, torch capped alike, kernels built into `cache_dir`."""
     env = {**os.environ, ISA_CAP_ENV: isa, "CTXGATE_CACHE_DIR": str(cache_dir), **TORCH_ISA_CAPS.get(isa, {})}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]

@@ -54,4 +54,3 @@ def make_engine(model_dir):
         return LLMEngine(EngineConfig(**settings))
 
     return build
-

@@ -6,7 +6,7 @@ PARITY_TEXTS = [
     "Hi",
     "The capital of France is",
     "Once upon a time, there was a little dog who lived near the river and",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "List three colours of the rainbow:",
     "Water boils at a temperature of one hundred degrees Celsius at sea level. At higher altitudes the "
     "air pressure is lower, so water",

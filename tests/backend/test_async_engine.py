@@ -18,8 +18,13 @@ def engine(model_dir):
     from ctxgate.backend.engine.config import EngineConfig
 
     config = EngineConfig(
-        model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=64,
-        max_num_batched_tokens=128, max_num_seqs=1, max_model_len=256,
+        model=str(model_dir),
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=64,
+        max_num_batched_tokens=128,
+        max_num_seqs=1,
+        max_model_len=256,
     )
     async_engine = AsyncEngine(config, max_waiting_requests=1)
     yield async_engine
@@ -175,7 +180,9 @@ def test_jobs_are_refused_after_shutdown(model_dir):
     from ctxgate.backend.engine.async_engine import AsyncEngine
     from ctxgate.backend.engine.config import EngineConfig
 
-    config = EngineConfig(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=16, max_model_len=128)
+    config = EngineConfig(
+        model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=16, max_model_len=128
+    )
     stopped = AsyncEngine(config)
     assert stopped.run_between_steps(lambda: 41 + 1).result(timeout=30) == 42
     stopped.shutdown()

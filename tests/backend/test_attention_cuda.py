@@ -114,7 +114,9 @@ def test_cli_flags_reach_the_config():
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    config = engine_config_from_args(parser.parse_args(["--gpu-memory-utilization", "0.5", "--no-cuda-graphs"]))
+    config = engine_config_from_args(
+        parser.parse_args(["--gpu-memory-utilization", "0.5", "--no-cuda-graphs"])
+    )
     assert config.gpu_memory_utilization == 0.5 and config.cuda_graphs is False
     defaults = engine_config_from_args(parser.parse_args([]))
     assert defaults.gpu_memory_utilization == 0.9 and defaults.cuda_graphs is None
@@ -161,8 +163,16 @@ def test_runner_builds_every_index_tensor_on_the_engines_device():
     input_ids, positions, metadata, logits_rows, sampled = runner.prepare(
         [ScheduledSequence(chunk, 24), ScheduledSequence(decoding, 1)]
     )
-    tensors = [input_ids, positions, logits_rows, metadata.write_plan.slot_mapping, metadata.decode_blocks,
-               metadata.decode_context_lens, metadata.prefills[0].context_blocks, metadata.prefills[0].mask]
+    tensors = [
+        input_ids,
+        positions,
+        logits_rows,
+        metadata.write_plan.slot_mapping,
+        metadata.decode_blocks,
+        metadata.decode_context_lens,
+        metadata.prefills[0].context_blocks,
+        metadata.prefills[0].mask,
+    ]
     assert all(tensor.device == meta for tensor in tensors)
     assert metadata.num_decodes == 1 and sampled == [decoding, chunk]
 
@@ -175,7 +185,9 @@ def _sequence(request_id: str, tokens: list[int], computed: int, table: list[int
 
 
 # ---------------------------------------------------------------- the Triton kernel, interpreted
-def _paged_cache(dtype: torch.dtype, quantized: bool, lengths: list[int], block_size: int = 16, seed: int = 0):
+def _paged_cache(
+    dtype: torch.dtype, quantized: bool, lengths: list[int], block_size: int = 16, seed: int = 0
+):
     """A one-layer pool holding random K/V for sequences of `lengths` in shuffled blocks."""
     generator = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-length // block_size) for length in lengths) + 3
@@ -209,15 +221,24 @@ def triton_kernel_errors() -> dict[str, float]:
     from ctxgate.backend.model import triton_paged_attention
 
     assert triton_paged_attention.interpreter_enabled()
-    assert CUDAAttention(9, 3, 64, decode_kernel="triton").decode_kernel_for(torch.empty(1, 9, 64), 16) == "triton"
+    assert (
+        CUDAAttention(9, 3, 64, decode_kernel="triton").decode_kernel_for(torch.empty(1, 9, 64), 16)
+        == "triton"
+    )
     errors = {}
     lengths = [1, 16, 17, 40, 100]  # one token, a full block, one past a block, several blocks
     for name, (dtype, quantized, _) in TRITON_CASES.items():
         cache, tables, context_lens, q = _paged_cache(dtype, quantized, lengths)
         out = triton_paged_attention.paged_decode_attention(
-            q, cache.keys[0], cache.values[0],
-            cache.key_scales[0] if quantized else None, cache.value_scales[0] if quantized else None,
-            tables, context_lens, 16, 0.125,
+            q,
+            cache.keys[0],
+            cache.values[0],
+            cache.key_scales[0] if quantized else None,
+            cache.value_scales[0] if quantized else None,
+            tables,
+            context_lens,
+            16,
+            0.125,
         )
         assert out.dtype == dtype and out.shape == q.shape
         reference = gathered_decode_attention(
@@ -228,7 +249,9 @@ def triton_kernel_errors() -> dict[str, float]:
 
 
 def test_triton_paged_decode_kernel_matches_the_gathered_reference(tmp_path):
-    pytest.importorskip("triton", reason="triton is not installed (pip install 'ctxgate[gpu]' or the dev extra)")
+    pytest.importorskip(
+        "triton", reason="triton is not installed (pip install 'ctxgate[gpu]' or the dev extra)"
+    )
     script = "import json; from tests.backend.test_attention_cuda import triton_kernel_errors as f; print(json.dumps(f()))"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(
@@ -251,15 +274,21 @@ def test_triton_kernel_runs_on_gpu_tensors_only_unless_interpreted():
     assert backend.decode_kernel_for(cpu_query, 16) == "torch"  # compiled Triton needs GPU tensors
     assert backend.decode_kernel_for(torch.empty(1, 9, 64, device="meta"), 16) == "torch"
     assert CUDAAttention(9, 3, 64, decode_kernel="torch").decode_kernel_for(cpu_query, 16) == "torch"
-    assert not triton_paged_attention.shape_supported(64, 12) and not triton_paged_attention.shape_supported(80, 16)
+    assert not triton_paged_attention.shape_supported(64, 12) and not triton_paged_attention.shape_supported(
+        80, 16
+    )
 
 
 def test_torch_decode_fallback_matches_the_reference_backend():
     cache, tables, context_lens, q = _paged_cache(torch.float32, False, [3, 33, 64])
     backend = CUDAAttention(9, 3, 64, decode_kernel="torch")
     metadata = AttentionMetadata(
-        write_plan=None, num_decodes=3, decode_blocks=tables, decode_context_lens=context_lens,  # type: ignore[arg-type]
-        decode_bias=None, prefills=[],
+        write_plan=None,
+        num_decodes=3,
+        decode_blocks=tables,
+        decode_context_lens=context_lens,  # type: ignore[arg-type]
+        decode_bias=None,
+        prefills=[],
     )
     out = backend.decode(0, q, cache, metadata)
     reference = create_backend("reference", CPU, 9, 3, 64)
@@ -268,7 +297,10 @@ def test_torch_decode_fallback_matches_the_reference_backend():
         positions = torch.arange(length)
         keys, values = cache.gather(0, blocks[positions // 16] * 16 + positions % 16)
         expected = torch.nn.functional.scaled_dot_product_attention(
-            q[row].unsqueeze(1), keys.repeat_interleave(3, 0), values.repeat_interleave(3, 0), scale=reference.scale
+            q[row].unsqueeze(1),
+            keys.repeat_interleave(3, 0),
+            values.repeat_interleave(3, 0),
+            scale=reference.scale,
         ).squeeze(1)
         torch.testing.assert_close(out[row], expected, atol=1e-5, rtol=1e-5)
 
@@ -283,7 +315,11 @@ def _use_backend(engine, attention, graph_sizes: tuple[int, ...] | None = None) 
     graphs = None
     if graph_sizes:
         buffers = DecodeInputBuffers(
-            max(graph_sizes), -(-engine.max_model_len // spec.block_size), num_blocks, spec.block_size, engine.device
+            max(graph_sizes),
+            -(-engine.max_model_len // spec.block_size),
+            num_blocks,
+            spec.block_size,
+            engine.device,
         )
         graphs = DecodeGraphs(engine.model, kv_cache, attention, buffers, graph_sizes, capture=False)
     engine.kv_cache = kv_cache
@@ -312,7 +348,9 @@ def test_padded_static_decode_matches_hf(make_engine, parity_prompts, hf_greedy_
     batches: list[tuple[int, int]] = []  # (rows, padded size) of every static decode step
     run = graphs.run
     monkeypatch.setattr(
-        graphs, "run", lambda batch: batches.append((len(batch), padded_batch_size(len(batch), graphs.sizes))) or run(batch)
+        graphs,
+        "run",
+        lambda batch: batches.append((len(batch), padded_batch_size(len(batch), graphs.sizes))) or run(batch),
     )
     budgets = [PARITY_MAX_TOKENS - 2 * (i % 4) for i in range(len(parity_prompts))]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in budgets]
@@ -372,10 +410,15 @@ def test_capture_and_padded_sizes():
 
 
 def test_buffers_pad_rows_into_the_scratch_block():
-    buffers = DecodeInputBuffers(max_batch=8, max_blocks_per_seq=6, scratch_block=99, block_size=16, device=CPU)
+    buffers = DecodeInputBuffers(
+        max_batch=8, max_blocks_per_seq=6, scratch_block=99, block_size=16, device=CPU
+    )
     batch = DecodeBatch(
-        input_ids=[11, 12, 13], positions=[20, 0, 40], slot_mapping=[52, 16, 104],
-        block_tables=[[7, 3], [1], [2, 4, 6]], context_lens=[21, 1, 41],
+        input_ids=[11, 12, 13],
+        positions=[20, 0, 40],
+        slot_mapping=[52, 16, 104],
+        block_tables=[[7, 3], [1], [2, 4, 6]],
+        context_lens=[21, 1, 41],
     )
     buffers.fill(batch, 4)
     assert buffers.input_ids[:4].tolist() == [11, 12, 13, 0]
@@ -401,7 +444,9 @@ def test_decode_graphs_refuse_what_they_cannot_replay():
     with pytest.raises(ValueError, match="int8"):
         DecodeGraphs(None, KVCache(spec, 10, CPU), CUDAAttention(9, 3, 64, "torch"), buffers, (1, 2), False)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="static-shape"):
-        DecodeGraphs(None, KVCache(spec, 10, CPU), create_backend("reference", CPU, 9, 3, 64), buffers, (1,), False)  # type: ignore[arg-type]
+        DecodeGraphs(
+            None, KVCache(spec, 10, CPU), create_backend("reference", CPU, 9, 3, 64), buffers, (1,), False
+        )  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- KV pool from GPU memory

@@ -236,7 +236,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def arrive_follow_up(self, data: st.DataObject, suffix: list[int]) -> None:
         """A next chat turn: an earlier request's prompt and output, plus a little more."""
         earlier = data.draw(st.sampled_from(self.seen))
-        self.waiting.append(make_seq(earlier.token_ids + suffix, earlier.cache_salt, order=next(self.arrivals)))
+        self.waiting.append(
+            make_seq(earlier.token_ids + suffix, earlier.cache_salt, order=next(self.arrivals))
+        )
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())

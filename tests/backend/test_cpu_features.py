@@ -38,7 +38,10 @@ SAPPHIRE_RAPIDS = SKYLAKE_X | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf
 def test_each_cpu_kind_gets_its_path(flags, kernel_isa, auto_dtype, onednn_bf16, prefill):
     path = choose_path("test cpu", flags)
     assert (path.kernel_isa, path.auto_dtype, path.onednn_bf16, path.prefill_matmul) == (
-        kernel_isa, auto_dtype, onednn_bf16, prefill,
+        kernel_isa,
+        auto_dtype,
+        onednn_bf16,
+        prefill,
     )
     assert kernel_isa in path.summary() and "test cpu" in path.summary()
     assert set(path.flags) <= flags
@@ -62,7 +65,7 @@ def test_isa_cap_lowers_the_detected_path(monkeypatch):
 def test_runnable_builds_start_at_the_machines_own():
     runnable = runnable_kernel_isas()
     assert runnable[0] == cpu_path().kernel_isa and runnable[-1] == "portable"
-    assert runnable == list(cpu_features.KERNEL_ISAS[cpu_features.KERNEL_ISAS.index(runnable[0]):])
+    assert runnable == list(cpu_features.KERNEL_ISAS[cpu_features.KERNEL_ISAS.index(runnable[0]) :])
 
 
 def test_engine_follows_the_cpu_path(make_engine):
@@ -120,7 +123,11 @@ def test_engine_on_a_lesser_cpu_path(isa):
     env = {**os.environ, ISA_CAP_ENV: isa, **TORCH_ISA_CAPS[isa]}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CAPPED_ENGINE_TESTS],
-        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=900,
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert f"{len(CAPPED_ENGINE_TESTS)} passed" in result.stdout, result.stdout[-2000:]

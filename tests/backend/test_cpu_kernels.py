@@ -34,7 +34,12 @@ def test_gemv_matches_float_matmul(rows, inner):
 
 def _filled_cache(quantized: bool, lengths: list[int], block_size: int = 16):
     spec = KVCacheSpec(
-        num_layers=1, num_kv_heads=3, head_dim=64, block_size=block_size, dtype=torch.bfloat16, quantized=quantized
+        num_layers=1,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        quantized=quantized,
     )
     num_blocks = 64
     cache = KVCache(spec, num_blocks, torch.device("cpu"))
@@ -53,7 +58,9 @@ def _filled_cache(quantized: bool, lengths: list[int], block_size: int = 16):
     return cache, tables
 
 
-def _reference_decode(cache: KVCache, q: torch.Tensor, tables: list[list[int]], lengths: list[int], scale: float):
+def _reference_decode(
+    cache: KVCache, q: torch.Tensor, tables: list[list[int]], lengths: list[int], scale: float
+):
     outputs = []
     block_size = cache.spec.block_size
     for row, (table, length) in enumerate(zip(tables, lengths, strict=True)):
@@ -97,7 +104,15 @@ def test_paged_decode_attention_rejects_bad_block_ids():
     empty = torch.empty(0)
     with pytest.raises(RuntimeError, match="block id out of range"):
         torch.ops.ctxgate_cpu.paged_decode_attention(
-            q, cache.keys[0], cache.values[0], empty, empty, torch.tensor([[5, 10_000]]), torch.tensor([20]), 16, 0.125
+            q,
+            cache.keys[0],
+            cache.values[0],
+            empty,
+            empty,
+            torch.tensor([[5, 10_000]]),
+            torch.tensor([20]),
+            16,
+            0.125,
         )
 
 
@@ -106,7 +121,11 @@ def test_engine_greedy_same_with_and_without_kernels(make_engine, parity_prompts
     from ctxgate.backend.engine.api import SamplingParams
 
     engine = make_engine(dtype="bfloat16")
-    assert engine.model.lm_head.gemv_max_rows >= 1 and engine.model.use_fused_layers and engine.attention.use_kernel
+    assert (
+        engine.model.lm_head.gemv_max_rows >= 1
+        and engine.model.use_fused_layers
+        and engine.attention.use_kernel
+    )
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = parity_prompts[:4]
     with_kernels = [engine.generate([prompt], params)[0] for prompt in prompts]  # batch 1: GEMV path
@@ -219,10 +238,14 @@ def test_built_kernels_load_without_a_compiler():
     import subprocess
     import sys
 
-    script = ("import logging; logging.basicConfig(level=logging.INFO); "
-              "from ctxgate.backend.model import cpu_kernels; import torch; assert cpu_kernels.load(); "
-              "print(torch.ops.ctxgate_cpu.gemv_bf16 is not None)")
+    script = (
+        "import logging; logging.basicConfig(level=logging.INFO); "
+        "from ctxgate.backend.model import cpu_kernels; import torch; assert cpu_kernels.load(); "
+        "print(torch.ops.ctxgate_cpu.gemv_bf16 is not None)"
+    )
     env = os.environ | {"CXX": "/nonexistent/c++", "PATH": os.path.dirname(sys.executable)}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr[-2000:]
     assert "prebuilt" in result.stderr  # loaded, not rebuilt

@@ -97,8 +97,11 @@ def test_bfloat16_agrees_with_hf_bfloat16_on_the_gpu(make_engine, model_dir, par
     with torch.inference_mode():
         for prompt in parity_prompts:
             generated = model.generate(
-                torch.tensor([prompt], device="cuda"), attention_mask=torch.ones(1, len(prompt), device="cuda"),
-                max_new_tokens=PARITY_MAX_TOKENS, min_new_tokens=PARITY_MAX_TOKENS, do_sample=False,
+                torch.tensor([prompt], device="cuda"),
+                attention_mask=torch.ones(1, len(prompt), device="cuda"),
+                max_new_tokens=PARITY_MAX_TOKENS,
+                min_new_tokens=PARITY_MAX_TOKENS,
+                do_sample=False,
                 pad_token_id=model.config.eos_token_id,
             )
             reference.append(generated[0, len(prompt) :].tolist())
@@ -139,10 +142,13 @@ def test_client_disconnect_frees_blocks(model_dir):
     from ctxgate.backend.engine.config import EngineConfig
     from tests.support.waiting import wait_until_engine_idle
 
-    engine = AsyncEngine(EngineConfig(model=str(model_dir), device="cuda", kv_cache_memory_mb=64, max_model_len=1024))
+    engine = AsyncEngine(
+        EngineConfig(model=str(model_dir), device="cuda", kv_cache_memory_mb=64, max_model_len=1024)
+    )
     try:
         request = GenerationRequest(
-            uuid.uuid4().hex, engine.tokenizer.encode("A long tale:"),
+            uuid.uuid4().hex,
+            engine.tokenizer.encode("A long tale:"),
             SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True),
         )
 
@@ -162,7 +168,9 @@ def test_seeded_sampling_on_the_gpu_is_reproducible(make_engine, tokenizer):
     prompt = tokenizer.encode("Write a word:")
 
     def sampled(seed: int) -> list[int]:
-        params = SamplingParams(max_tokens=8, temperature=1.0, top_k=50, top_p=0.9, seed=seed, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=8, temperature=1.0, top_k=50, top_p=0.9, seed=seed, ignore_eos=True
+        )
         return engine.generate([prompt], params)[0]
 
     assert sampled(1) == sampled(1)
@@ -187,11 +195,19 @@ def test_triton_kernel_on_gpu_matches_the_gathered_reference(name):
         cache.value_scales[0].copy_(cpu_cache.value_scales[0])
     tables, lengths, q = tables.cuda(), lengths.cuda(), q.cuda()
     out = triton_paged_attention.paged_decode_attention(
-        q, cache.keys[0], cache.values[0],
-        cache.key_scales[0] if quantized else None, cache.value_scales[0] if quantized else None,
-        tables, lengths, 16, 0.125,
+        q,
+        cache.keys[0],
+        cache.values[0],
+        cache.key_scales[0] if quantized else None,
+        cache.value_scales[0] if quantized else None,
+        tables,
+        lengths,
+        16,
+        0.125,
     )
-    reference = gathered_decode_attention(q, cache, 0, tables, padding_bias(lengths, tables.shape[1] * 16), 3, 0.125)
+    reference = gathered_decode_attention(
+        q, cache, 0, tables, padding_bias(lengths, tables.shape[1] * 16), 3, 0.125
+    )
     torch.testing.assert_close(out.float(), reference.float(), atol=tolerance, rtol=tolerance)
 
 
@@ -199,7 +215,9 @@ def test_kv_pool_is_sized_from_free_gpu_memory(make_engine):
     gc.collect()
     torch.cuda.empty_cache()
     free_before, total = torch.cuda.mem_get_info()
-    engine = make_engine(device="cuda", kv_cache_memory_mb=None, gpu_memory_utilization=0.3, max_model_len=2048)
+    engine = make_engine(
+        device="cuda", kv_cache_memory_mb=None, gpu_memory_utilization=0.3, max_model_len=2048
+    )
     spec = engine.kv_cache.spec
     pool_bytes = engine.block_manager.num_blocks * spec.bytes_per_block
     free_after, _ = torch.cuda.mem_get_info()

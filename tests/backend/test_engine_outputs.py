@@ -79,9 +79,15 @@ def test_logit_bias_forces_the_greedy_token(engine, tokenizer):
 
 
 def test_json_schema_guide_makes_parseable_output(engine, tokenizer):
-    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20},
-                                               "ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 2}},
-              "required": ["answer", "ids"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "maxLength": 20},
+            "ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
+        },
+        "required": ["answer", "ids"],
+        "additionalProperties": False,
+    }
     guide = compiler_for(tokenizer).compile_now(GuideSpec.json_schema(schema, "response_format"))
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Answer in JSON: capital of France?"}])
     deltas = _run(engine, prompt, SamplingParams(max_tokens=60, temperature=0, guide=guide), "g")

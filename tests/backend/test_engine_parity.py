@@ -18,7 +18,9 @@ def test_each_prompt_alone_matches_hf(make_engine, parity_prompts, hf_greedy_ref
 
 
 @pytest.mark.parametrize("attention_backend", ["reference", "cpu_batched"])
-def test_all_prompts_in_one_batch_match_hf(make_engine, parity_prompts, hf_greedy_reference, attention_backend):
+def test_all_prompts_in_one_batch_match_hf(
+    make_engine, parity_prompts, hf_greedy_reference, attention_backend
+):
     engine = make_engine(attention_backend=attention_backend)
     assert engine.generate(parity_prompts, GREEDY) == hf_greedy_reference
     assert engine.stats().num_kv_blocks_free == engine.stats().num_kv_blocks_total

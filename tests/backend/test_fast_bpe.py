@@ -11,9 +11,19 @@ import pytest
 from ctxgate.backend.model.fast_bpe import FastBPE
 
 EDGE_CASES = [
-    "", " ", "\n\n", "  lead", "trail  ", "tab\tand\r\nCRLF", "'s 'S 'LL 're 've",
-    "<|im_start|>user\nhi<|im_end|>", "<|im_end|><|im_end|>x", "x<|endoftext|>y",
-    "e\u0301 ñ 中文 🙂 \u200b\u3000\u2028", "1234567890 3.14159 -42", "x" * 3000,
+    "",
+    " ",
+    "\n\n",
+    "  lead",
+    "trail  ",
+    "tab\tand\r\nCRLF",
+    "'s 'S 'LL 're 've",
+    "<|im_start|>user\nhi<|im_end|>",
+    "<|im_end|><|im_end|>x",
+    "x<|endoftext|>y",
+    "e\u0301 ñ 中文 🙂 \u200b\u3000\u2028",
+    "1234567890 3.14159 -42",
+    "x" * 3000,
     "a\x04b",  # a byte outside the vocabulary: Hugging Face drops it
     "\U00041000x",  # so is this lead byte (0xF1)
 ]
@@ -51,7 +61,10 @@ def test_random_unicode_and_eval_passages_have_hugging_faces_ids(tokenizer):
 
 
 def test_chat_prompts_count_as_the_engine_encodes_them(tokenizer):
-    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Où est Lyon ? 🙂"}]
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Où est Lyon ? 🙂"},
+    ]
     rendered = tokenizer.render_chat(messages)
     assert tokenizer.encode_chat(messages) == _hf_ids(tokenizer, rendered)
     assert tokenizer.count_chat(messages) == len(_hf_ids(tokenizer, rendered))

@@ -83,21 +83,33 @@ def _hf_weights(vocab: int, qkv_bias: bool, tied: bool, seed: int) -> dict[str, 
             p + "post_attention_layernorm.weight": 1 + w(HIDDEN),
         }
         if qkv_bias:
-            weights |= {p + "self_attn.q_proj.bias": w(HIDDEN), p + "self_attn.k_proj.bias": w(KV_HEADS * HEAD_DIM),
-                        p + "self_attn.v_proj.bias": w(KV_HEADS * HEAD_DIM)}
+            weights |= {
+                p + "self_attn.q_proj.bias": w(HIDDEN),
+                p + "self_attn.k_proj.bias": w(KV_HEADS * HEAD_DIM),
+                p + "self_attn.v_proj.bias": w(KV_HEADS * HEAD_DIM),
+            }
     return weights
 
 
 _GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 
 
 def _gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in top:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
@@ -105,8 +117,14 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
 
 
-def write_gguf(path: Path, arch: str, vocab: dict, weights: dict[str, np.ndarray],
-               rope_freqs: np.ndarray | None = None, quantize_q8: bool = False) -> None:
+def write_gguf(
+    path: Path,
+    arch: str,
+    vocab: dict,
+    weights: dict[str, np.ndarray],
+    rope_freqs: np.ndarray | None = None,
+    quantize_q8: bool = False,
+) -> None:
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -132,8 +150,11 @@ def write_gguf(path: Path, arch: str, vocab: dict, weights: dict[str, np.ndarray
         elif arch == "llama" and ".k_proj." in name:
             array = _llama_cpp_permute(array, KV_HEADS)
         if quantize_q8 and array.ndim == 2:
-            writer.add_tensor(_gguf_name(name), quantize(array, GGMLQuantizationType.Q8_0),
-                              raw_dtype=GGMLQuantizationType.Q8_0)
+            writer.add_tensor(
+                _gguf_name(name),
+                quantize(array, GGMLQuantizationType.Q8_0),
+                raw_dtype=GGMLQuantizationType.Q8_0,
+            )
         else:
             writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
     if rope_freqs is not None:
@@ -161,19 +182,32 @@ def _engine_matches_hf(model_dir: Path, prompts: list[list[int]]) -> None:
     expected = []
     with torch.inference_mode():
         for prompt in prompts:
-            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-            expected.append(out[0, len(prompt):].tolist())
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_threads=1, kv_cache_memory_mb=4,
-                                    max_num_batched_tokens=16))
+            out = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            num_threads=1,
+            kv_cache_memory_mb=4,
+            max_num_batched_tokens=16,
+        )
+    )
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert engine.generate(prompts, greedy) == expected
 
 
-@pytest.mark.parametrize(("arch", "qkv_bias", "tied"), [("llama", False, True),
-                                                        ("qwen2", True, False)])
-def test_tiny_model_round_trips_and_engine_matches_hf(tmp_path, monkeypatch, smollm_vocab, tokenizer,
-                                                      arch, qkv_bias, tied):
+@pytest.mark.parametrize(("arch", "qkv_bias", "tied"), [("llama", False, True), ("qwen2", True, False)])
+def test_tiny_model_round_trips_and_engine_matches_hf(
+    tmp_path, monkeypatch, smollm_vocab, tokenizer, arch, qkv_bias, tied
+):
     weights = _hf_weights(len(smollm_vocab["tokens"]), qkv_bias, tied, seed=1)
     gguf_path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(gguf_path, arch, smollm_vocab, weights)
@@ -200,8 +234,14 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path, monkeypatch,
     model_dir = _prepare(tmp_path, monkeypatch, gguf_path)
     scaling = json.loads((model_dir / "config.json").read_text())["rope_scaling"]
     assert scaling["rope_type"] == "llama3" and scaling["factor"] == pytest.approx(8.0)
-    refitted = llama3_factors(HEAD_DIM, 500000.0, scaling["factor"], scaling["low_freq_factor"],
-                              scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
+    refitted = llama3_factors(
+        HEAD_DIM,
+        500000.0,
+        scaling["factor"],
+        scaling["low_freq_factor"],
+        scaling["high_freq_factor"],
+        scaling["original_max_position_embeddings"],
+    )
     assert np.allclose(refitted, factors, rtol=1e-5)
     _engine_matches_hf(model_dir, [tokenizer.encode("Once upon a time, there was a little dog who")])
 
@@ -210,7 +250,9 @@ def test_llama31_parameters_fit_exactly():
     factors = llama3_factors(128, 500000.0, 8.0, 1.0, 4.0, 8192)
     fitted = fit_llama3_scaling(factors, 128, 500000.0, 8192)
     assert fitted["factor"] == 8.0
-    assert fitted["low_freq_factor"] == pytest.approx(1.0) and fitted["high_freq_factor"] == pytest.approx(4.0)
+    assert fitted["low_freq_factor"] == pytest.approx(1.0) and fitted["high_freq_factor"] == pytest.approx(
+        4.0
+    )
     with pytest.raises(UnsupportedModelError, match="llama3"):
         fit_llama3_scaling(factors[::-1].copy(), 128, 500000.0, 8192)
 
@@ -253,9 +295,17 @@ def test_unsupported_tensor_type_is_refused_by_name(tmp_path, monkeypatch):
 def test_cli_refuses_an_unsupported_gguf_with_one_line(tmp_path):
     gguf_path = tmp_path / "gemma-3-270m.gguf"
     _write_header_only(gguf_path, "gemma3")
-    for command in (["model", "prepare", "--gguf", str(gguf_path)], ["engine", "serve", "--model", str(gguf_path)]):
-        result = subprocess.run([sys.executable, "-m", "ctxgate", *command], capture_output=True, text=True,
-                                timeout=120, env={**os.environ, "CTXGATE_CACHE_DIR": str(tmp_path)})
+    for command in (
+        ["model", "prepare", "--gguf", str(gguf_path)],
+        ["engine", "serve", "--model", str(gguf_path)],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "ctxgate", *command],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "CTXGATE_CACHE_DIR": str(tmp_path)},
+        )
         assert result.returncode != 0
         assert "GGUF architecture 'gemma3' is not supported" in result.stderr
         assert "Traceback" not in result.stderr

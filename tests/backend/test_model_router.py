@@ -31,23 +31,40 @@ def engines(model_dir, tmp_path_factory):
 
 
 def deployment(url: str, policy: HealthPolicy | None = None, max_parallel: int | None = None) -> Deployment:
-    client = UpstreamClient(UpstreamConfig(urls=[url], connect_timeout_s=1.0, retries=0, down_for_s=0.0),
-                            served_model_name="smol")
+    client = UpstreamClient(
+        UpstreamConfig(urls=[url], connect_timeout_s=1.0, retries=0, down_for_s=0.0), served_model_name="smol"
+    )
     base = url.removesuffix("/v1")
-    return Deployment(name=url, client=client, max_parallel=max_parallel, health_url=f"{base}/health",
-                      health=DeploymentHealth(policy or HealthPolicy(probe_interval_s=0)))
+    return Deployment(
+        name=url,
+        client=client,
+        max_parallel=max_parallel,
+        health_url=f"{base}/health",
+        health=DeploymentHealth(policy or HealthPolicy(probe_interval_s=0)),
+    )
 
 
 def group_of(urls: list[str], routing: str = "least_outstanding", name: str = "smol", **kwargs) -> ModelGroup:
-    return ModelGroup(name, [deployment(url, **kwargs) for url in urls], make_router(routing),
-                      DeploymentMetrics(), probe_interval_s=0)
+    return ModelGroup(
+        name,
+        [deployment(url, **kwargs) for url in urls],
+        make_router(routing),
+        DeploymentMetrics(),
+        probe_interval_s=0,
+    )
 
 
-def request(index: int, question: str = "Say hi.", key: str | None = None, max_tokens: int = 2) -> GenerationRequest:
+def request(
+    index: int, question: str = "Say hi.", key: str | None = None, max_tokens: int = 2
+) -> GenerationRequest:
     return GenerationRequest(
-        request_id=f"r{index}", prompt_token_ids=[], sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
+        request_id=f"r{index}",
+        prompt_token_ids=[],
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-        model="smol", route_key=key)
+        model="smol",
+        route_key=key,
+    )
 
 
 async def run(client, req: GenerationRequest) -> str:
@@ -87,12 +104,18 @@ async def test_affinity_keeps_a_prefix_on_one_replica(engines):
     before = [prefix_hits(url) for url in engines]
     for index in range(3):  # one after another: the owner is never over its share
         assert await run(group, request(index, f"Question {index}?", key="conversation-7"))
-    served = [sample(group.metrics.registry, "ctxgate:deployment_requests_total", model="smol", deployment=url)
-              for url in engines]
+    served = [
+        sample(group.metrics.registry, "ctxgate:deployment_requests_total", model="smol", deployment=url)
+        for url in engines
+    ]
     assert sorted(served) == [0, 3]
     owner = engines[served.index(3)]
-    assert sample(group.metrics.registry, "ctxgate:deployment_affinity_hits_total", model="smol",
-                  deployment=owner) == 3
+    assert (
+        sample(
+            group.metrics.registry, "ctxgate:deployment_affinity_hits_total", model="smol", deployment=owner
+        )
+        == 3
+    )
     gained = [prefix_hits(url) - was for url, was in zip(engines, before, strict=True)]
     assert gained[served.index(3)] >= 64 and gained[served.index(0)] == 0  # the system prompt, cached twice
     await group.stop()
@@ -100,12 +123,17 @@ async def test_affinity_keeps_a_prefix_on_one_replica(engines):
 
 async def test_dead_deployment_fails_over_is_ejected_and_probes_restore(engines):
     dead = f"http://127.0.0.1:{free_port()}"
-    group = group_of([dead, engines[0]], policy=HealthPolicy(failures_to_eject=1, eject_s=60, probe_interval_s=0))
+    group = group_of(
+        [dead, engines[0]], policy=HealthPolicy(failures_to_eject=1, eject_s=60, probe_interval_s=0)
+    )
     await group.check_health()
     for index in range(4):
         assert await run(group, request(index))  # least outstanding tries the dead one first in its turn
     registry = group.metrics.registry
-    assert sample(registry, "ctxgate:deployment_errors_total", model="smol", deployment=dead, kind="unavailable") == 1
+    assert (
+        sample(registry, "ctxgate:deployment_errors_total", model="smol", deployment=dead, kind="unavailable")
+        == 1
+    )
     assert sample(registry, "ctxgate:deployment_ejections_total", model="smol", deployment=dead) == 1
     assert sample(registry, "ctxgate:deployment_up", model="smol", deployment=dead) == 0
     live = group.deployments[1]
@@ -127,7 +155,9 @@ async def test_full_deployments_overload_and_the_model_falls_back(engines):
     with pytest.raises(Overloaded):
         await run(small, request(2))
     assert await run(router, request(3))  # small is full: large answers
-    assert sample(router.metrics.registry, "ctxgate:model_fallbacks_total", model="small", fallback="large") == 1
+    assert (
+        sample(router.metrics.registry, "ctxgate:model_fallbacks_total", model="small", fallback="large") == 1
+    )
     await first.aclose()
     await router.stop()
 
@@ -135,7 +165,9 @@ async def test_full_deployments_overload_and_the_model_falls_back(engines):
 async def test_replica_killed_mid_way_loses_only_started_streams(model_dir, engines, tmp_path):
     with engine_processes(model_dir, tmp_path, count=1) as extra:
         victim_url, victim = extra[0]
-        group = group_of([engines[0], victim_url], policy=HealthPolicy(failures_to_eject=1, probe_interval_s=0))
+        group = group_of(
+            [engines[0], victim_url], policy=HealthPolicy(failures_to_eject=1, probe_interval_s=0)
+        )
         await group.check_health()
         started: set[str] = set()
 
@@ -151,8 +183,12 @@ async def test_replica_killed_mid_way_loses_only_started_streams(model_dir, engi
         victim.send_signal(signal.SIGKILL)
         tasks += [asyncio.create_task(one(index)) for index in range(6, 10)]
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        failed = [(index, result) for index, result in enumerate(results) if isinstance(result, BaseException)]
-        assert all(isinstance(result, EngineError) and f"r{index}" in started for index, result in failed), failed
+        failed = [
+            (index, result) for index, result in enumerate(results) if isinstance(result, BaseException)
+        ]
+        assert all(isinstance(result, EngineError) and f"r{index}" in started for index, result in failed), (
+            failed
+        )
         assert len(failed) < len(results)
         await group.stop()
 
@@ -168,8 +204,9 @@ async def test_llama_server_deployment(tmp_path, engines):
         assert llama.client.is_ready() and llama.health_url == f"{url}/health"
         texts = [await run(group, request(index, max_tokens=4)) for index in range(4)]
         assert all(texts)
-        served = sample(group.metrics.registry, "ctxgate:deployment_requests_total", model="smol",
-                        deployment=f"{url}/v1")
+        served = sample(
+            group.metrics.registry, "ctxgate:deployment_requests_total", model="smol", deployment=f"{url}/v1"
+        )
         assert served == 2  # weighted round robin: every other request went to llama-server
         await group.probe()
         assert llama.health.available()

@@ -26,8 +26,14 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 # -- errors --------------------------------------------------------------------------------------
 def test_error_body_has_the_openai_shape():
     error = APIError(404, "no such model", param="model", code="model_not_found")
-    assert error.body() == {"error": {"message": "no such model", "type": "not_found_error", "param": "model",
-                                      "code": "model_not_found"}}
+    assert error.body() == {
+        "error": {
+            "message": "no such model",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
     response = APIError(429, "slow down", headers={"Retry-After": "3"}).response()
     assert response.status_code == 429
     assert response.headers["retry-after"] == "3"
@@ -133,7 +139,9 @@ def test_malformed_json_is_400(content, mentions):
 
     app.add_api_route("/chat", chat, methods=["POST"])
     with TestClient(app) as unlimited:
-        error = _error(unlimited.post("/chat", content=content, headers={"content-type": "application/json"}), 400)
+        error = _error(
+            unlimited.post("/chat", content=content, headers={"content-type": "application/json"}), 400
+        )
     assert mentions in error["message"]
     assert error["code"] == "invalid_json"
 
@@ -166,7 +174,9 @@ def test_body_over_the_limit_is_413_by_header_and_by_counting(client):
         for _ in range(10):
             yield b"x" * 100
 
-    counted = _error(client.post("/chat", content=chunks(), headers={"content-type": "application/json"}), 413)
+    counted = _error(
+        client.post("/chat", content=chunks(), headers={"content-type": "application/json"}), 413
+    )
     assert counted["code"] == "body_too_large"
 
 
@@ -184,7 +194,9 @@ def test_completion_prompt_forms():
 
 
 def test_stop_list_and_usage_wanted():
-    body = ChatCompletionRequest.model_validate(_chat_body(stop="END", stream_options={"include_usage": True}))
+    body = ChatCompletionRequest.model_validate(
+        _chat_body(stop="END", stream_options={"include_usage": True})
+    )
     assert body.stop_list() == ["END"] and body.usage_wanted()
     body = ChatCompletionRequest.model_validate(_chat_body(stop=["", "a"]))
     assert body.stop_list() == ["a"] and not body.usage_wanted()
@@ -219,19 +231,31 @@ async def test_reading_stops_at_done_and_skips_noise():
 
 async def test_chat_stream_events():
     writer = ResponseWriter("chatcmpl-1", "m", 7, chat=True)
-    events = writer.opening() + [writer.text("Hel"), writer.text("lo"), writer.finish("stop"),
-                                 writer.usage(Usage.of(3, 2, cached_tokens=1))]
+    events = writer.opening() + [
+        writer.text("Hel"),
+        writer.text("lo"),
+        writer.finish("stop"),
+        writer.usage(Usage.of(3, 2, cached_tokens=1)),
+    ]
     assert all(event.startswith("data: ") and event.endswith("\n\n") for event in events)
     chunks = await _payloads("".join(events) + DONE)
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
     assert {(c["id"], c["model"], c["created"]) for c in chunks} == {("chatcmpl-1", "m", 7)}
     assert [c["choices"][0]["delta"] for c in chunks[:4]] == [
-        {"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}]
+        {"role": "assistant", "content": ""},
+        {"content": "Hel"},
+        {"content": "lo"},
+        {},
+    ]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:4]] == [None, None, None, "stop"]
     assert all("usage" not in c for c in chunks[:4])
     assert chunks[4]["choices"] == []
-    assert chunks[4]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-                                  "prompt_tokens_details": {"cached_tokens": 1}}
+    assert chunks[4]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
 
 
 async def test_completion_stream_events():
@@ -239,15 +263,23 @@ async def test_completion_stream_events():
     assert writer.opening() == []
     chunks = await _payloads(writer.text("x") + writer.finish("length"))
     assert [(c["object"], c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
-        ("text_completion", "x", None), ("text_completion", "", "length")]
+        ("text_completion", "x", None),
+        ("text_completion", "", "length"),
+    ]
 
 
 def test_whole_bodies():
     usage = Usage.of(2, 1, ctxgate={"policy": "p"})
     chat = ResponseWriter("chatcmpl-1", "m", 7, chat=True).whole("hi", "stop", usage)
     assert chat["object"] == "chat.completion"
-    assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "logprobs": None,
-                                "finish_reason": "stop"}]
+    assert chat["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
     assert chat["usage"]["ctxgate"] == {"policy": "p"} and chat["usage"]["total_tokens"] == 3
     text = ResponseWriter("cmpl-1", "m", 7, chat=False).whole("hi", "length", usage)
     assert text["object"] == "text_completion"

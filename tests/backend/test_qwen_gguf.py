@@ -27,8 +27,10 @@ pytestmark = pytest.mark.large_model
 MAX_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 # Shared by two prompts, long enough (> 2 blocks) for prefix-cache hits.
-SHARED = ("You are a careful Python reviewer. Read the function below, say what it does in one "
-          "sentence, then name one bug it has and how to fix it.\n\n")
+SHARED = (
+    "You are a careful Python reviewer. Read the function below, say what it does in one "
+    "sentence, then name one bug it has and how to fix it.\n\n"
+)
 TEXTS = [
     "def add(a, b):",
     "The capital of France is",
@@ -64,11 +66,14 @@ def hf_greedy(hf_model, prompts) -> list[list[int]]:
     with torch.inference_mode():
         for prompt in prompts:
             generated = hf_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
                 pad_token_id=hf_model.config.pad_token_id,
             )
-            outputs.append(generated[0, len(prompt):].tolist())
+            outputs.append(generated[0, len(prompt) :].tolist())
     return outputs
 
 
@@ -158,8 +163,20 @@ def test_bfloat16_kernel_path_on_avx2(qwen_dir):
         pytest.skip("avx2 is this machine's own path, tested in this process")
     env = {**os.environ, ISA_CAP_ENV: isa, **TORCH_ISA_CAPS[isa]}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_bfloat16_kernel_path_stays_on_the_float32_argmax"],
-        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"{__file__}::test_bfloat16_kernel_path_stays_on_the_float32_argmax",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "1 passed" in result.stdout, result.stdout[-2000:]

@@ -20,7 +20,10 @@ TOP_TOKEN = 2
 def make_seq(seed: int | None = None, **sampling: float) -> Sequence:
     """A sequence as the engine builds it: a seeded request gets its own generator."""
     seq = Sequence(
-        request_id="r", prompt_token_ids=[1], sampling=SamplingParams(**sampling), max_tokens=4,
+        request_id="r",
+        prompt_token_ids=[1],
+        sampling=SamplingParams(**sampling),
+        max_tokens=4,
         arrival_order=0,
     )
     if seed is not None:
@@ -67,7 +70,9 @@ def test_top_p_keeps_the_smallest_prefix_reaching_it(top_p, kept):
     assert torch.equal(masked[list(kept)], LOGITS[list(kept)])  # survivors keep their logits
 
 
-@pytest.mark.parametrize(("top_k", "kept"), [(2, {2, 0}), (3, {2, 0, 3}), (0, {0, 1, 2, 3}), (9, {0, 1, 2, 3})])
+@pytest.mark.parametrize(
+    ("top_k", "kept"), [(2, {2, 0}), (3, {2, 0, 3}), (0, {0, 1, 2, 3}), (9, {0, 1, 2, 3})]
+)
 def test_top_k_keeps_the_k_largest(top_k, kept):
     masked = apply_top_k_top_p(LOGITS, top_k=top_k, top_p=1.0)
     assert {token for token in range(4) if torch.isfinite(masked[token])} == kept

@@ -184,17 +184,26 @@ class SchedulerMachine(RuleBasedStateMachine):
     def build_scheduler(self, ttft_pressure: bool) -> None:
         # 6 blocks of 4 tokens: one sequence (at most 14 + 6 tokens) always fits on its own.
         manager = BlockManager(num_blocks=6, block_size=BLOCK, enable_prefix_caching=True)
-        self.scheduler = Scheduler(manager, max_num_batched_tokens=12, max_num_seqs=3,
-                                   ttft_target_ms=0.0 if ttft_pressure else 1e9)
+        self.scheduler = Scheduler(
+            manager, max_num_batched_tokens=12, max_num_seqs=3, ttft_target_ms=0.0 if ttft_pressure else 1e9
+        )
         self.arrivals = itertools.count()
 
-    @rule(base=st.sampled_from(SHARED_PROMPTS), length=st.integers(1, 14),
-          priority=st.sampled_from(list(Priority)))
+    @rule(
+        base=st.sampled_from(SHARED_PROMPTS),
+        length=st.integers(1, 14),
+        priority=st.sampled_from(list(Priority)),
+    )
     def arrive(self, base: list[int], length: int, priority: Priority) -> None:
         order = next(self.arrivals)
-        seq = Sequence(request_id=f"r{order}", prompt_token_ids=base[:length],
-                       sampling=SamplingParams(max_tokens=MAX_OUTPUT_TOKENS), max_tokens=MAX_OUTPUT_TOKENS,
-                       arrival_order=order, priority=priority)
+        seq = Sequence(
+            request_id=f"r{order}",
+            prompt_token_ids=base[:length],
+            sampling=SamplingParams(max_tokens=MAX_OUTPUT_TOKENS),
+            max_tokens=MAX_OUTPUT_TOKENS,
+            arrival_order=order,
+            priority=priority,
+        )
         self.scheduler.add(seq)
 
     @rule(token=st.integers(1, 3))

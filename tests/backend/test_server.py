@@ -21,8 +21,13 @@ def engine(model_dir):
     from ctxgate.backend.engine.config import EngineConfig
 
     config = EngineConfig(
-        model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=96,
-        max_num_batched_tokens=128, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
+        model=str(model_dir),
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=96,
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+        max_model_len=MAX_MODEL_LEN,
     )
     return AsyncEngine(config)
 
@@ -69,13 +74,21 @@ def test_models_health_and_metrics(base_url, client, engine):
     assert health.status_code == 200 and health.json()["status"] == "ok"
     metrics = httpx.get(base_url + "/metrics").text
     for name in (
-        "ctxgate:time_to_first_token_seconds", "ctxgate:inter_token_latency_seconds",
-        "ctxgate:request_time_per_output_token_seconds", "ctxgate:e2e_request_latency_seconds",
-        "ctxgate:request_queue_time_seconds", "ctxgate:request_prefill_time_seconds",
-        "ctxgate:prompt_tokens_total", "ctxgate:generation_tokens_total",
-        "ctxgate:num_requests_running", "ctxgate:num_requests_waiting", "ctxgate:kv_cache_usage_perc",
-        "ctxgate:prefix_cache_queries_total", "ctxgate:prefix_cache_hits_total",
-        "ctxgate:num_preemptions_total", "ctxgate:ttft_target_misses_total",
+        "ctxgate:time_to_first_token_seconds",
+        "ctxgate:inter_token_latency_seconds",
+        "ctxgate:request_time_per_output_token_seconds",
+        "ctxgate:e2e_request_latency_seconds",
+        "ctxgate:request_queue_time_seconds",
+        "ctxgate:request_prefill_time_seconds",
+        "ctxgate:prompt_tokens_total",
+        "ctxgate:generation_tokens_total",
+        "ctxgate:num_requests_running",
+        "ctxgate:num_requests_waiting",
+        "ctxgate:kv_cache_usage_perc",
+        "ctxgate:prefix_cache_queries_total",
+        "ctxgate:prefix_cache_hits_total",
+        "ctxgate:num_preemptions_total",
+        "ctxgate:ttft_target_misses_total",
     ):
         # A sample line (not only the HELP text) exists from the start.
         assert f'{name}{{model_name="{engine.model_name}"}}' in metrics or f"{name}_count" in metrics, name
@@ -97,7 +110,11 @@ def test_chat_streamed_equals_non_streamed(client, engine):
 
     chunks = list(
         client.chat.completions.create(
-            model=engine.model_name, messages=messages, max_tokens=6, temperature=0, stream=True,
+            model=engine.model_name,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
@@ -125,7 +142,10 @@ def test_completions_streamed_equals_non_streamed(client, engine):
     # vLLM-style extras and token-id prompts are accepted.
     ids = engine.tokenizer.encode(prompt)
     by_ids = client.completions.create(
-        model=engine.model_name, prompt=ids, max_tokens=5, temperature=0,
+        model=engine.model_name,
+        prompt=ids,
+        max_tokens=5,
+        temperature=0,
         extra_body={"top_k": 5, "seed": 1, "stop_token_ids": [], "priority": 0},
     )
     assert by_ids.choices[0].text == full.choices[0].text
@@ -159,11 +179,16 @@ def test_prefix_cache_hits_and_salt_isolation(base_url, client, engine):
 def test_client_disconnect_mid_stream_frees_blocks(base_url, client, engine):
     wait_until_engine_idle(engine)
     metrics_url = base_url + "/metrics"
-    aborts_before = metric_value(httpx.get(metrics_url).text, "ctxgate:request_success_total",
-                                 finished_reason="abort")
+    aborts_before = metric_value(
+        httpx.get(metrics_url).text, "ctxgate:request_success_total", finished_reason="abort"
+    )
     stream = client.chat.completions.create(
-        model=engine.model_name, messages=[{"role": "user", "content": _unique("Tell a long story.")}],
-        max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        model=engine.model_name,
+        messages=[{"role": "user", "content": _unique("Tell a long story.")}],
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     received = 0
     for chunk in stream:
@@ -173,8 +198,9 @@ def test_client_disconnect_mid_stream_frees_blocks(base_url, client, engine):
             break
     stream.close()
     wait_until_engine_idle(engine)
-    aborts_after = metric_value(httpx.get(metrics_url).text, "ctxgate:request_success_total",
-                                finished_reason="abort")
+    aborts_after = metric_value(
+        httpx.get(metrics_url).text, "ctxgate:request_success_total", finished_reason="abort"
+    )
     assert aborts_after == aborts_before + 1
 
 
@@ -183,8 +209,12 @@ def test_client_disconnect_non_streamed_frees_blocks(base_url, engine):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             base_url + "/v1/completions",
-            json={"model": engine.model_name, "prompt": _unique("Once upon a time"), "max_tokens": 200,
-                  "ignore_eos": True},
+            json={
+                "model": engine.model_name,
+                "prompt": _unique("Once upon a time"),
+                "max_tokens": 200,
+                "ignore_eos": True,
+            },
             timeout=httpx.Timeout(10, read=0.5),
         )
     wait_until_engine_idle(engine)
@@ -222,15 +252,18 @@ def test_bad_chat_input_is_400(base_url, engine, field, value, words):
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_malformed_json_is_400(base_url, path):
-    response = _post(base_url, path, content=b'{"model": "x", "prompt": ', headers={"content-type": "application/json"})
+    response = _post(
+        base_url, path, content=b'{"model": "x", "prompt": ', headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400
     assert "JSON" in response.json()["error"]["message"]
 
 
 def test_prompt_longer_than_context_is_400(base_url, client, engine):
     long_prompt = "word " * (MAX_MODEL_LEN + 50)
-    response = _post(base_url, "/v1/completions",
-                     json={"model": engine.model_name, "prompt": long_prompt, "max_tokens": 4})
+    response = _post(
+        base_url, "/v1/completions", json={"model": engine.model_name, "prompt": long_prompt, "max_tokens": 4}
+    )
     assert response.status_code == 400
     assert "maximum context length" in response.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
@@ -238,35 +271,52 @@ def test_prompt_longer_than_context_is_400(base_url, client, engine):
             model=engine.model_name, messages=[{"role": "user", "content": long_prompt}], max_tokens=4
         )
     # Fits alone, but not together with the requested output.
-    response = _post(base_url, "/v1/completions",
-                     json={"model": engine.model_name, "prompt": "word " * 200, "max_tokens": 100})
+    response = _post(
+        base_url,
+        "/v1/completions",
+        json={"model": engine.model_name, "prompt": "word " * 200, "max_tokens": 100},
+    )
     assert response.status_code == 400 and "max_tokens" in response.json()["error"]["message"]
 
 
 def test_unknown_model_is_404(client, base_url):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
-    response = _post(base_url, "/v1/chat/completions",
-                     json={"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]})
+    response = _post(
+        base_url,
+        "/v1/chat/completions",
+        json={"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize(("path", "fields", "param"), [
-    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-    ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"echo": True}, "echo"),
-])
-def test_unsupported_fields_are_400_naming_them_or_dropped_with_the_flag(base_url, engine, path, fields, param):
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"echo": True}, "echo"),
+    ],
+)
+def test_unsupported_fields_are_400_naming_them_or_dropped_with_the_flag(
+    base_url, engine, path, fields, param
+):
     from ctxgate.backend.serving.server import create_app
     from tests.support.servers import ServerThread
 
-    body = {"max_tokens": 1} | fields | (
-        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "One, two,"})
+    body = (
+        {"max_tokens": 1}
+        | fields
+        | ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "One, two,"})
+    )
     refused = httpx.post(base_url + path, json=body, timeout=60)
     assert refused.status_code == 400
-    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == (param, "unsupported_parameter")
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == (
+        param,
+        "unsupported_parameter",
+    )
     with ServerThread(create_app(engine, manage_engine=False, drop_params=True)) as dropping:
         assert httpx.post(dropping.url + path, json=body, timeout=60).status_code == 200
 
@@ -277,5 +327,10 @@ def test_api_key_guards_v1_but_not_health(engine):
 
     with ServerThread(create_app(engine, manage_engine=False, api_key="k1")) as keyed:
         assert httpx.get(keyed.url + "/v1/models", timeout=30).status_code == 401
-        assert httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer k1"}, timeout=30).status_code == 200
+        assert (
+            httpx.get(
+                keyed.url + "/v1/models", headers={"Authorization": "Bearer k1"}, timeout=30
+            ).status_code
+            == 200
+        )
         assert httpx.get(keyed.url + "/health", timeout=30).status_code == 200

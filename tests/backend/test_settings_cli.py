@@ -25,7 +25,9 @@ class Example(BaseModel):
     pairs: Annotated[int, AfterValidator(_even)] = Field(2, description="an even count")
     mode: Literal["fast", "exact"] = Field("fast", description="how")
     verbose: bool = Field(False, description="say more")
-    urls: Annotated[list[str], Cli(old=("--url",), metavar="URL")] = Field(default_factory=list, description="where")
+    urls: Annotated[list[str], Cli(old=("--url",), metavar="URL")] = Field(
+        default_factory=list, description="where"
+    )
     ratio: float | None = Field(None, gt=0, le=1, description="a share")
     legacy: Annotated[str | None, Cli(replacement="--mode")] = Field(None, description="the old way")
 
@@ -43,26 +45,56 @@ def _usage_error(argv: list[str], capsys) -> str:
 
 
 def test_each_field_becomes_a_kebab_flag_with_its_type():
-    args = _parser().parse_args(["--max-items", "3", "--mode", "exact", "--verbose", "--urls", "http://a",
-                                 "--urls", "http://b", "--ratio", "0.5", "--pairs", "6"])
-    assert given_values(args, Example) == {"max_items": 3, "pairs": 6, "mode": "exact", "verbose": True,
-                                           "urls": ["http://a", "http://b"], "ratio": 0.5}
+    args = _parser().parse_args(
+        [
+            "--max-items",
+            "3",
+            "--mode",
+            "exact",
+            "--verbose",
+            "--urls",
+            "http://a",
+            "--urls",
+            "http://b",
+            "--ratio",
+            "0.5",
+            "--pairs",
+            "6",
+        ]
+    )
+    assert given_values(args, Example) == {
+        "max_items": 3,
+        "pairs": 6,
+        "mode": "exact",
+        "verbose": True,
+        "urls": ["http://a", "http://b"],
+        "ratio": 0.5,
+    }
     assert _parser().parse_args(["--no-verbose"]).verbose is False
 
 
 def test_nothing_given_means_nothing_in_the_namespace_unless_defaults_are_asked_for():
     assert given_values(_parser().parse_args([]), Example) == {}
     filled = _parser(defaults=True).parse_args([])
-    assert (filled.max_items, filled.mode, filled.verbose, filled.ratio, filled.urls) == (4, "fast", False, None, None)
+    assert (filled.max_items, filled.mode, filled.verbose, filled.ratio, filled.urls) == (
+        4,
+        "fast",
+        False,
+        None,
+        None,
+    )
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--max-items", "0"], "argument --max-items/--items: Input should be greater than or equal to 1"),
-    (["--max-items", "many"], "invalid int value: 'many'"),
-    (["--pairs", "3"], "argument --pairs: must be even, not 3"),  # the field's own validator
-    (["--ratio", "2"], "Input should be less than or equal to 1"),
-    (["--mode", "slow"], "invalid choice: 'slow'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-items", "0"], "argument --max-items/--items: Input should be greater than or equal to 1"),
+        (["--max-items", "many"], "invalid int value: 'many'"),
+        (["--pairs", "3"], "argument --pairs: must be even, not 3"),  # the field's own validator
+        (["--ratio", "2"], "Input should be less than or equal to 1"),
+        (["--mode", "slow"], "invalid choice: 'slow'"),
+    ],
+)
 def test_a_value_the_field_refuses_is_a_usage_error(capsys, argv, message):
     assert message in _usage_error(argv, capsys)
 
@@ -76,7 +108,9 @@ def test_old_spellings_work_with_a_notice(capsys):
     _parser().parse_args(["--max-items", "5"])
     assert capsys.readouterr().err == ""
     helps = {action.dest: action.help for action in _parser()._actions}
-    assert "(--items: deprecated spelling)" in helps["max_items"] and helps["legacy"].startswith("deprecated: use")
+    assert "(--items: deprecated spelling)" in helps["max_items"] and helps["legacy"].startswith(
+        "deprecated: use"
+    )
 
 
 def test_an_old_negative_bool_spelling_names_the_new_negative(capsys):

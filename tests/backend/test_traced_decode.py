@@ -17,7 +17,9 @@ from tests.backend.capped_cpu import run_capped
 
 # Traced steps run every matmul through the C++ GEMV over bfloat16 weights.
 TRACEABLE = cpu_path().auto_dtype == "bfloat16" and cpu_kernels.load()
-pytestmark = pytest.mark.skipif(not TRACEABLE, reason="needs the C++ CPU kernels and bfloat16 (AVX2 or AVX-512 BF16)")
+pytestmark = pytest.mark.skipif(
+    not TRACEABLE, reason="needs the C++ CPU kernels and bfloat16 (AVX2 or AVX-512 BF16)"
+)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -26,8 +28,16 @@ def traced_engine(model_dir):
     from ctxgate.backend.engine.config import EngineConfig
     from ctxgate.backend.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory_mb=32, num_threads=1,
-                                  max_num_seqs=8, cpu_decode_graphs=True))
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="bfloat16",
+            kv_cache_memory_mb=32,
+            num_threads=1,
+            max_num_seqs=8,
+            cpu_decode_graphs=True,
+        )
+    )
 
 
 def _sequence(request_id: str, tokens: list[int], computed: int, table: list[int]) -> Sequence:
@@ -89,9 +99,19 @@ def test_the_engine_generates_through_traced_steps(traced_engine, model_dir):
     from ctxgate.backend.engine.llm_engine import LLMEngine
 
     engine = traced_engine
-    prompts = [engine.tokenizer.encode(text) for text in ("The capital of France is", "1, 2, 3,", "Hello, my")]
-    eager = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", kv_cache_memory_mb=32, num_threads=1,
-                                   max_num_seqs=8, cpu_decode_graphs=False))
+    prompts = [
+        engine.tokenizer.encode(text) for text in ("The capital of France is", "1, 2, 3,", "Hello, my")
+    ]
+    eager = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="bfloat16",
+            kv_cache_memory_mb=32,
+            num_threads=1,
+            max_num_seqs=8,
+            cpu_decode_graphs=False,
+        )
+    )
     assert eager.runner.decode_graphs is None
     assert _generate(engine, prompts[:1]) == _generate(eager, prompts[:1])
 
@@ -120,7 +140,9 @@ def _generate(engine, prompts: list[list[int]]) -> list[list[int]]:
 def test_a_required_trace_that_cannot_run_is_a_clear_error(make_engine):
     with pytest.raises(ValueError, match="--cpu-decode-graphs cannot run: .*bfloat16"):
         make_engine(dtype="float32", cpu_decode_graphs=True)
-    assert make_engine(dtype="float32").runner.decode_graphs is None, "by default an untraceable engine runs eagerly"
+    assert make_engine(dtype="float32").runner.decode_graphs is None, (
+        "by default an untraceable engine runs eagerly"
+    )
 
 
 def test_a_trace_that_fails_leaves_the_engine_eager_unless_it_was_required(make_engine, monkeypatch):

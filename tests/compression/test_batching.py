@@ -91,9 +91,14 @@ def test_batched_vectors_equal_the_models_own(embedder):
         batcher.close()
 
 
-DOCUMENTS = [Document(text=f"Town {i} lies on river R{i}. Its mayor is M{i}. It has {i}00 people.", title=f"T{i}")
-             for i in range(8)]
-MESSAGES = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "Who is the mayor of Town 3?"}]
+DOCUMENTS = [
+    Document(text=f"Town {i} lies on river R{i}. Its mayor is M{i}. It has {i}00 people.", title=f"T{i}")
+    for i in range(8)
+]
+MESSAGES = [
+    {"role": "system", "content": "Answer."},
+    {"role": "user", "content": "Who is the mayor of Town 3?"},
+]
 COMPRESSING = Policy(name="c", max_input_tokens=400, documents={"max_tokens": 60}, rerank={"top_k": 3})
 PASSTHROUGH = Policy(name="p", max_input_tokens=4000, compression_enabled=False)
 
@@ -127,9 +132,11 @@ async def test_passthrough_does_not_wait_for_a_busy_compression_worker(make_pipe
     release = occupy_the_worker(pipeline)
     try:
         compressing = asyncio.ensure_future(
-            pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), COMPRESSING))
+            pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), COMPRESSING)
+        )
         passthrough = await asyncio.wait_for(
-            pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), PASSTHROUGH), timeout=60)
+            pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), PASSTHROUGH), timeout=60
+        )
         assert passthrough.prompt_tokens == passthrough.original_prompt_tokens
         assert not compressing.done()  # still queued behind the occupied worker
     finally:
@@ -142,7 +149,9 @@ async def test_the_wait_for_a_busy_worker_is_reported_apart_from_the_stages(make
     pipeline = make_pipeline(workers=1)
     release = occupy_the_worker(pipeline)
     try:
-        queued = asyncio.ensure_future(pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), COMPRESSING))
+        queued = asyncio.ensure_future(
+            pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), COMPRESSING)
+        )
         await asyncio.sleep(0.3)  # the worker stays busy at least this long after the request came
     finally:
         release.set()
@@ -152,6 +161,7 @@ async def test_the_wait_for_a_busy_worker_is_reported_apart_from_the_stages(make
     pipeline.close()
     assert waited.wait_ms >= 300 > alone.wait_ms
     assert passthrough.wait_ms == 0.0  # passthrough never queues for a worker
+
 
 # -- EngineJobBatcher: calls waiting for the engine's thread share one forward pass ------------------
 

@@ -20,10 +20,14 @@ WORDS = (
 sentence = st.lists(st.sampled_from(WORDS), min_size=1, max_size=18).map(lambda ws: " ".join(ws) + ".")
 paragraph = st.lists(sentence, min_size=1, max_size=6).map(" ".join)
 documents = st.lists(
-    st.builds(Document, text=paragraph, title=st.none() | st.sampled_from(["Alpha", "Beta site", "Gamma (film)"])),
+    st.builds(
+        Document, text=paragraph, title=st.none() | st.sampled_from(["Alpha", "Beta site", "Gamma (film)"])
+    ),
     max_size=8,
 )
-turn = st.builds(lambda role, text: {"role": role, "content": text}, st.sampled_from(["user", "assistant"]), paragraph)
+turn = st.builds(
+    lambda role, text: {"role": role, "content": text}, st.sampled_from(["user", "assistant"]), paragraph
+)
 
 
 @st.composite
@@ -40,7 +44,10 @@ def policies(draw):
             "enabled": draw(st.booleans()),
         },
         documents={"max_tokens": draw(st.integers(0, max_input))},
-        dedup={"enabled": draw(st.booleans()), "near_duplicate_cosine": draw(st.none() | st.floats(0.8, 0.99))},
+        dedup={
+            "enabled": draw(st.booleans()),
+            "near_duplicate_cosine": draw(st.none() | st.floats(0.8, 0.99)),
+        },
         rerank={"enabled": draw(st.booleans()), "top_k": draw(st.none() | st.integers(1, 6))},
         extraction={
             "unit": draw(st.sampled_from(["sentence", "passage"])),
@@ -64,8 +71,14 @@ def policies(draw):
 )
 def test_sent_prompt_never_exceeds_budget(make_pipeline, tokenizer, docs, history, system, question, policy):
     pipeline = make_pipeline()
-    messages = ([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": question}]
-    pinned = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    messages = (
+        ([{"role": "system", "content": system}] if system else [])
+        + history
+        + [{"role": "user", "content": question}]
+    )
+    pinned = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": question}
+    ]
     request = CompressionInput(messages=messages, documents=docs, tenant="prop")
     try:
         result = asyncio.run(pipeline.run(request, policy))

@@ -116,8 +116,12 @@ def test_the_budget_bounds_counts_splits_summaries_and_word_caches(tokenizer, sm
         splitter.split(text)
         summaries.set(f"summary:{i}", text.encode())
         content_words(text)
-    for name, cache in (("token_counts", counter._counts), ("sentences", splitter._cache),
-                        ("summaries", summaries), ("content_words", content_words.cache)):
+    for name, cache in (
+        ("token_counts", counter._counts),
+        ("sentences", splitter._cache),
+        ("summaries", summaries),
+        ("content_words", content_words.cache),
+    ):
         assert 0 < cache.size_bytes <= budget_bytes(name), name
     assert counter.count(text) == tokenizer.count(text)  # still exact after evictions
 

@@ -38,7 +38,9 @@ async def test_pipeline_budget_with_tiktoken_counter(embedder):
     pipeline.services._embedder = embedder
     documents = [Document(text=f"Fact number {i}: the value of item {i} is {i * 7}. " * 3) for i in range(12)]
     policy = Policy(name="openai", max_input_tokens=160, documents={"max_tokens": 100})
-    request = CompressionInput(messages=[{"role": "user", "content": "What is the value of item 5?"}], documents=documents)
+    request = CompressionInput(
+        messages=[{"role": "user", "content": "What is the value of item 5?"}], documents=documents
+    )
     result = await pipeline.run(request, policy)
     assert result.prompt_tokens == counter.count_chat(result.messages) <= 160
     assert "item 5 is 35" in result.context_text
@@ -99,7 +101,11 @@ def test_the_backend_tokenizer_and_tiktoken_counter_are_chat_tokenizers(tokenize
     assert tokenizer.encode_chat(messages) == tokenizer.encode(tokenizer.render_chat(messages))
     # Counted through the rendered prompt, memoized on its text: the same number as the tokenizer's own.
     counter = CachedCounter(tokenizer)
-    assert counter.count_chat(messages) == tokenizer.count_chat(messages) == counter.count(tokenizer.render_chat(messages))
+    assert (
+        counter.count_chat(messages)
+        == tokenizer.count_chat(messages)
+        == counter.count(tokenizer.render_chat(messages))
+    )
 
     tiktoken_counter = TiktokenCounter()
     assert isinstance(tiktoken_counter, ChatTokenizer) and tiktoken_counter.model_dir is None

@@ -8,7 +8,11 @@ BASE = "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in
 
 
 def test_exact_duplicates_ignore_case_spacing_and_punctuation():
-    texts = [BASE, "the eiffel tower is a wrought iron lattice tower  on the Champ de Mars in Paris France", "Cats purr."]
+    texts = [
+        BASE,
+        "the eiffel tower is a wrought iron lattice tower  on the Champ de Mars in Paris France",
+        "Cats purr.",
+    ]
     assert duplicate_indices(texts, exact=True) == {1}
 
 
@@ -38,16 +42,24 @@ async def test_pipeline_removes_duplicate_passages_and_sentences(make_pipeline, 
     shared_sentence = "Gustave Eiffel's company designed and built the tower between 1887 and 1889."
     documents = [
         Document(text=f"{BASE} {shared_sentence}", title="Eiffel Tower"),
-        Document(text=f"{BASE} {shared_sentence}".upper() + "!!", title="Eiffel Tower"),  # exact dup once normalized
+        Document(
+            text=f"{BASE} {shared_sentence}".upper() + "!!", title="Eiffel Tower"
+        ),  # exact dup once normalized
         Document(
             text="The Eiffel Tower is a wrought-iron lattice tower located on the Champ de Mars in Paris, France. "
             + shared_sentence,
             title="Eiffel Tower",
         ),  # near duplicate
-        Document(text=f"Paris hosted the 1889 World's Fair. {shared_sentence}", title="Exposition Universelle"),
+        Document(
+            text=f"Paris hosted the 1889 World's Fair. {shared_sentence}", title="Exposition Universelle"
+        ),
     ]
-    policy = Policy(name="dedup", max_input_tokens=1024, documents={"max_tokens": 500}, rerank={"enabled": False})
-    request = CompressionInput(messages=[{"role": "user", "content": "Who built the Eiffel Tower?"}], documents=documents)
+    policy = Policy(
+        name="dedup", max_input_tokens=1024, documents={"max_tokens": 500}, rerank={"enabled": False}
+    )
+    request = CompressionInput(
+        messages=[{"role": "user", "content": "Who built the Eiffel Tower?"}], documents=documents
+    )
     result = await pipeline.run(request, policy)
     dedup = next(stage for stage in result.stages if stage.name == "dedup")
     assert dedup.details["passages_removed"] == 2

@@ -19,7 +19,9 @@ def engine(model_dir):
     from ctxgate.backend.engine.async_engine import AsyncEngine
     from ctxgate.backend.engine.config import EngineConfig
 
-    config = EngineConfig(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=32, max_model_len=256)
+    config = EngineConfig(
+        model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=32, max_model_len=256
+    )
     async_engine = AsyncEngine(config)
     yield async_engine
     async_engine.shutdown()
@@ -52,12 +54,15 @@ def test_an_engine_that_shut_down_sends_the_model_back_in_process(engine, own_em
     assert own_embedder._runner is None and engine.jobs_run == 0
 
 
-def test_pipelines_route_the_model_through_their_runner_and_release_it_on_close(engine, tokenizer, own_embedder):
+def test_pipelines_route_the_model_through_their_runner_and_release_it_on_close(
+    engine, tokenizer, own_embedder
+):
     from ctxgate.compression.pipeline import CompressionPipeline
     from ctxgate.compression.store.cache import LRUBytesCache
 
-    pipeline = CompressionPipeline(tokenizer, cache=LRUBytesCache(), embed_runner=engine.run_between_steps,
-                                   embed_process=True)
+    pipeline = CompressionPipeline(
+        tokenizer, cache=LRUBytesCache(), embed_runner=engine.run_between_steps, embed_process=True
+    )
     import ctxgate.compression.embedding.embeddings as embeddings
 
     key = (str(own_embedder.model_path), 0)
@@ -135,8 +140,12 @@ def test_calls_that_wait_for_the_engine_together_share_one_forward_pass(engine, 
     threads = [threading.Thread(target=call, args=(text,)) for text in TEXTS]
     for thread in threads:
         thread.start()
-    eventually(lambda: len(own_embedder._engine_jobs._pending) >= len(TEXTS), timeout_s=30, interval_s=0.005,
-               message="the calls never queued")
+    eventually(
+        lambda: len(own_embedder._engine_jobs._pending) >= len(TEXTS),
+        timeout_s=30,
+        interval_s=0.005,
+        message="the calls never queued",
+    )
     release.set()
     for thread in threads:
         thread.join(timeout=30)
@@ -152,7 +161,9 @@ def test_calls_that_wait_for_the_engine_together_share_one_forward_pass(engine, 
     word_pieces = {text: len(own_embedder._packed.pack([text]).input_ids) for text in TEXTS}
     assert all(seconds > 0 for seconds in engine_seconds.values())
     first, second = TEXTS[0], TEXTS[1]
-    assert engine_seconds[first] / engine_seconds[second] == pytest.approx(word_pieces[first] / word_pieces[second])
+    assert engine_seconds[first] / engine_seconds[second] == pytest.approx(
+        word_pieces[first] / word_pieces[second]
+    )
 
 
 def test_a_compression_reports_the_time_its_embedding_held_the_engine(engine, tokenizer, own_embedder):
@@ -165,10 +176,13 @@ def test_a_compression_reports_the_time_its_embedding_held_the_engine(engine, to
     from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 
     policy = load_policy_file(packaged_policy_dir() / "rag-default.yaml")
-    documents = [Document(text=f"{text} It was noted in {year}.", id=f"d{year}", title=f"Note {year}")
-                 for year, text in zip((1901, 1902, 1903), TEXTS, strict=True)]
-    request = CompressionInput(messages=[{"role": "user", "content": "Who is the mayor of Arlen?"}],
-                               documents=documents)
+    documents = [
+        Document(text=f"{text} It was noted in {year}.", id=f"d{year}", title=f"Note {year}")
+        for year, text in zip((1901, 1902, 1903), TEXTS, strict=True)
+    ]
+    request = CompressionInput(
+        messages=[{"role": "user", "content": "Who is the mayor of Arlen?"}], documents=documents
+    )
     import ctxgate.compression.embedding.embeddings as embeddings
 
     key = (str(own_embedder.model_path), 0)
@@ -181,7 +195,9 @@ def test_a_compression_reports_the_time_its_embedding_held_the_engine(engine, to
         own_embedder._local.clear()
         # As the gateway builds it: the model on the engine's thread, and a batching window, which
         # such calls skip (they coalesce on the engine instead) so the time is charged to them.
-        on_engine = CompressionPipeline(tokenizer, embed_runner=engine.run_between_steps, embed_batch_window_ms=3.0)
+        on_engine = CompressionPipeline(
+            tokenizer, embed_runner=engine.run_between_steps, embed_batch_window_ms=3.0
+        )
         cold = asyncio.run(on_engine.run_here(request, policy))
         assert engine.jobs_run >= 1 and cold.engine_ms > 0
         assert cold.engine_ms <= sum(cold.compression_ms.values())  # a part of the compression's own time

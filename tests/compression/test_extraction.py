@@ -82,8 +82,12 @@ def test_lexical_overlap_does_not_depend_on_set_iteration_order(monkeypatch):
     # Words whose weights sum to another last bit in ascending and descending order.
     question = "painter lake province valley city treaty battle duke king island"
     texts = [
-        "city treaty river", "king queen forest river battle valley bridge city", "river church mountain king",
-        "north queen river island bridge battle treaty", "bridge castle earl abbey battle wine", "queen mountain",
+        "city treaty river",
+        "king queen forest river battle valley bridge city",
+        "river church mountain king",
+        "north queen river island bridge battle treaty",
+        "bridge castle earl abbey battle wine",
+        "queen mountain",
     ]
     content_words = scoring.content_words
 

@@ -13,7 +13,10 @@ CONVERSATION = [
     {"role": "user", "content": "About 1200 euros each, and we love seafood and old trams."},
     {"role": "assistant", "content": "Then take tram 28 through Alfama and eat at Cervejaria Ramiro."},
     {"role": "user", "content": "Great. Ana is vegetarian though, so she skips the seafood."},
-    {"role": "assistant", "content": "Noted: pick places with vegetarian menus, like Ao 26 Vegan Food Project."},
+    {
+        "role": "assistant",
+        "content": "Noted: pick places with vegetarian menus, like Ao 26 Vegan Food Project.",
+    },
 ]
 QUESTION = {"role": "user", "content": "Which tram did you recommend?"}
 
@@ -44,8 +47,12 @@ def engine(model_dir):
     from ctxgate.backend.engine.config import EngineConfig
 
     config = EngineConfig(
-        model=str(model_dir), dtype="float32", num_kv_blocks=96, max_num_batched_tokens=256,
-        max_num_seqs=2, max_model_len=768,
+        model=str(model_dir),
+        dtype="float32",
+        num_kv_blocks=96,
+        max_num_batched_tokens=256,
+        max_num_seqs=2,
+        max_model_len=768,
     )
     async_engine = AsyncEngine(config)
     yield async_engine
@@ -102,7 +109,9 @@ async def test_summary_is_cached_and_rolled_forward(make_pipeline, engine, token
         {"role": "user", "content": "Also, what about day trips?"},
         {"role": "assistant", "content": "Sintra is 40 minutes by train and has the Pena Palace."},
     ]
-    third = await pipeline.run(CompressionInput(messages=longer + [QUESTION], tenant="alice"), summary_policy())
+    third = await pipeline.run(
+        CompressionInput(messages=longer + [QUESTION], tenant="alice"), summary_policy()
+    )
     assert history_report(third).details["engine_calls"] == 1
     assert counting.generate_calls == 2
 
@@ -161,7 +170,9 @@ async def test_a_compression_worker_summarizes_through_the_engine_on_the_callers
     counting = CountingEngine(engine)
     pipeline = make_pipeline(engine=counting, workers=1)
     try:
-        result = await pipeline.run(CompressionInput(messages=CONVERSATION + [QUESTION], tenant="erin"), summary_policy())
+        result = await pipeline.run(
+            CompressionInput(messages=CONVERSATION + [QUESTION], tenant="erin"), summary_policy()
+        )
         assert isinstance(pipeline.engine, LoopBridge)
         assert pipeline.engine.max_model_len == engine.max_model_len and pipeline.engine.is_ready()
     finally:

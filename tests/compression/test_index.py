@@ -10,10 +10,26 @@ from ctxgate.compression.types import CompressionInput, RetrievalSpec
 from ctxgate.policies.schema import Policy
 
 CORPUS = [
-    {"id": "volcano", "title": "Mount Etna", "text": "Mount Etna is an active stratovolcano on the east coast of Sicily. It is one of the tallest active volcanoes in Europe."},
-    {"id": "bread", "title": "Sourdough", "text": "Sourdough bread is made by fermenting dough with wild yeast and lactobacilli. The starter must be fed regularly."},
-    {"id": "chess", "title": "Chess", "text": "Chess is a board game for two players. Each player begins with sixteen pieces, including one king."},
-    {"id": "moon", "title": "Apollo 11", "text": "Apollo 11 landed the first humans on the Moon in July 1969. Neil Armstrong stepped out first."},
+    {
+        "id": "volcano",
+        "title": "Mount Etna",
+        "text": "Mount Etna is an active stratovolcano on the east coast of Sicily. It is one of the tallest active volcanoes in Europe.",
+    },
+    {
+        "id": "bread",
+        "title": "Sourdough",
+        "text": "Sourdough bread is made by fermenting dough with wild yeast and lactobacilli. The starter must be fed regularly.",
+    },
+    {
+        "id": "chess",
+        "title": "Chess",
+        "text": "Chess is a board game for two players. Each player begins with sixteen pieces, including one king.",
+    },
+    {
+        "id": "moon",
+        "title": "Apollo 11",
+        "text": "Apollo 11 landed the first humans on the Moon in July 1969. Neil Armstrong stepped out first.",
+    },
 ]
 
 
@@ -30,7 +46,19 @@ def test_cli_builds_an_index_with_sentence_embeddings(tmp_path):
     corpus = tmp_path / "docs.jsonl"
     write_corpus(corpus)
     completed = subprocess.run(
-        [sys.executable, "-m", "ctxgate", "index", "build", "--input", str(corpus), "--name", "demo", "--index-dir", str(tmp_path / "idx")],
+        [
+            sys.executable,
+            "-m",
+            "ctxgate",
+            "index",
+            "build",
+            "--input",
+            str(corpus),
+            "--name",
+            "demo",
+            "--index-dir",
+            str(tmp_path / "idx"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -70,13 +98,22 @@ async def test_retrieval_round_trip(tmp_path, embedder, make_pipeline):
     assert "Neil Armstrong stepped out first." in result.context_text
     assert result.kept_documents[0].id == "moon#0"
     assert [s.name for s in result.stages] == [
-        "retrieval", "cost-check", "history", "dedup", "rerank", "extraction", "assembly", "fit"
+        "retrieval",
+        "cost-check",
+        "history",
+        "dedup",
+        "rerank",
+        "extraction",
+        "assembly",
+        "fit",
     ]
     retrieval = result.stages[0]
     assert retrieval.details["retrieved"] == 2
 
     with pytest.raises(UnknownIndexError):
         await pipeline.run(
-            CompressionInput(messages=[{"role": "user", "content": "q"}], retrieval=RetrievalSpec(index="nope")),
+            CompressionInput(
+                messages=[{"role": "user", "content": "q"}], retrieval=RetrievalSpec(index="nope")
+            ),
             policy,
         )

@@ -63,8 +63,15 @@ def test_sentence_features_rank_and_link():
     ]
     positions = [(i, 0, p.sentences[0]) for i, p in enumerate(passages)]
     vectors = np.zeros((3, 4), dtype=np.float32)
-    features = sentence_features("Who is the spouse of the Green performer?", np.ones(4, dtype=np.float32),
-                                 passages, positions, vectors, [], np.zeros(3))
+    features = sentence_features(
+        "Who is the spouse of the Green performer?",
+        np.ones(4, dtype=np.float32),
+        passages,
+        positions,
+        vectors,
+        [],
+        np.zeros(3),
+    )
     column = {name: features[:, i] for i, name in enumerate(FEATURES)}
     assert column["passage_rank"].tolist() == [1.0, 0.5, 1 / 3]
     assert column["lead"].tolist() == [1.0, 1.0, 1.0]
@@ -82,7 +89,9 @@ def test_hop_features_point_from_the_best_sentences():
     ]
     positions = [(i, 0, p.sentences[0]) for i, p in enumerate(passages)]
     first = np.array([2.0, 0.0, 0.0])
-    hop = hop_features("What position was held by the woman who portrayed Corliss Archer?", passages, positions, first)
+    hop = hop_features(
+        "What position was held by the woman who portrayed Corliss Archer?", passages, positions, first
+    )
     column = {name: hop[:, i] for i, name in enumerate(HOP_FEATURES)}
     assert column["hop_title"].tolist() == [0.0, 1.0, 0.0]
     assert column["hop_lead"].tolist() == [0.0, 1.0, 0.0]
@@ -107,7 +116,14 @@ def test_features_are_linear_in_hostile_text():
     passages = [_passage("A" * 1000, text, 0), _passage("B", text, 1)]
     positions = [(0, 0, text), (1, 0, text)]
     started = time.perf_counter()
-    features = sentence_features("who " * 1000, np.ones(4, dtype=np.float32), passages, positions,
-                                 np.zeros((2, 4), dtype=np.float32), [], np.zeros(2))
+    features = sentence_features(
+        "who " * 1000,
+        np.ones(4, dtype=np.float32),
+        passages,
+        positions,
+        np.zeros((2, 4), dtype=np.float32),
+        [],
+        np.zeros(2),
+    )
     hop_features("who " * 1000, passages, positions, np.zeros(2))
     assert features.shape == (2, len(FEATURES)) and time.perf_counter() - started < 5.0

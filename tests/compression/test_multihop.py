@@ -12,7 +12,9 @@ from ctxgate.compression.multihop.names import mentions, title_core
 from ctxgate.compression.types import CompressionInput, Document
 from ctxgate.policies.schema import ExtractionPolicy, Policy
 
-BRIDGE_QUESTION = "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
+BRIDGE_QUESTION = (
+    "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
+)
 KISS = Document(
     title="Kiss and Tell (1945 film)",
     text="Kiss and Tell is a 1945 American comedy film starring then 17-year-old Shirley Temple as Corliss Archer."
@@ -59,16 +61,25 @@ def test_rag_default_follows_hops_with_its_learned_scorer_and_rag_adaptive_extra
 
 def hop_request(question: str) -> CompressionInput:
     distractors = [
-        Document(text=f"Topic {i} is a town in county {i}. It has {i} churches and a market.", title=f"Town {i}")
+        Document(
+            text=f"Topic {i} is a town in county {i}. It has {i} churches and a market.", title=f"Town {i}"
+        )
         for i in range(6)
     ]
-    return CompressionInput(messages=[{"role": "user", "content": question}],
-                            documents=[KISS, *distractors, TEMPLE])
+    return CompressionInput(
+        messages=[{"role": "user", "content": question}], documents=[KISS, *distractors, TEMPLE]
+    )
 
 
 def hop_policy(extraction: dict) -> Policy:
-    return Policy(name="hop", max_input_tokens=400, documents={"max_tokens": 105}, rerank={"top_k": None},
-                  extraction=extraction, dedup={"enabled": False})
+    return Policy(
+        name="hop",
+        max_input_tokens=400,
+        documents={"max_tokens": 105},
+        rerank={"top_k": None},
+        extraction=extraction,
+        dedup={"enabled": False},
+    )
 
 
 @pytest.mark.parametrize("extraction", [{"scorer": "learned"}, {"expand_query": True}])

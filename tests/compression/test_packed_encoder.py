@@ -78,7 +78,7 @@ def test_chunks_hold_every_token_once_and_each_sentence_whole():
     segments = chunks.segments.flatten().tolist()
     starts = [sum(lengths[:index]) for index in range(len(lengths))]
     for index, (start, length) in enumerate(zip(starts, lengths, strict=True)):
-        slots = chunks.token_slots[start:start + length].tolist()
+        slots = chunks.token_slots[start : start + length].tolist()
         assert slots == list(range(slots[0], slots[0] + length)), "a sentence sits contiguously"
         assert slots[0] // chunks.width == slots[-1] // chunks.width, "a sentence never straddles chunks"
         assert {segments[slot] for slot in slots} == {index}
@@ -173,7 +173,9 @@ def test_a_small_call_is_one_narrow_chunk_with_the_same_vectors(float32_embedder
     among_many = encoder.encode(many)[[0, 1, 4]]
     np.testing.assert_allclose(alone, among_many, rtol=1e-4, atol=1e-5)
     encoder.builds_per_shape = True
-    assert len(encoder.warm_up_batches(max_rows=128)[0].input_ids) == SMALL_CALL_TOKENS, "its shape is warmed up"
+    assert len(encoder.warm_up_batches(max_rows=128)[0].input_ids) == SMALL_CALL_TOKENS, (
+        "its shape is warmed up"
+    )
 
 
 def test_mean_pool_averages_each_segment():

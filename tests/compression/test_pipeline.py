@@ -37,12 +37,20 @@ async def test_stage_reports_reconcile_with_exact_counts(make_pipeline, tokenize
     result = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), policy)
     wall_ms = (time.perf_counter() - started) * 1000
     assert [s.name for s in result.stages] == [
-        "cost-check", "history", "dedup", "rerank", "extraction", "assembly", "fit"
+        "cost-check",
+        "history",
+        "dedup",
+        "rerank",
+        "extraction",
+        "assembly",
+        "fit",
     ]
     assert sum(result.saved_tokens.values()) == result.original_prompt_tokens - result.prompt_tokens
     # Each stage is timed on its own: the stages that count, embed or render take measurable time,
     # and together they cannot take longer than the whole run.
-    assert all(stage.ms > 0 for stage in result.stages if stage.name in ("cost-check", "rerank", "extraction", "fit"))
+    assert all(
+        stage.ms > 0 for stage in result.stages if stage.name in ("cost-check", "rerank", "extraction", "fit")
+    )
     assert sum(stage.ms for stage in result.stages) <= wall_ms
     assert "Mara Quist" in result.context_text
     assert result.messages[0] == MESSAGES[0]
@@ -82,7 +90,9 @@ async def test_min_saving_skips_cheap_compression(make_pipeline):
 
 
 async def test_system_placement_and_trailing_messages(make_pipeline, tokenizer):
-    policy = Policy(name="sys", max_input_tokens=300, documents={"max_tokens": 150}, assembly={"placement": "system"})
+    policy = Policy(
+        name="sys", max_input_tokens=300, documents={"max_tokens": 150}, assembly={"placement": "system"}
+    )
     messages = MESSAGES + [{"role": "assistant", "content": "The mayor is"}]
     result = await make_pipeline().run(CompressionInput(messages=messages, documents=DOCUMENTS), policy)
     assert result.messages[0] == MESSAGES[0]
@@ -92,7 +102,10 @@ async def test_system_placement_and_trailing_messages(make_pipeline, tokenizer):
 
 
 def test_reorder_best_at_ends():
-    passages = [Passage(document=Document(text=str(i)), position=i, score=s) for i, s in enumerate([0.1, 0.9, 0.5, 0.7, 0.3])]
+    passages = [
+        Passage(document=Document(text=str(i)), position=i, score=s)
+        for i, s in enumerate([0.1, 0.9, 0.5, 0.7, 0.3])
+    ]
     assert [p.score for p in order_passages(passages, "best-first")] == [0.9, 0.7, 0.5, 0.3, 0.1]
     assert [p.score for p in order_passages(passages, "best-at-ends")] == [0.9, 0.5, 0.1, 0.3, 0.7]
     assert [p.position for p in order_passages(passages, "original")] == [0, 1, 2, 3, 4]
@@ -100,7 +113,9 @@ def test_reorder_best_at_ends():
 
 async def test_no_user_message_is_a_value_error(make_pipeline):
     with pytest.raises(ValueError, match="user message"):
-        await make_pipeline().run(CompressionInput(messages=[{"role": "system", "content": "x"}]), Policy(name="p"))
+        await make_pipeline().run(
+            CompressionInput(messages=[{"role": "system", "content": "x"}]), Policy(name="p")
+        )
 
 
 def test_stable_order_depends_on_content_only():
@@ -108,16 +123,27 @@ def test_stable_order_depends_on_content_only():
         return Passage(document=Document(text=text), position=position, score=score)
 
     shared = ["Ida Holm is mayor.", "The Vey runs north.", "Brisk has 5400 people."]
-    first = [passage(t, i, s) for i, (t, s) in enumerate(zip([*shared, "only in A"], [0.1, 0.9, 0.5, 0.7], strict=True))]
-    second = [passage(t, i, s) for i, (t, s) in enumerate(zip(["only in B", *shared[::-1]], [0.3, 0.2, 0.8, 0.6], strict=True))]
+    first = [
+        passage(t, i, s)
+        for i, (t, s) in enumerate(zip([*shared, "only in A"], [0.1, 0.9, 0.5, 0.7], strict=True))
+    ]
+    second = [
+        passage(t, i, s)
+        for i, (t, s) in enumerate(zip(["only in B", *shared[::-1]], [0.3, 0.2, 0.8, 0.6], strict=True))
+    ]
     order_a = [p.document.text for p in order_passages(first, "stable")]
     order_b = [p.document.text for p in order_passages(second, "stable")]
     assert [t for t in order_a if t in shared] == [t for t in order_b if t in shared]
 
 
 async def test_stable_assembly_gives_requests_with_the_same_kept_passages_the_same_block(make_pipeline):
-    policy = Policy(name="s", max_input_tokens=4000, documents={"max_tokens": 4000}, rerank={"enabled": False},
-                    assembly={"order": "stable"})
+    policy = Policy(
+        name="s",
+        max_input_tokens=4000,
+        documents={"max_tokens": 4000},
+        rerank={"enabled": False},
+        assembly={"order": "stable"},
+    )
     pipeline = make_pipeline()
     forward = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), policy)
     backward = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS[::-1]), policy)
@@ -147,13 +173,16 @@ def model_calls(embedder) -> Iterator[list[int]]:
 async def test_first_sight_embeds_question_and_candidates_in_one_model_call(make_pipeline, embedder):
     # Every model call has a fixed cost (and in the gateway a round trip to the embedding process),
     # so the question rides with the candidate sentences instead of going alone.
-    documents = [Document(text=d.text.replace("Town", "Village"), title=d.title.replace("Town", "Hamlet"))
-                 for d in DOCUMENTS]  # texts this session's embedder has not cached
+    documents = [
+        Document(text=d.text.replace("Town", "Village"), title=d.title.replace("Town", "Hamlet"))
+        for d in DOCUMENTS
+    ]  # texts this session's embedder has not cached
     policy = Policy(name="p", max_input_tokens=400, documents={"max_tokens": 60}, rerank={"top_k": 3})
     question = {"role": "user", "content": "Who is the mayor of the village of Cirra, please?"}
     with model_calls(embedder) as calls:
-        result = await make_pipeline().run(CompressionInput(messages=[MESSAGES[0], question], documents=documents),
-                                           policy)
+        result = await make_pipeline().run(
+            CompressionInput(messages=[MESSAGES[0], question], documents=documents), policy
+        )
     assert "Mara Quist" in result.context_text
     assert len(calls) == 1 and calls[0] > len(documents)
 
@@ -164,12 +193,19 @@ async def test_a_smaller_first_sight_allowance_embeds_fewer_texts(make_pipeline,
     question = {"role": "user", "content": "Who is the mayor of the town of Cirra, please?"}
 
     async def texts_embedded(budget_multiple: float, tag: str) -> tuple[int, str]:
-        documents = [Document(text=d.text.replace("Town", tag), title=d.title.replace("Town", tag)) for d in DOCUMENTS]
-        policy = Policy(name="p", max_input_tokens=400, rerank={"top_k": 3},
-                        documents={"max_tokens": 60, "embed_budget_multiple": budget_multiple, "embed_min_share": 0})
+        documents = [
+            Document(text=d.text.replace("Town", tag), title=d.title.replace("Town", tag)) for d in DOCUMENTS
+        ]
+        policy = Policy(
+            name="p",
+            max_input_tokens=400,
+            rerank={"top_k": 3},
+            documents={"max_tokens": 60, "embed_budget_multiple": budget_multiple, "embed_min_share": 0},
+        )
         with model_calls(embedder) as calls:
-            result = await make_pipeline().run(CompressionInput(messages=[MESSAGES[0], question], documents=documents),
-                                               policy)
+            result = await make_pipeline().run(
+                CompressionInput(messages=[MESSAGES[0], question], documents=documents), policy
+            )
         return sum(calls), result.context_text
 
     wide, wide_context = await texts_embedded(4.0, "Borough")
@@ -191,11 +227,15 @@ async def test_prepare_runs_off_the_event_loop(make_pipeline, workers, enabled):
 
     def prepare(request: CompressionInput) -> CompressionInput:
         seen.append(threading.current_thread())
-        return CompressionInput(messages=request.messages, documents=[Document(text="Mayor Mara Quist of Cirra.")])
+        return CompressionInput(
+            messages=request.messages, documents=[Document(text="Mayor Mara Quist of Cirra.")]
+        )
 
     policy = Policy(name="p", max_input_tokens=400, documents={"max_tokens": 60}, compression_enabled=enabled)
     try:
-        result = await pipeline.run(CompressionInput(messages=MESSAGES, documents=DOCUMENTS), policy, prepare=prepare)
+        result = await pipeline.run(
+            CompressionInput(messages=MESSAGES, documents=DOCUMENTS), policy, prepare=prepare
+        )
     finally:
         pipeline.close()
     assert len(seen) == 1 and seen[0] is not loop_thread

@@ -33,7 +33,9 @@ def test_the_question_matching_sentences_are_embedded_and_the_allowance_is_spent
     allowance = max(DEFAULT_EMBED_BUDGET_MULTIPLE * budget, DEFAULT_EMBED_MIN_SHARE * total)
     assert allowance < total, "the input must be larger than the allowance for the filter to act"
 
-    left_out = mark_embedding_candidates("When was the lighthouse on the north pier first lit?", passages, budget)
+    left_out = mark_embedding_candidates(
+        "When was the lighthouse on the north pier first lit?", passages, budget
+    )
 
     chosen = chosen_texts(passages)
     assert answer in chosen

@@ -72,10 +72,16 @@ def test_vectors_survive_a_restart_and_are_shared_by_another_replica(redis_serve
     np.testing.assert_array_equal(again, vectors)
 
 
-def test_an_outage_costs_only_misses_and_the_breaker_stops_calling_redis(redis_server, embedder_with, tmp_path):
+def test_an_outage_costs_only_misses_and_the_breaker_stops_calling_redis(
+    redis_server, embedder_with, tmp_path
+):
     clock = FakeClock()
-    cache = RedisBytesCache(redis_server.url, key_prefix="t2:", timeout_s=0.2,
-                            breaker=CircuitBreaker(failure_threshold=2, cooldown_s=30, clock=clock))
+    cache = RedisBytesCache(
+        redis_server.url,
+        key_prefix="t2:",
+        timeout_s=0.2,
+        breaker=CircuitBreaker(failure_threshold=2, cooldown_s=30, clock=clock),
+    )
     embedder = embedder_with(cache)
     reference = embedder.embed(TEXTS)
     redis_server.stop()

@@ -17,8 +17,14 @@ from ctxgate.policies.schema import Policy
 
 PASSAGES = [
     Document(text="Bananas are rich in potassium and grow in tropical climates.", title="Banana"),
-    Document(text="The Golden Gate Bridge spans the strait at the entrance to San Francisco Bay.", title="Golden Gate Bridge"),
-    Document(text="A suspension bridge hangs its deck from cables strung between towers.", title="Suspension bridge"),
+    Document(
+        text="The Golden Gate Bridge spans the strait at the entrance to San Francisco Bay.",
+        title="Golden Gate Bridge",
+    ),
+    Document(
+        text="A suspension bridge hangs its deck from cables strung between towers.",
+        title="Suspension bridge",
+    ),
     Document(text="Jazz developed in New Orleans in the early twentieth century.", title="Jazz"),
 ]
 QUESTION = "Which bridge crosses the entrance to San Francisco Bay?"
@@ -50,8 +56,13 @@ def tiny_cross_encoder(tmp_path_factory):
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
     config = BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=512, num_labels=1,
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        num_labels=1,
     )
     path = tmp_path_factory.mktemp("tiny-cross-encoder")
     BertForSequenceClassification(config).save_pretrained(path)
@@ -68,7 +79,9 @@ async def test_cross_encoder_from_local_path_drives_the_ranking(tiny_cross_encod
     np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-5)
 
     policy = Policy(
-        name="ce", max_input_tokens=512, documents={"max_tokens": 300},
+        name="ce",
+        max_input_tokens=512,
+        documents={"max_tokens": 300},
         rerank={"method": "cross-encoder", "cross_encoder_path": path, "top_k": 2},
         dedup={"enabled": False},
     )
@@ -103,9 +116,11 @@ def test_llm_reranker_scores_the_answering_passage_highest(tokenizer):
 # pre-filter embedded only the first passage's weak sentence, so its vector misses what it is about.
 UNTITLED_QUESTION = "Which bridge crosses the entrance to San Francisco Bay?"
 UNTITLED = [
-    ["The deck was closed to traffic for a day in 1987.",
-     "The Golden Gate Bridge is a suspension bridge spanning the strait at the entrance to San Francisco Bay.",
-     "It links the city of San Francisco to Marin County."],
+    [
+        "The deck was closed to traffic for a day in 1987.",
+        "The Golden Gate Bridge is a suspension bridge spanning the strait at the entrance to San Francisco Bay.",
+        "It links the city of San Francisco to Marin County.",
+    ],
     ["Ferries cross San Francisco Bay every day from the Ferry Building."],
     ["The entrance to the harbour is guarded by a lighthouse."],
     ["Sea lions crowd the piers of the waterfront."],
@@ -117,13 +132,17 @@ def _untitled_state(tokenizer, embedder, titled: bool):
     from ctxgate.compression.stages.base import StageContext
     from ctxgate.compression.state import split_messages
 
-    documents = [Document(text=" ".join(sentences), title=f"Title {i}" if titled else None)
-                 for i, sentences in enumerate(UNTITLED)]
+    documents = [
+        Document(text=" ".join(sentences), title=f"Title {i}" if titled else None)
+        for i, sentences in enumerate(UNTITLED)
+    ]
     policy = Policy(name="p", rerank={"method": "embedding-bm25", "top_k": 1})
     pipeline = CompressionPipeline(tokenizer)
     pipeline.services._embedder = embedder
-    state = split_messages(CompressionInput(messages=[{"role": "user", "content": UNTITLED_QUESTION}],
-                                            documents=documents), budget_tokens=policy.max_input_tokens)
+    state = split_messages(
+        CompressionInput(messages=[{"role": "user", "content": UNTITLED_QUESTION}], documents=documents),
+        budget_tokens=policy.max_input_tokens,
+    )
     state.prefiltered = True  # the pre-filter's choice, set by hand below
     for passage, sentences in zip(state.passages, UNTITLED, strict=True):
         passage.sentences = list(sentences)
@@ -185,7 +204,10 @@ def test_bm25_scores_equal_bm25s_own_scoring():
         "France borders Spain, and Paris is far from the border.",
     ]
     query = "What is the capital of France, Paris or Paris?"  # a repeated term counts twice
-    corpus = [terms or ["\u2205"] for terms in bm25s.tokenize(documents, stopwords="en", return_ids=False, show_progress=False)]
+    corpus = [
+        terms or ["\u2205"]
+        for terms in bm25s.tokenize(documents, stopwords="en", return_ids=False, show_progress=False)
+    ]
     retriever = bm25s.BM25()
     retriever.index(corpus, show_progress=False)
     query_terms = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]

@@ -5,7 +5,9 @@ from ctxgate.compression.text import normalize_for_dedup
 
 def test_accents_case_punctuation_and_spacing_do_not_make_a_text_new():
     assert normalize_for_dedup("Café  Müller, Zürich!") == "cafe muller zurich"
-    assert normalize_for_dedup("Cafe\u0301 Mu\u0308ller Zu\u0308rich") == "cafe muller zurich"  # decomposed input
+    assert (
+        normalize_for_dedup("Cafe\u0301 Mu\u0308ller Zu\u0308rich") == "cafe muller zurich"
+    )  # decomposed input
     assert normalize_for_dedup("Ångström   (1814–1874)") == "angstrom 1814 1874"
 
 

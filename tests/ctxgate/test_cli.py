@@ -61,12 +61,21 @@ def test_each_command_has_help(capsys, argv, flag):
         (["index", "build", "--name", "n"], "the following arguments are required: --input"),
         (["engine", "serve", "--port", "eighty"], "argument --port: invalid int value: 'eighty'"),
         (["engine", "serve", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
-        (["serve", "--queue-timeout-s", "soon"], "argument --queue-timeout-s/--queue-timeout: invalid float value"),
+        (
+            ["serve", "--queue-timeout-s", "soon"],
+            "argument --queue-timeout-s/--queue-timeout: invalid float value",
+        ),
         # Constraints are the settings fields' own, checked while parsing.
         (["engine", "serve", "--port", "0"], "argument --port: Input should be greater than or equal to 1"),
-        (["engine", "serve", "--block-size", "-1"], "argument --block-size: Input should be greater than or equal"),
+        (
+            ["engine", "serve", "--block-size", "-1"],
+            "argument --block-size: Input should be greater than or equal",
+        ),
         (["serve", "--device", "tpu"], "argument --device: device must be auto, cpu or cuda, not 'tpu'"),
-        (["engine", "serve", "--num-kv-blocks", "4", "--kv-cache-memory-mb", "8"], "not allowed with argument"),
+        (
+            ["engine", "serve", "--num-kv-blocks", "4", "--kv-cache-memory-mb", "8"],
+            "not allowed with argument",
+        ),
         (["engine", "serve", "--turbo"], "unrecognized arguments: --turbo"),
         (["--log-level", "loud", "policy", "schema"], "argument --log-level: invalid choice: 'LOUD'"),
     ],
@@ -82,12 +91,18 @@ def test_usage_errors_exit_2_with_the_reason(capsys, argv, message):
     ("argv", "message"),
     [
         # --model points nowhere, so a missing check fails on the model instead of serving.
-        (["engine", "serve", "--model", "/nonexistent", "--weight-quant", "int4", "--dtype", "float16"],
-         "engine: weight_quant int4 runs with bfloat16 activations"),
-        (["index", "build", "--input", "/nonexistent.jsonl", "--name", "n", "--chunk-words", "3"],
-         "--chunk-words must be at least 8"),
-        (["eval", "gate", "--baseline", "/nonexistent/old.json", "--current", "/nonexistent/new.json"],
-         "report not found"),
+        (
+            ["engine", "serve", "--model", "/nonexistent", "--weight-quant", "int4", "--dtype", "float16"],
+            "engine: weight_quant int4 runs with bfloat16 activations",
+        ),
+        (
+            ["index", "build", "--input", "/nonexistent.jsonl", "--name", "n", "--chunk-words", "3"],
+            "--chunk-words must be at least 8",
+        ),
+        (
+            ["eval", "gate", "--baseline", "/nonexistent/old.json", "--current", "/nonexistent/new.json"],
+            "report not found",
+        ),
     ],
 )
 def test_values_a_command_rejects_give_a_one_line_error(capsys, argv, message):
@@ -109,7 +124,9 @@ def test_the_parser_is_import_light():
         "import sys; from ctxgate.cli import build_parser; build_parser(); "
         f"print([name for name in {heavy!r} if name in sys.modules])"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 

@@ -13,8 +13,14 @@ from pydantic import BaseModel
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "configuration.md"
 # The example's own choices (a deployment sets them); the page lists them by name.
-EXAMPLE_CHOICES = {"server.served_model_name", "server.policy_dir", "server.keys_file", "server.index_dir",
-                   "server.upstreams", "server.redis_url"}
+EXAMPLE_CHOICES = {
+    "server.served_model_name",
+    "server.policy_dir",
+    "server.keys_file",
+    "server.index_dir",
+    "server.upstreams",
+    "server.redis_url",
+}
 # Defaults computed from the machine: the example writes null, which the model resolves the same way.
 MACHINE_DEFAULTS = {"server.compression_workers"}
 
@@ -27,8 +33,11 @@ def _example(page: str) -> dict:
 def _sections() -> dict[str, type[BaseModel]]:
     from ctxgate.gateway.config_file import CtxgateConfig
 
-    return {name: info.annotation for name, info in CtxgateConfig.model_fields.items()
-            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)}
+    return {
+        name: info.annotation
+        for name, info in CtxgateConfig.model_fields.items()
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
+    }
 
 
 def not_defaults(page: str) -> dict[str, tuple[object, object]]:

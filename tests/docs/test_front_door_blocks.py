@@ -55,7 +55,10 @@ PLANS: dict[str, list[Run | Skip]] = {
     ],
     "docs/quickstart.md": [
         Skip("make serve", "starts the server this test starts itself; `make test` is the suite"),
-        Skip("pip install .", "installs into the environment (tests/gateway/test_wheel_install.py builds the wheel)"),
+        Skip(
+            "pip install .",
+            "installs into the environment (tests/gateway/test_wheel_install.py builds the wheel)",
+        ),
         Skip("apt-get install", "system packages, needs root"),
         Run("/v1/chat/completions", shows_output=True),
         Run("/v1/ctxgate/compress", shows_output=False),
@@ -68,8 +71,10 @@ RUNNABLE = {"bash", "sh", "python"}
 
 def blocks(doc: str) -> list[Block]:
     text = (REPO / doc).read_text()
-    return [Block(doc, index, match.group(1), match.group(2))
-            for index, match in enumerate(re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S))]
+    return [
+        Block(doc, index, match.group(1), match.group(2))
+        for index, match in enumerate(re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S))
+    ]
 
 
 def planned(doc: str) -> Iterator[tuple[Run | Skip, Block, Block | None]]:
@@ -96,7 +101,9 @@ def planned(doc: str) -> Iterator[tuple[Run | Skip, Block, Block | None]]:
 
 def run_block(block: Block, url: str) -> str:
     code = block.code.replace(DOC_URL, url)
-    command = [sys.executable, "-c", code] if block.lang == "python" else ["bash", "-euo", "pipefail", "-c", code]
+    command = (
+        [sys.executable, "-c", code] if block.lang == "python" else ["bash", "-euo", "pipefail", "-c", code]
+    )
     # python3 in a shell block is the one running the tests (a venv's, with the doc's imports).
     env = ctxgate_env(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -192,13 +199,20 @@ def test_the_first_request_shows_compression_and_one_answer(gateway):
     shown = json.loads(blocks("README.md")[block.index + 1].code)["usage"]["ctxgate"]
     # The token counts the README prints are the program's (tokenizer and compression are deterministic).
     assert (report["original_prompt_tokens"], report["prompt_tokens"]) == (
-        shown["original_prompt_tokens"], shown["prompt_tokens"])
+        shown["original_prompt_tokens"],
+        shown["prompt_tokens"],
+    )
 
 
 def test_the_langchain_example_finds_its_passages_in_the_messages(gateway):
     printed = subprocess.run(
-        [sys.executable, "examples/langchain_rag.py"], cwd=REPO, capture_output=True, text=True, timeout=300,
-        env=ctxgate_env(CTXGATE_URL=f"{gateway}/v1"), check=True,
+        [sys.executable, "examples/langchain_rag.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ctxgate_env(CTXGATE_URL=f"{gateway}/v1"),
+        check=True,
     ).stdout
     found = _literal(re.search(r"found in the messages: (\{.*\})", printed).group(1))
     assert found["passages_found"] == 6 and found["tokens_cut"] > 0

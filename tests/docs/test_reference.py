@@ -97,8 +97,11 @@ def test_every_config_key_and_setting_is_in_the_config_reference(pages):
     assert "engine.kv_cache_dtype" in keys and "server.upstream_api_key" in keys
     assert _missing(keys, page) == []
     for settings in (GatewaySettings, EngineConfig):
-        names = [f.name for f in dataclasses.fields(settings)] if dataclasses.is_dataclass(settings) \
+        names = (
+            [f.name for f in dataclasses.fields(settings)]
+            if dataclasses.is_dataclass(settings)
             else list(settings.model_fields)
+        )
         assert _missing(names, page) == [], settings.__name__
 
 
@@ -107,10 +110,17 @@ def test_every_config_key_names_the_serve_flag_that_sets_it(pages):
 
     serve_flags = {option for action in _serve_parser()._actions for option in action.option_strings}
     # model_list is a list of groups: the file's alone, no flag sets it.
-    leaves = [path for path in schema_paths(CtxgateConfig.model_json_schema())
-              if ("." in path or not _is_section(CtxgateConfig, path)) and not path.startswith("model_list")]
-    rows = {match.group(1): match.group(2) for match in
-            re.finditer(r"^\| `([\w.]+)` \|[^|]*\|[^|]*\| `(--[\w-]+)` \|", pages["reference/config.md"], re.M)}
+    leaves = [
+        path
+        for path in schema_paths(CtxgateConfig.model_json_schema())
+        if ("." in path or not _is_section(CtxgateConfig, path)) and not path.startswith("model_list")
+    ]
+    rows = {
+        match.group(1): match.group(2)
+        for match in re.finditer(
+            r"^\| `([\w.]+)` \|[^|]*\|[^|]*\| `(--[\w-]+)` \|", pages["reference/config.md"], re.M
+        )
+    }
     without = [path for path in leaves if path not in rows]
     assert without == [], "config keys without a flag in the reference"
     assert set(rows.values()) <= serve_flags
@@ -182,8 +192,11 @@ def _metric_names(registry) -> set[str]:
     text = generate_latest(registry).decode()
     names = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
     # prometheus-client's `<counter or histogram>_created` companions (the page says so once).
-    return {name for name in names if not (name.endswith("_created") and
-                                           names & {name[:-8], name[:-8] + "_total"})}
+    return {
+        name
+        for name in names
+        if not (name.endswith("_created") and names & {name[:-8], name[:-8] + "_total"})
+    }
 
 
 def test_every_metric_is_in_the_metrics_reference(pages):
@@ -203,9 +216,15 @@ def test_every_metric_is_in_the_metrics_reference(pages):
     names = set()
     for registry in (gateway.registry, engine.registry, upstream.metrics.registry, deployments.registry):
         names |= _metric_names(registry)
-    assert {"ctxgate:gateway_requests_total", "ctxgate:admission_in_flight", "ctxgate:upstream_up",
-            "vllm:num_requests_waiting", "process_cpu_seconds_total", "ctxgate:deployment_in_flight",
-            "ctxgate:deployment_affinity_hits_total"} <= names
+    assert {
+        "ctxgate:gateway_requests_total",
+        "ctxgate:admission_in_flight",
+        "ctxgate:upstream_up",
+        "vllm:num_requests_waiting",
+        "process_cpu_seconds_total",
+        "ctxgate:deployment_in_flight",
+        "ctxgate:deployment_affinity_hits_total",
+    } <= names
     page = pages["reference/metrics.md"]
     assert _missing(sorted(names), page) == []
     assert "| `ctxgate:quota_rejections_total` | counter | `tenant`, `reason` |" in page
@@ -214,7 +233,12 @@ def test_every_metric_is_in_the_metrics_reference(pages):
 
 def test_no_build_host_environment_reaches_the_reference(gen, monkeypatch):
     secret = "sk-build-host-secret-1234"
-    for name in ("REDIS_URL", "CTXGATE_UPSTREAM_API_KEY", "CTXGATE_ENGINE_API_KEY", "CTXGATE_EMBED_CACHE_URL"):
+    for name in (
+        "REDIS_URL",
+        "CTXGATE_UPSTREAM_API_KEY",
+        "CTXGATE_ENGINE_API_KEY",
+        "CTXGATE_EMBED_CACHE_URL",
+    ):
         monkeypatch.setenv(name, f"redis://{secret}" if "URL" in name else secret)
     for page in (gen.cli_page(), gen.config_page()):
         assert secret not in page
@@ -257,14 +281,23 @@ def test_every_page_in_the_nav_exists_and_every_page_is_in_the_nav(gen):
     assert nav == written
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
-                    reason="the docs extra (mkdocs, mkdocs-material) is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
+    reason="the docs extra (mkdocs, mkdocs-material) is not installed",
+)
 def test_mkdocs_builds_strict(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "NO_MKDOCS_2_WARNING": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "NO_MKDOCS_2_WARNING": "1",
+    }
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "WARNING" not in result.stderr
@@ -280,7 +313,10 @@ def test_mkdocs_builds_strict(tmp_path):
             checked += 1
     assert broken == [] and checked > 1000
     for chart in ("e2e-144q.png", "retention-vs-longllmlingua.png", "slo-goodput.png"):
-        assert chart in (site / "benchmarks.html").read_text() and (site / "assets" / "benchmarks" / chart).is_file()
+        assert (
+            chart in (site / "benchmarks.html").read_text()
+            and (site / "assets" / "benchmarks" / chart).is_file()
+        )
 
 
 def test_every_policy_keys_file_and_request_field_has_a_description(gen):
@@ -290,8 +326,15 @@ def test_every_policy_keys_file_and_request_field_has_a_description(gen):
     from ctxgate.gateway.schemas import CtxgateExtras
     from ctxgate.policies.schema import Policy
 
-    empty = [f"{root.__name__}: {row.name}" for root in (Policy, KeysFile, CtxgateExtras)
-             for _, _, rows in gen.model_sections(root) for row in rows if not row.description.strip()]
-    rows = sum(len(rows) for root in (Policy, KeysFile, CtxgateExtras) for _, _, rows in gen.model_sections(root))
+    empty = [
+        f"{root.__name__}: {row.name}"
+        for root in (Policy, KeysFile, CtxgateExtras)
+        for _, _, rows in gen.model_sections(root)
+        for row in rows
+        if not row.description.strip()
+    ]
+    rows = sum(
+        len(rows) for root in (Policy, KeysFile, CtxgateExtras) for _, _, rows in gen.model_sections(root)
+    )
     assert rows > 90
     assert empty == []

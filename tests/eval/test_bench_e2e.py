@@ -24,15 +24,33 @@ from ctxgate.eval.e2e_samples import OPEN_LOOP, TAG_PLACEHOLDER, ArmRun, E2EOpti
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def sample(arm: str, question: str, prefill_ms: float | None, compression_ms: float | None = None,
-           ttft_ms: float = 100.0, e2e_ms: float = 400.0) -> Sample:
-    return Sample(arm=arm, pass_name="cold", concurrency=1, question_id=question, ttft_ms=ttft_ms,
-                  e2e_ms=e2e_ms, output_tokens=4, prompt_tokens=100, prefill_ms=prefill_ms,
-                  compression_ms=compression_ms)
+def sample(
+    arm: str,
+    question: str,
+    prefill_ms: float | None,
+    compression_ms: float | None = None,
+    ttft_ms: float = 100.0,
+    e2e_ms: float = 400.0,
+) -> Sample:
+    return Sample(
+        arm=arm,
+        pass_name="cold",
+        concurrency=1,
+        question_id=question,
+        ttft_ms=ttft_ms,
+        e2e_ms=e2e_ms,
+        output_tokens=4,
+        prompt_tokens=100,
+        prefill_ms=prefill_ms,
+        compression_ms=compression_ms,
+    )
 
 
 def test_tag_swap_keeps_prompt_length_and_replaces_every_placeholder():
-    messages = [{"role": "system", "content": f"[{TAG_PLACEHOLDER}] answer"}, {"role": "user", "content": "q"}]
+    messages = [
+        {"role": "system", "content": f"[{TAG_PLACEHOLDER}] answer"},
+        {"role": "user", "content": "q"},
+    ]
     tag = new_tag()
     swapped = tagged(messages, tag)
     assert len(tag) == len(TAG_PLACEHOLDER)
@@ -64,8 +82,10 @@ def test_arm_summary_breaks_compression_time_down_by_stage():
 
 def test_payback_pairs_each_question_full_against_compressed():
     samples = [
-        sample("full", "a", 1000.0), sample("compressed", "a", 200.0, compression_ms=40.0),
-        sample("full", "b", 2000.0), sample("compressed", "b", 400.0, compression_ms=400.0),
+        sample("full", "a", 1000.0),
+        sample("compressed", "a", 200.0, compression_ms=40.0),
+        sample("full", "b", 2000.0),
+        sample("compressed", "b", 400.0, compression_ms=400.0),
         sample("ideal", "b", 400.0),
     ]
     payback = compression_payback(samples)
@@ -76,9 +96,16 @@ def test_payback_pairs_each_question_full_against_compressed():
 
 
 def test_acceptance_reads_the_cold_pass_and_leaves_missing_figures_undecided():
-    summary = {"cold": {"gain": 3.5, "efficiency": 0.8, "gateway_vs_engine_req_s": 0.95,
-                        "gateway_vs_engine_tpot_p50": None, "compressed_vs_ideal_ttft_p95": 1.05,
-                        "payback": {"compression_share_of_saving_p95": 0.2}}}
+    summary = {
+        "cold": {
+            "gain": 3.5,
+            "efficiency": 0.8,
+            "gateway_vs_engine_req_s": 0.95,
+            "gateway_vs_engine_tpot_p50": None,
+            "compressed_vs_ideal_ttft_p95": 1.05,
+            "payback": {"compression_share_of_saving_p95": 0.2},
+        }
+    }
     met = {check["check"]: check["met"] for check in acceptance(summary)}
     assert met["gain (compressed/full req/s) >= 3"] is True
     assert met["efficiency (compressed/ideal req/s) >= 0.9, cold"] is False
@@ -87,9 +114,16 @@ def test_acceptance_reads_the_cold_pass_and_leaves_missing_figures_undecided():
 
 
 def test_open_loop_acceptance_leaves_the_rate_checks_undecided():
-    summary = {"cold": {"gain": 3.5, "efficiency": 0.95, "gateway_vs_engine_req_s": 0.95,
-                        "gateway_vs_engine_tpot_p50": 1.0, "compressed_vs_ideal_ttft_p95": 1.2,
-                        "payback": {"compression_share_of_saving_p95": 0.05}}}
+    summary = {
+        "cold": {
+            "gain": 3.5,
+            "efficiency": 0.95,
+            "gateway_vs_engine_req_s": 0.95,
+            "gateway_vs_engine_tpot_p50": 1.0,
+            "compressed_vs_ideal_ttft_p95": 1.2,
+            "payback": {"compression_share_of_saving_p95": 0.05},
+        }
+    }
     met = {check["check"]: check["met"] for check in acceptance(summary, open_loop=True)}
     # requests/s is what was offered, not what an arm can serve
     assert met["gain (compressed/full req/s) >= 3"] is None
@@ -101,8 +135,13 @@ def test_open_loop_acceptance_leaves_the_rate_checks_undecided():
 
 
 def test_acceptance_shows_the_ttft_ratio_with_its_interval():
-    summary = {"cold": {"compressed_vs_ideal_ttft_p95": 1.08, "compressed_vs_ideal_ttft_p95_interval": [0.93, 1.27],
-                        "payback": {}}}
+    summary = {
+        "cold": {
+            "compressed_vs_ideal_ttft_p95": 1.08,
+            "compressed_vs_ideal_ttft_p95_interval": [0.93, 1.27],
+            "payback": {},
+        }
+    }
     checks = {check["check"]: check for check in acceptance(summary)}
     ttft = checks["TTFT P95 compressed <= 1.1x ideal, cold"]
     assert ttft["met"] is True and ttft["interval"] == [0.93, 1.27]
@@ -135,20 +174,47 @@ def test_open_loop_runs_one_level_in_chunks_of_four_clients_rounds():
 
 
 def test_open_loop_report_says_what_its_request_rates_are():
-    arm = {"req_s": 0.4, "output_tok_s": 12.0, "prompt_tokens_mean": 600.0, "ttft_ms": {"p50": 1.0, "p95": 2.0},
-           "tpot_ms": {"p50": 1.0, "p95": 2.0}, "e2e_ms": {"p50": 1.0, "p95": 2.0}, "prefill_ms": {"p50": 1.0},
-           "compression_ms": {"p50": None, "p95": None}, "others_cpu_frac_max": 0.0}
-    summary = {"cold": {"arms": {"full": arm, "compressed": arm, "ideal": arm, "engine": arm}, "gain": 1.0,
-                        "efficiency": 1.0, "gateway_vs_engine_req_s": 1.0, "gateway_vs_engine_tpot_p50": 1.0,
-                        "compressed_vs_ideal_ttft_p95": 1.0, "compressed_vs_ideal_ttft_p95_interval": [0.9, 1.2],
-                        "token_reduction": 4.0,
-                        "payback": {"prefill_ms_saved": {"p50": 1.0, "mean": 1.0},
-                                    "compression_ms": {"p50": 1.0, "p95": 1.0},
-                                    "compression_share_of_saving_p95": 0.01}}}
-    report = {"command": "c", "dataset": "d", "questions": 8, "output_tokens": 32, "policy": "rag-default",
-              "full_policy": "passthrough", "cpu_path": "p", "others_cpu_frac_max": 0.0, "others_cpu_frac_mean": 0.0,
-              "arrival_rate": 0.4, "levels": {"0": {"summary": summary,
-                                                    "acceptance": acceptance(summary, open_loop=True)}}}
+    arm = {
+        "req_s": 0.4,
+        "output_tok_s": 12.0,
+        "prompt_tokens_mean": 600.0,
+        "ttft_ms": {"p50": 1.0, "p95": 2.0},
+        "tpot_ms": {"p50": 1.0, "p95": 2.0},
+        "e2e_ms": {"p50": 1.0, "p95": 2.0},
+        "prefill_ms": {"p50": 1.0},
+        "compression_ms": {"p50": None, "p95": None},
+        "others_cpu_frac_max": 0.0,
+    }
+    summary = {
+        "cold": {
+            "arms": {"full": arm, "compressed": arm, "ideal": arm, "engine": arm},
+            "gain": 1.0,
+            "efficiency": 1.0,
+            "gateway_vs_engine_req_s": 1.0,
+            "gateway_vs_engine_tpot_p50": 1.0,
+            "compressed_vs_ideal_ttft_p95": 1.0,
+            "compressed_vs_ideal_ttft_p95_interval": [0.9, 1.2],
+            "token_reduction": 4.0,
+            "payback": {
+                "prefill_ms_saved": {"p50": 1.0, "mean": 1.0},
+                "compression_ms": {"p50": 1.0, "p95": 1.0},
+                "compression_share_of_saving_p95": 0.01,
+            },
+        }
+    }
+    report = {
+        "command": "c",
+        "dataset": "d",
+        "questions": 8,
+        "output_tokens": 32,
+        "policy": "rag-default",
+        "full_policy": "passthrough",
+        "cpu_path": "p",
+        "others_cpu_frac_max": 0.0,
+        "others_cpu_frac_mean": 0.0,
+        "arrival_rate": 0.4,
+        "levels": {"0": {"summary": summary, "acceptance": acceptance(summary, open_loop=True)}},
+    }
     markdown = render_markdown(report)
     assert "## Open loop at 0.4 requests/s, cold pass" in markdown
     assert "### Acceptance at open loop at 0.4 requests/s" in markdown
@@ -164,8 +230,11 @@ def test_arrival_rate_must_be_a_positive_number(capsys):
 
     assert parse_args(["bench", "e2e", "--arrival-rate", "0.4"]).arrival_rate == 0.4
     assert parse_args(["bench", "e2e"]).arrival_rate is None
-    for bad, message in (("0", "must be a positive number, not 0"), ("fast", "expected a number, not 'fast'"),
-                         ("inf", "must be a positive number, not inf")):
+    for bad, message in (
+        ("0", "must be a positive number, not 0"),
+        ("fast", "expected a number, not 'fast'"),
+        ("inf", "must be a positive number, not inf"),
+    ):
         with pytest.raises(SystemExit):
             parse_args(["bench", "e2e", "--arrival-rate", bad])
         assert message in capsys.readouterr().err
@@ -175,17 +244,43 @@ def test_arrival_rate_must_be_a_positive_number(capsys):
 def test_bench_e2e_command_runs_every_arm_on_the_same_questions(tmp_path):
     out = tmp_path / "e2e"
     result = subprocess.run(
-        [sys.executable, "-m", "ctxgate", "bench", "e2e", "--limit", "2", "--output-tokens", "4",
-         "--concurrency", "1", "--no-warm-pass", "--no-progress", "--compression-workers", "2",
-         "--max-num-batched-tokens", "256", "--out", str(out)],
-        capture_output=True, text=True, cwd=REPO_ROOT, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "ctxgate",
+            "bench",
+            "e2e",
+            "--limit",
+            "2",
+            "--output-tokens",
+            "4",
+            "--concurrency",
+            "1",
+            "--no-warm-pass",
+            "--no-progress",
+            "--compression-workers",
+            "2",
+            "--max-num-batched-tokens",
+            "256",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "bench_e2e.json").read_text())
     assert report["compression_workers"] == 2  # handed to the gateway as `serve --compression-workers`
     assert report["max_num_batched_tokens"] == 256  # and the step budget to both engines
     arms = report["levels"]["1"]["summary"]["cold"]["arms"]
-    assert {arm: arms[arm]["requests"] for arm in arms} == {"full": 2, "compressed": 2, "ideal": 2, "engine": 2}
+    assert {arm: arms[arm]["requests"] for arm in arms} == {
+        "full": 2,
+        "compressed": 2,
+        "ideal": 2,
+        "engine": 2,
+    }
     assert all(arms[arm]["errors"] == 0 for arm in arms)
     assert all(arms[arm]["output_tok_s"] > 0 for arm in arms)
     # ideal and engine send what the compressed arm sent (up to the tag's tokens); full sends more.
@@ -194,11 +289,16 @@ def test_bench_e2e_command_runs_every_arm_on_the_same_questions(tmp_path):
     assert arms["full"]["prompt_tokens_mean"] > 2 * arms["compressed"]["prompt_tokens_mean"]
     assert arms["compressed"]["compression_ms"]["p50"] > 0
     assert "dedup" in arms["compressed"]["compression_stage_ms"]  # where the embedding happens
-    assert arms["compressed"]["compression_wait_ms"]["p50"] >= 0  # reported by the gateway, apart from the stages
+    assert (
+        arms["compressed"]["compression_wait_ms"]["p50"] >= 0
+    )  # reported by the gateway, apart from the stages
     # The engine's queue time, through the gateway (usage) and from the engine alone (its metrics).
     assert all(arms[arm]["queue_ms"]["p50"] >= 0 for arm in arms)
     # first sights: their embedding passes ran on the gateway engine's thread, and ideal's requests compress nothing
-    assert arms["compressed"]["compression_engine_ms"]["p50"] > 0 and arms["ideal"]["compression_engine_ms"]["p50"] == 0
+    assert (
+        arms["compressed"]["compression_engine_ms"]["p50"] > 0
+        and arms["ideal"]["compression_engine_ms"]["p50"] == 0
+    )
     positions = report["levels"]["1"]["summary"]["cold"]["ttft_ms_by_position"]
     assert set(positions) == set(arms) and all(len(medians) == 2 for medians in positions.values())
     markdown = (out / "bench_e2e.md").read_text()

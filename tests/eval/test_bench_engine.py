@@ -23,10 +23,25 @@ def _check_run_summary(summary: dict) -> None:
 
 def test_bench_engine_in_process_with_baseline(tmp_path, model_dir):
     out_dir = tmp_path / "bench"
-    code = main([
-        "bench", "engine", "--workloads", "W1", *TINY, "--out", str(out_dir), "--model", str(model_dir),
-        "--dtype", "float32", "--num-kv-blocks", "32", "--max-model-len", "128",
-    ])
+    code = main(
+        [
+            "bench",
+            "engine",
+            "--workloads",
+            "W1",
+            *TINY,
+            "--out",
+            str(out_dir),
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "32",
+            "--max-model-len",
+            "128",
+        ]
+    )
     assert code == 0
     report = json.loads((out_dir / "bench_engine.json").read_text())
     entry = report["workloads"]["W1"]
@@ -41,12 +56,30 @@ def test_bench_engine_url_mode(tmp_path, model_dir):
     from ctxgate.backend.engine.async_engine import AsyncEngine
     from ctxgate.backend.engine.config import EngineConfig
 
-    engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, max_model_len=128))
+    engine = AsyncEngine(
+        EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, max_model_len=128)
+    )
     out_dir = tmp_path / "bench"
     with serve_engine(engine) as url:
         # The same server once more as a "peer": the interleaved side-by-side mode.
-        code = main(["bench", "engine", "--url", url, "--peer", f"again={url}", "--workloads", "W2", *TINY,
-                     "--no-baseline", "--out", str(out_dir), "--model", str(model_dir)])
+        code = main(
+            [
+                "bench",
+                "engine",
+                "--url",
+                url,
+                "--peer",
+                f"again={url}",
+                "--workloads",
+                "W2",
+                *TINY,
+                "--no-baseline",
+                "--out",
+                str(out_dir),
+                "--model",
+                str(model_dir),
+            ]
+        )
     assert code == 0
     report = json.loads((out_dir / "bench_engine.json").read_text())
     entry = report["workloads"]["W2"]
@@ -64,9 +97,16 @@ def test_bench_engine_rejects_bad_peer_specs():
     from ctxgate.eval.bench_engine_cli import parse_peers
 
     assert parse_peers(["vllm=http://h:1", "llama=http://h:2"], "server") == [
-        ("vllm", "http://h:1"), ("llama", "http://h:2"),
+        ("vllm", "http://h:1"),
+        ("llama", "http://h:2"),
     ]
-    for bad in (["vllm"], ["=http://h:1"], ["x=ftp://h"], ["server=http://h:1"], ["a=http://h:1", "a=http://h:2"]):
+    for bad in (
+        ["vllm"],
+        ["=http://h:1"],
+        ["x=ftp://h"],
+        ["server=http://h:1"],
+        ["a=http://h:1", "a=http://h:2"],
+    ):
         with pytest.raises(ValueError):
             parse_peers(bad, "server")
 
@@ -79,7 +119,9 @@ def test_cpu_meter_counts_a_servers_children_as_its_own():
     from ctxgate.eval.bench_engine import CpuMeter
 
     already_own = CpuMeter()._own_pids()  # this test process's other descendants (test servers)
-    grandchild = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    grandchild = (
+        "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    )
     parent = subprocess.Popen([sys.executable, "-c", grandchild])
     try:
         import time
@@ -122,14 +164,18 @@ def test_bench_engine_url_mode_with_api_key(tmp_path, model_dir, capsys):
 
     keys = tmp_path / "keys.yaml"
     keys.write_text(yaml.safe_dump({"tenants": {"bench": {"keys": [{"sha256": hash_key("cg-bench-key")}]}}}))
-    engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, max_model_len=128))
+    engine = AsyncEngine(
+        EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, max_model_len=128)
+    )
     settings = GatewaySettings(keys_file=keys, default_policy="passthrough", served_model_name="bench-model")
     args = ["bench", "engine", "--workloads", "W1", *TINY, "--no-baseline", "--model", str(model_dir)]
     try:
         with ServerThread(create_app(settings, engine=engine)) as gateway:
             refused = main([*args, "--url", gateway.url])
             assert refused == 2 and "no OpenAI-compatible server listed a model" in capsys.readouterr().err
-            code = main([*args, "--url", gateway.url, "--api-key", "cg-bench-key", "--out", str(tmp_path / "b")])
+            code = main(
+                [*args, "--url", gateway.url, "--api-key", "cg-bench-key", "--out", str(tmp_path / "b")]
+            )
     finally:
         engine.shutdown()
     assert code == 0

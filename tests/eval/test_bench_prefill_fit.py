@@ -19,11 +19,17 @@ def test_fit_recovers_a_line_and_reports_r2():
 
 def test_saving_per_1k_tokens_removed():
     def sample(tokens, compression=0.0):
-        return {"prompt_tokens": tokens, "prefill_ms": tokens * 0.2, "ttft_ms": tokens * 0.2 + 3,
-                "compression_ms_total": compression}
+        return {
+            "prompt_tokens": tokens,
+            "prefill_ms": tokens * 0.2,
+            "ttft_ms": tokens * 0.2 + 3,
+            "compression_ms_total": compression,
+        }
 
-    pairs = [{"full": sample(2000), "compressed": sample(500, 4.0)},
-             {"full": sample(2200), "compressed": sample(200, 6.0)}]
+    pairs = [
+        {"full": sample(2000), "compressed": sample(500, 4.0)},
+        {"full": sample(2200), "compressed": sample(200, 6.0)},
+    ]
     summary = summarize_pairs(pairs)
     assert summary["tokens_removed_mean"] == pytest.approx(1750)
     assert summary["prefill_ms_saved_per_1k_tokens_removed"] == pytest.approx(200)
@@ -36,5 +42,7 @@ def test_quadratic_fit_is_reported_when_lengths_allow():
 
     tokens = [100.0, 500.0, 1000.0, 2000.0]
     fit = fit_quadratic(tokens, [2 + 0.1 * t + 0.001 * t * t for t in tokens])
-    assert fit["ms_per_token_squared"] == pytest.approx(0.001) and fit["intercept_ms"] == pytest.approx(2, abs=1e-6)
+    assert fit["ms_per_token_squared"] == pytest.approx(0.001) and fit["intercept_ms"] == pytest.approx(
+        2, abs=1e-6
+    )
     assert fit_quadratic([1.0, 1.0, 2.0], [1.0, 1.0, 2.0]) is None

@@ -46,33 +46,62 @@ def test_rag_requests_share_the_system_prompt_and_arms_share_nothing():
 
 
 def test_figures_lost_requests_and_bars():
-    outcomes = [Outcome("multi-turn", 0.0, ttft_s=0.1, done_at=1.0), Outcome("multi-turn", 0.5, ttft_s=0.3, done_at=2.0),
-                Outcome("multi-turn", 1.0, ttft_s=0.2, done_at=1.5, error="EngineError: cut"),
-                Outcome("multi-turn", 1.0, done_at=1.2, error="EngineError: refused")]
+    outcomes = [
+        Outcome("multi-turn", 0.0, ttft_s=0.1, done_at=1.0),
+        Outcome("multi-turn", 0.5, ttft_s=0.3, done_at=2.0),
+        Outcome("multi-turn", 1.0, ttft_s=0.2, done_at=1.5, error="EngineError: cut"),
+        Outcome("multi-turn", 1.0, done_at=1.2, error="EngineError: refused"),
+    ]
     row = summarize(outcomes, 100.0)
     assert (row["requests"], row["failed"], row["failed_before_streaming"]) == (4, 2, 1)
     assert row["requests_per_s"] == 1.0 and row["ttft_ms_p50"] == 200.0
     assert hits_gained({"a": 10, "b": 5}, {"a": 30}) == 20  # b was killed: its counters are gone
     rr = summarize(outcomes[:2], 100.0)
     affinity = summarize(outcomes[:1], 250.0)
-    report = {"arms": {"round robin": {"multi-turn": rr}, "affinity": {"multi-turn": affinity}},
-              "kill": {"multi-turn": row}}
-    assert bars(report) == {"hit_tokens_ratio": 2.5, "hit_tokens_2x": True, "ttft_p95_lower": True,
-                            "lost_before_streaming": 1}
+    report = {
+        "arms": {"round robin": {"multi-turn": rr}, "affinity": {"multi-turn": affinity}},
+        "kill": {"multi-turn": row},
+    }
+    assert bars(report) == {
+        "hit_tokens_ratio": 2.5,
+        "hit_tokens_2x": True,
+        "ttft_p95_lower": True,
+        "lost_before_streaming": 1,
+    }
     report["bars"] = bars(report)
-    assert "| affinity, 1 replica killed | multi-turn | 4 | 2 (1 before streaming) | 100 |" in render_markdown(report)
+    assert (
+        "| affinity, 1 replica killed | multi-turn | 4 | 2 (1 before streaming) | 100 |"
+        in render_markdown(report)
+    )
 
 
 def test_previous_turn_reuse_is_counted_in_whole_blocks():
     def turn(conversation, index, prompt, cached):
-        return Outcome("multi-turn", 0.0, ttft_s=0.1, done_at=1.0, turn=index, conversation=conversation,
-                       prompt_tokens=prompt, cached_tokens=cached)
+        return Outcome(
+            "multi-turn",
+            0.0,
+            ttft_s=0.1,
+            done_at=1.0,
+            turn=index,
+            conversation=conversation,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+        )
 
-    done = [turn("a", 0, 40, 0), turn("a", 1, 100, 32), turn("a", 2, 170, 64),  # full, then partial (96 reusable)
-            turn("b", 0, 50, 0), turn("b", 1, 90, 0)]  # none of b's 48
+    done = [
+        turn("a", 0, 40, 0),
+        turn("a", 1, 100, 32),
+        turn("a", 2, 170, 64),  # full, then partial (96 reusable)
+        turn("b", 0, 50, 0),
+        turn("b", 1, 90, 0),
+    ]  # none of b's 48
     reuse = previous_turn_hits(done)["previous_turn"]
-    assert reuse == {"reusable_tokens": 32 + 96 + 48, "found_tokens": 96, "found_share": round(96 / 176, 3),
-                     "turns": {"full": 1, "partial": 1, "none": 1}}
+    assert reuse == {
+        "reusable_tokens": 32 + 96 + 48,
+        "found_tokens": 96,
+        "found_share": round(96 / 176, 3),
+        "turns": {"full": 1, "partial": 1, "none": 1},
+    }
     assert previous_turn_hits([turn("a", 0, 40, 0)]) == {}  # no later turn: nothing to say
 
 
@@ -80,7 +109,10 @@ def test_the_gateway_config_puts_the_replicas_in_one_group_under_the_arm_strateg
     config = gateway_config(["http://a:1", "http://b:2"], "cache_affinity", None)
     settings = GatewaySettings(**config["server"], model_list=config["model_list"])
     (group,) = settings.model_list
-    assert group.routing == "cache_affinity" and [d.url for d in group.deployments] == ["http://a:1/v1", "http://b:2/v1"]
+    assert group.routing == "cache_affinity" and [d.url for d in group.deployments] == [
+        "http://a:1/v1",
+        "http://b:2/v1",
+    ]
     assert settings.default_policy == "passthrough"  # the replicas get the prompts as sent
 
 

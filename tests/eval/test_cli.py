@@ -23,7 +23,9 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _without_extra(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", WITHOUT_EXTRA, *argv], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_EXTRA, *argv], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_help_and_the_serving_path_need_no_eval_packages():
@@ -32,11 +34,14 @@ def test_help_and_the_serving_path_need_no_eval_packages():
     assert "eval" in done.stdout and "serve" in done.stdout
 
 
-@pytest.mark.parametrize("argv", [
-    ["eval", "retention", "--input", "x.jsonl", "--policy", "rag-default"],
-    ["eval", "message-context", "--limit", "1"],
-    ["bench", "e2e", "--limit", "1"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "retention", "--input", "x.jsonl", "--policy", "rag-default"],
+        ["eval", "message-context", "--limit", "1"],
+        ["bench", "e2e", "--limit", "1"],
+    ],
+)
 def test_a_command_that_needs_the_extra_says_how_to_install_it(argv):
     done = _without_extra(*argv)
     assert done.returncode == 2

@@ -23,16 +23,21 @@ def test_shipped_datasets_load_with_gold_labels():
     assert first.documents()[0].keys() == {"id", "title", "text"}
     hotpot = load_dataset(resolve_dataset_path("hotpotqa-distractor-dev.jsonl"), limit=50)
     assert len(hotpot.examples) == 50
-    assert any(example.is_yes_no for example in load_dataset(resolve_dataset_path(
-        "hotpotqa-distractor-dev.jsonl")).examples)
+    assert any(
+        example.is_yes_no
+        for example in load_dataset(resolve_dataset_path("hotpotqa-distractor-dev.jsonl")).examples
+    )
     assert any(example.supporting_sentences for example in hotpot.examples)
 
 
 def test_limit_keeps_file_order(tmp_path):
-    path = _write(tmp_path / "d.jsonl", [
-        {"id": f"q{i}", "question": f"question {i}?", "answers": ["x"], "passages": [{"text": "x"}]}
-        for i in range(4)
-    ])
+    path = _write(
+        tmp_path / "d.jsonl",
+        [
+            {"id": f"q{i}", "question": f"question {i}?", "answers": ["x"], "passages": [{"text": "x"}]}
+            for i in range(4)
+        ],
+    )
     dataset = load_dataset(path, limit=2)
     assert [example.id for example in dataset.examples] == ["q0", "q1"]
     assert len(dataset.sha256) == 64

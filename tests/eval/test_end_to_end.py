@@ -43,16 +43,39 @@ def gateway_url(eval_engine, eval_policy_dir):
 
 
 def ctxgate(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ctxgate", *args], capture_output=True, text=True,
-                          cwd=REPO_ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ctxgate", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
 def two_policy_run(small_dataset, gateway_url, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
-    result = ctxgate("eval", "run", "--input", str(small_dataset), "--policy", "passthrough",
-                     "--policy", "eval-tight", "--limit", "5", "--max-tokens", "8", "--concurrency", "2",
-                     "--url", gateway_url, "--out", str(out), "--no-progress")
+    result = ctxgate(
+        "eval",
+        "run",
+        "--input",
+        str(small_dataset),
+        "--policy",
+        "passthrough",
+        "--policy",
+        "eval-tight",
+        "--limit",
+        "5",
+        "--max-tokens",
+        "8",
+        "--concurrency",
+        "2",
+        "--url",
+        gateway_url,
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return out
 
@@ -82,8 +105,19 @@ def test_two_policy_run_writes_every_report_file_and_plot(two_policy_run):
 
 def test_gate_passes_identical_and_fails_planted_drop(two_policy_run, tmp_path):
     report_path = two_policy_run / "report.json"
-    same = ctxgate("eval", "gate", "--baseline", str(report_path), "--current", str(report_path),
-                   "--max-accuracy-drop", "0.02", "--max-retention-drop", "0.02", timeout=120)
+    same = ctxgate(
+        "eval",
+        "gate",
+        "--baseline",
+        str(report_path),
+        "--current",
+        str(report_path),
+        "--max-accuracy-drop",
+        "0.02",
+        "--max-retention-drop",
+        "0.02",
+        timeout=120,
+    )
     assert same.returncode == 0, same.stdout + same.stderr
     # Plant a drop: a copy of the real report in which passthrough lost the answer from every context.
     report = json.loads(report_path.read_text())
@@ -94,8 +128,19 @@ def test_gate_passes_identical_and_fails_planted_drop(two_policy_run, tmp_path):
     arm["answer_retention"]["value"] = 0.0
     degraded_path = tmp_path / "degraded.json"
     degraded_path.write_text(json.dumps(degraded))
-    regressed = ctxgate("eval", "gate", "--baseline", str(report_path), "--current", str(degraded_path),
-                        "--max-accuracy-drop", "0.02", "--max-retention-drop", "0.02", timeout=120)
+    regressed = ctxgate(
+        "eval",
+        "gate",
+        "--baseline",
+        str(report_path),
+        "--current",
+        str(degraded_path),
+        "--max-accuracy-drop",
+        "0.02",
+        "--max-retention-drop",
+        "0.02",
+        timeout=120,
+    )
     assert regressed.returncode == 1
     assert "FAIL passthrough: answer_retention dropped by +1.000" in regressed.stdout
     assert "95% CI of drop" in regressed.stdout
@@ -115,14 +160,24 @@ def test_sweep_produces_one_row_per_value(small_dataset, eval_engine, eval_polic
         return InProcessGateway(policy_dir=policy_dir, engine=eval_engine)
 
     out = tmp_path / "sweep"
-    config = RunConfig(dataset=str(small_dataset), policies=["eval-tight"], out_dir=str(out), limit=2,
-                       max_tokens=4, sweep=parse_sweep("max_input_tokens=250,700"),
-                       policy_dir=str(eval_policy_dir), progress=False)
+    config = RunConfig(
+        dataset=str(small_dataset),
+        policies=["eval-tight"],
+        out_dir=str(out),
+        limit=2,
+        max_tokens=4,
+        sweep=parse_sweep("max_input_tokens=250,700"),
+        policy_dir=str(eval_policy_dir),
+        progress=False,
+    )
     report = run_eval(config, launcher=launcher)
     assert served_policy_dirs and served_policy_dirs[0] is not None
     rows = report["sweep"]["rows"]
     assert [row["value"] for row in rows] == [250, 700]
-    assert [row["policy"] for row in rows] == ["eval-tight--max_input_tokens-250", "eval-tight--max_input_tokens-700"]
+    assert [row["policy"] for row in rows] == [
+        "eval-tight--max_input_tokens-250",
+        "eval-tight--max_input_tokens-700",
+    ]
     assert rows[0]["prompt_tokens_mean"] < rows[1]["prompt_tokens_mean"]
     assert json.loads((out / "report.json").read_text())["sweep"]["rows"] == rows
     assert "Sweep of `max_input_tokens`" in (out / "report.md").read_text()
@@ -131,9 +186,25 @@ def test_sweep_produces_one_row_per_value(small_dataset, eval_engine, eval_polic
 
 
 def test_sweep_against_a_running_gateway_uses_request_overrides(small_dataset, gateway_url, tmp_path):
-    result = ctxgate("eval", "run", "--input", str(small_dataset), "--policy", "eval-tight",
-                     "--sweep", "max_input_tokens=250,700", "--limit", "2", "--max-tokens", "4",
-                     "--url", gateway_url, "--out", str(tmp_path), "--no-progress")
+    result = ctxgate(
+        "eval",
+        "run",
+        "--input",
+        str(small_dataset),
+        "--policy",
+        "eval-tight",
+        "--sweep",
+        "max_input_tokens=250,700",
+        "--limit",
+        "2",
+        "--max-tokens",
+        "4",
+        "--url",
+        gateway_url,
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads((tmp_path / "report.json").read_text())["sweep"]["rows"]
     assert [row["value"] for row in rows] == [250, 700] and {row["policy"] for row in rows} == {"eval-tight"}
@@ -141,8 +212,23 @@ def test_sweep_against_a_running_gateway_uses_request_overrides(small_dataset, g
 
 
 def test_bench_prefill_fits_a_cost_model(small_dataset, gateway_url, tmp_path):
-    result = ctxgate("bench", "prefill", "--input", str(small_dataset), "--policy", "eval-tight",
-                     "--limit", "3", "--warmup", "1", "--url", gateway_url, "--out", str(tmp_path), "--no-progress")
+    result = ctxgate(
+        "bench",
+        "prefill",
+        "--input",
+        str(small_dataset),
+        "--policy",
+        "eval-tight",
+        "--limit",
+        "3",
+        "--warmup",
+        "1",
+        "--url",
+        gateway_url,
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     cost = json.loads((tmp_path / "prefill_cost.json").read_text())
     assert cost["schema"] == "ctxgate.prefill_cost/v1"
@@ -156,9 +242,25 @@ def test_bench_prefill_fits_a_cost_model(small_dataset, gateway_url, tmp_path):
 
 def test_cli_without_url_starts_and_stops_ctxgate_serve(small_dataset, eval_policy_dir, tmp_path):
     """The default mode: `ctxgate eval run` launches `ctxgate serve` on a free port, then stops it."""
-    result = ctxgate("eval", "run", "--input", str(small_dataset), "--policy", "passthrough",
-                     "--policy", "eval-tight", "--policy-dir", str(eval_policy_dir), "--limit", "1",
-                     "--max-tokens", "4", "--out", str(tmp_path), "--no-progress")
+    result = ctxgate(
+        "eval",
+        "run",
+        "--input",
+        str(small_dataset),
+        "--policy",
+        "passthrough",
+        "--policy",
+        "eval-tight",
+        "--policy-dir",
+        str(eval_policy_dir),
+        "--limit",
+        "1",
+        "--max-tokens",
+        "4",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stdout + result.stderr + (tmp_path / "gateway.log").read_text()
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["arms"]["eval-tight"]["n"] == 1 and report["arms"]["eval-tight"]["errors"] == 0
@@ -166,9 +268,22 @@ def test_cli_without_url_starts_and_stops_ctxgate_serve(small_dataset, eval_poli
 
 
 def test_compress_only_run_measures_retention_without_generating(small_dataset, gateway_url, tmp_path):
-    result = ctxgate("eval", "run", "--input", str(small_dataset), "--policy", "passthrough",
-                     "--policy", "eval-tight", "--compress-only", "--url", gateway_url, "--out", str(tmp_path),
-                     "--no-progress")
+    result = ctxgate(
+        "eval",
+        "run",
+        "--input",
+        str(small_dataset),
+        "--policy",
+        "passthrough",
+        "--policy",
+        "eval-tight",
+        "--compress-only",
+        "--url",
+        gateway_url,
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     passthrough, tight = report["arms"]["passthrough"], report["arms"]["eval-tight"]

@@ -14,17 +14,26 @@ OTHER = Passage(title="Other", text="Santa Claus is a figure. He brings presents
 
 
 def _example(answers=("Gayla Peevey",), supporting=()) -> EvalExample:
-    return EvalExample(id="q", question="who sang it?", answers=answers, passages=(OTHER, GOLD),
-                       supporting_sentences=supporting)
+    return EvalExample(
+        id="q",
+        question="who sang it?",
+        answers=answers,
+        passages=(OTHER, GOLD),
+        supporting_sentences=supporting,
+    )
 
 
 def _sent(context: str) -> list[dict]:
-    return [{"role": "system", "content": "Answer."}, {"role": "user", "content": f"{context}\n\nwho sang it?"}]
+    return [
+        {"role": "system", "content": "Answer."},
+        {"role": "user", "content": f"{context}\n\nwho sang it?"},
+    ]
 
 
 def test_full_context_retains_everything():
-    retention = evidence_retention(_example(supporting=("It was sung by Gayla Peevey in 1953.",)),
-                                   _sent(f"{OTHER.text}\n{GOLD.text}"))
+    retention = evidence_retention(
+        _example(supporting=("It was sung by Gayla Peevey in 1953.",)), _sent(f"{OTHER.text}\n{GOLD.text}")
+    )
     assert retention.answer_retained is True
     assert retention.gold_passages_retained == 1.0
     assert retention.supporting_sentences_retained == 1.0
@@ -45,5 +54,7 @@ def test_yes_no_answers_and_unlabelled_data_are_not_scored():
 
 
 def test_messages_text_reads_list_contents():
-    text = messages_text([{"role": "user", "content": [{"type": "text", "text": "alpha"}, {"type": "text", "text": "beta"}]}])
+    text = messages_text(
+        [{"role": "user", "content": [{"type": "text", "text": "alpha"}, {"type": "text", "text": "beta"}]}]
+    )
     assert "alpha" in text and "beta" in text

@@ -7,16 +7,24 @@ from pathlib import Path
 
 from ctxgate.cli import main
 
-FILLER = " ".join(f"Sentence {k} about rivers: rivers shape the land in region {k} over many years." for k in range(40))
+FILLER = " ".join(
+    f"Sentence {k} about rivers: rivers shape the land in region {k} over many years." for k in range(40)
+)
 
 
 def _dataset(tmp_path: Path) -> Path:
     """Two questions whose answer sits in one of eight long passages (a real cut at rag-default)."""
     rows = []
-    for index, (question, answer, fact) in enumerate([
-        ("When was the Eiffel Tower completed?", "1889", "The Eiffel Tower was completed in 1889 for the fair."),
-        ("Who wrote Hamlet?", "Shakespeare", "Hamlet is a tragedy written by William Shakespeare."),
-    ]):
+    for index, (question, answer, fact) in enumerate(
+        [
+            (
+                "When was the Eiffel Tower completed?",
+                "1889",
+                "The Eiffel Tower was completed in 1889 for the fair.",
+            ),
+            ("Who wrote Hamlet?", "Shakespeare", "Hamlet is a tragedy written by William Shakespeare."),
+        ]
+    ):
         passages = [{"title": f"Rivers {k}", "text": FILLER} for k in range(8)]
         passages[3] = {"title": "Fact", "text": fact + " " + FILLER}
         rows.append({"id": f"q{index}", "question": question, "answers": [answer], "passages": passages})

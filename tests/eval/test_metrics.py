@@ -25,5 +25,3 @@ def test_exact_match_and_f1():
     assert token_f1("the beatles band", ["Beatles"]) == pytest.approx(2 * 0.5 * 1 / 1.5)
     assert token_f1("rolling stones", ["Beatles"]) == 0.0
     assert token_f1("x", ["nope", "x"]) == 1.0
-
-

@@ -32,18 +32,32 @@ def _rows(dataset, arm: str, correct_every: int, keep_every: int, sent_tokens: i
         gold = example.gold_passages[0]
         distractor = next(passage for passage in example.passages if not passage.is_gold)
         passages = [gold.text] if index % keep_every == 0 else [distractor.text]
-        sent = [{"role": "system", "content": "Answer."},
-                {"role": "user", "content": "\n\n".join(passages) + "\n\n" + example.question}]
+        sent = [
+            {"role": "system", "content": "Answer."},
+            {"role": "user", "content": "\n\n".join(passages) + "\n\n" + example.question},
+        ]
         reply = example.answers[0] if index % correct_every == 0 else "I do not know"
         compressed = SimpleNamespace(messages=sent, report={}, error=None)
         chat = SimpleNamespace(
-            reply=reply, error=None, prompt_tokens=sent_tokens, completion_tokens=4,
-            ttft_ms=100.0 + index, tpot_ms=10.0, latency_ms=140.0 + index,
+            reply=reply,
+            error=None,
+            prompt_tokens=sent_tokens,
+            completion_tokens=4,
+            ttft_ms=100.0 + index,
+            tpot_ms=10.0,
+            latency_ms=140.0 + index,
             usage_ctxgate={
-                "original_prompt_tokens": 2000, "prompt_tokens": sent_tokens,
-                "saved_tokens": {"rerank": (2000 - sent_tokens) // 2, "extraction": (2000 - sent_tokens) // 2},
-                "compression_ms": {"rerank": 3.0, "extraction": 2.0}, "prefill_ms": sent_tokens / 10,
-                "ttft_ms": sent_tokens / 10 + 5, "queue_ms": 1.0, "cached_prompt_tokens": 0,
+                "original_prompt_tokens": 2000,
+                "prompt_tokens": sent_tokens,
+                "saved_tokens": {
+                    "rerank": (2000 - sent_tokens) // 2,
+                    "extraction": (2000 - sent_tokens) // 2,
+                },
+                "compression_ms": {"rerank": 3.0, "extraction": 2.0},
+                "prefill_ms": sent_tokens / 10,
+                "ttft_ms": sent_tokens / 10 + 5,
+                "queue_ms": 1.0,
+                "cached_prompt_tokens": 0,
             },
         )
         rows.append(score_record(example, variant, compressed, chat))
@@ -57,10 +71,19 @@ def dataset():
 
 def _report(dataset, candidate_correct_every=2):
     base_variant, base_rows = _rows(dataset, "passthrough", correct_every=2, keep_every=1, sent_tokens=2000)
-    cand_variant, cand_rows = _rows(dataset, "rag-default", correct_every=candidate_correct_every,
-                                    keep_every=2, sent_tokens=500)
-    config = SimpleNamespace(concurrency=1, sweep=None, policies=["passthrough", "rag-default"], limit=40,
-                             max_tokens=8, temperature=0.0, url="http://test", command="ctxgate eval run ...")
+    cand_variant, cand_rows = _rows(
+        dataset, "rag-default", correct_every=candidate_correct_every, keep_every=2, sent_tokens=500
+    )
+    config = SimpleNamespace(
+        concurrency=1,
+        sweep=None,
+        policies=["passthrough", "rag-default"],
+        limit=40,
+        max_tokens=8,
+        temperature=0.0,
+        url="http://test",
+        command="ctxgate eval run ...",
+    )
     rows = base_rows + cand_rows
     return build_report(rows, [base_variant, cand_variant], dataset, config, wall_s=12.0), rows
 
@@ -72,7 +95,9 @@ def test_report_numbers_match_the_rows(dataset):
     assert base["n"] == cand["n"] == 40 and base["errors"] == 0
     assert base["accuracy"]["value"] == pytest.approx(0.5)
     assert base["accuracy"]["ci_low"] < 0.5 < base["accuracy"]["ci_high"]
-    assert base["answer_retention"]["value"] == 1.0 and cand["answer_retention"]["value"] == pytest.approx(0.5)
+    assert base["answer_retention"]["value"] == 1.0 and cand["answer_retention"]["value"] == pytest.approx(
+        0.5
+    )
     assert cand["gold_passage_retention"]["value"] == pytest.approx(0.5)
     assert cand["compression_ratio"] == pytest.approx(4.0)
     assert cand["tokens_saved_by_stage"] == {"rerank": 750.0, "extraction": 750.0}
@@ -81,7 +106,10 @@ def test_report_numbers_match_the_rows(dataset):
     [comparison] = report["comparisons"]
     retention_diff = comparison["difference"]["answer_retention"]
     assert retention_diff["value"] == pytest.approx(-0.5) and retention_diff["significant"]
-    assert comparison["difference"]["accuracy"]["value"] == 0 and not comparison["difference"]["accuracy"]["significant"]
+    assert (
+        comparison["difference"]["accuracy"]["value"] == 0
+        and not comparison["difference"]["accuracy"]["significant"]
+    )
 
 
 def test_report_files_and_plots_are_written(dataset, tmp_path):
@@ -132,9 +160,25 @@ def test_gate_cli_exit_codes(dataset, tmp_path):
 
     def gate(current: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "ctxgate", "eval", "gate", "--baseline", str(tmp_path / "old.json"),
-             "--current", str(tmp_path / current), "--max-accuracy-drop", "0.02", "--max-retention-drop", "0.02"],
-            capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "ctxgate",
+                "eval",
+                "gate",
+                "--baseline",
+                str(tmp_path / "old.json"),
+                "--current",
+                str(tmp_path / current),
+                "--max-accuracy-drop",
+                "0.02",
+                "--max-retention-drop",
+                "0.02",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=120,
         )
 
     same = gate("old.json")
@@ -142,6 +186,9 @@ def test_gate_cli_exit_codes(dataset, tmp_path):
     assert "gate PASSED" in same.stdout
     regressed = gate("new.json")
     assert regressed.returncode == 1
-    assert "FAIL rag-default: accuracy dropped by +0.250" in regressed.stdout and "95% CI of drop" in regressed.stdout
+    assert (
+        "FAIL rag-default: accuracy dropped by +0.250" in regressed.stdout
+        and "95% CI of drop" in regressed.stdout
+    )
     missing = gate("absent.json")
     assert missing.returncode == 2 and "report not found" in missing.stderr

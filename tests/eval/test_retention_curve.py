@@ -12,16 +12,42 @@ def test_curve_scores_the_policy_and_the_peer_on_the_same_questions(tmp_path, ca
     dataset = _tiny_dataset(tmp_path)
     name = dataset.stem
     rows = [  # the peer kept the answer for q0, lost it for q1
-        {"id": "q0", "target_ratio": 3.0, "compressed_context": "The Eiffel Tower was completed in 1889.",
-         "compression_ms": 900.0, "compression_cpu_ms": 850.0},
-        {"id": "q1", "target_ratio": 3.0, "compressed_context": "Hamlet is a tragedy.",
-         "compression_ms": 800.0, "compression_cpu_ms": 750.0},
+        {
+            "id": "q0",
+            "target_ratio": 3.0,
+            "compressed_context": "The Eiffel Tower was completed in 1889.",
+            "compression_ms": 900.0,
+            "compression_cpu_ms": 850.0,
+        },
+        {
+            "id": "q1",
+            "target_ratio": 3.0,
+            "compressed_context": "Hamlet is a tragedy.",
+            "compression_ms": 800.0,
+            "compression_cpu_ms": 750.0,
+        },
     ]
     peer = tmp_path / "peer.json"
     peer.write_text(json.dumps({"peer": "LongLLMLingua", "datasets": {name: rows}}))
     out = tmp_path / "out"
-    code = main(["eval", "retention-curve", "--input", str(dataset), "--split", "all", "--limit", "3",
-                 "--budgets", "1000,40", "--peer", str(peer), "--out", str(out)])
+    code = main(
+        [
+            "eval",
+            "retention-curve",
+            "--input",
+            str(dataset),
+            "--split",
+            "all",
+            "--limit",
+            "3",
+            "--budgets",
+            "1000,40",
+            "--peer",
+            str(peer),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0 and "report:" in capsys.readouterr().out
     report = json.loads((out / "curve.json").read_text())
     assert report["peer_meta"] == {"peer": "LongLLMLingua"} and report["budgets"] == [1000, 40]
@@ -35,12 +61,27 @@ def test_curve_scores_the_policy_and_the_peer_on_the_same_questions(tmp_path, ca
 
     # --reuse takes the policy's points from the earlier curve instead of running it again
     again = tmp_path / "again"
-    assert main(["eval", "retention-curve", "--input", str(dataset), "--reuse", str(out / "curve.json"),
-                 "--out", str(again)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "retention-curve",
+                "--input",
+                str(dataset),
+                "--reuse",
+                str(out / "curve.json"),
+                "--out",
+                str(again),
+            ]
+        )
+        == 0
+    )
     assert json.loads((again / "curve.json").read_text())["curves"][name]["rag-default"] == ours
 
 
 def test_curve_refuses_bad_budgets(tmp_path, capsys):
-    assert main(["eval", "retention-curve", "--input", "x.jsonl", "--budgets", "400,-1",
-                 "--out", str(tmp_path)]) == 2
+    assert (
+        main(["eval", "retention-curve", "--input", "x.jsonl", "--budgets", "400,-1", "--out", str(tmp_path)])
+        == 2
+    )
     assert "--budgets" in capsys.readouterr().err

@@ -60,6 +60,7 @@ def test_p95_ratio_interval_brackets_the_ratio_and_narrows_with_more_requests():
     import random
 
     rng = random.Random(7)
+
     # the same latency distribution, 10% slower: the ratio of P95s is 1.1 in the limit
     def draw(count: int, scale: float) -> list[float]:
         return [scale * rng.lognormvariate(7.0, 0.4) for _ in range(count)]

@@ -47,12 +47,17 @@ def test_invalid_field_or_value_is_named(tmp_path):
     with pytest.raises(ValueError, match="documents.max_tokenz"):
         build_sweep_variants(parse_sweep("documents.max_tokenz=1"), "rag-test", tmp_path, tmp_path / "out")
     with pytest.raises(ValueError, match="cannot exceed"):
-        build_sweep_variants(parse_sweep("documents.max_tokens=5000"), "rag-test", tmp_path, tmp_path / "out2")
+        build_sweep_variants(
+            parse_sweep("documents.max_tokens=5000"), "rag-test", tmp_path, tmp_path / "out2"
+        )
     with pytest.raises(ValueError, match="not found"):
         build_sweep_variants(parse_sweep("documents.max_tokens=1"), "nope", tmp_path, tmp_path / "out3")
 
 
 def test_remote_sweep_uses_request_overrides():
     variants = build_sweep_variants(parse_sweep("documents.max_tokens=100,200"), "rag-default", None, None)
-    assert [variant.overrides for variant in variants] == [{"documents.max_tokens": 100}, {"documents.max_tokens": 200}]
+    assert [variant.overrides for variant in variants] == [
+        {"documents.max_tokens": 100},
+        {"documents.max_tokens": 200},
+    ]
     assert {variant.policy for variant in variants} == {"rag-default"}

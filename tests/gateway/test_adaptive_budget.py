@@ -42,8 +42,13 @@ def body(slo_s: float | None = None) -> dict:
     extras: dict = {"documents": [{"text": text, "title": name} for name, text in TOWN_FACTS]}
     if slo_s is not None:
         extras["overrides"] = {"adaptive.ttft_slo_s": round(slo_s, 3)}
-    return {"model": "m", "max_tokens": 2, "temperature": 0, "ctxgate": extras,
-            "messages": [{"role": "user", "content": f"{uuid.uuid4().hex[:8]} {TOWN_QUESTION}"}]}
+    return {
+        "model": "m",
+        "max_tokens": 2,
+        "temperature": 0,
+        "ctxgate": extras,
+        "messages": [{"role": "user", "content": f"{uuid.uuid4().hex[:8]} {TOWN_QUESTION}"}],
+    }
 
 
 async def ask(client: httpx.AsyncClient, model: str, slo_s: float | None = None) -> dict:
@@ -54,6 +59,7 @@ async def ask(client: httpx.AsyncClient, model: str, slo_s: float | None = None)
 
 def queue_prompts(engine, requests: int, prompt_tokens: int) -> list[asyncio.Task]:
     """Long prompts straight into the engine (distinct ids: no prefix-cache hits)."""
+
     async def run(index: int) -> None:
         ids = [(index * 7919 + i * 31) % 20000 + 100 for i in range(prompt_tokens)]
         request = GenerationRequest(uuid.uuid4().hex, ids, SamplingParams(max_tokens=2, temperature=0))
@@ -65,21 +71,28 @@ def queue_prompts(engine, requests: int, prompt_tokens: int) -> list[asyncio.Tas
 
 def decisions(app) -> float:
     registry = app.state.gateway.metrics.registry
-    return registry.get_sample_value("ctxgate:adaptive_budget_tokens_count", {"policy": "adaptive-test"}) or 0.0
+    return (
+        registry.get_sample_value("ctxgate:adaptive_budget_tokens_count", {"policy": "adaptive-test"}) or 0.0
+    )
 
 
 async def test_budget_tightens_under_load_and_relaxes_when_idle(app, engine):
     transport = httpx.ASGITransport(app=app)
-    async with app.router.lifespan_context(app), \
-            httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=120) as client:
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=120) as client,
+    ):
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         await ask(client, model)  # the engine's and the compressor's first calls: measured, not judged
         # An objective twice what the idle engine is predicted to need for the ceiling, whatever this
         # machine's speed; a queue three objectives long then cannot keep the ceiling.
         controller = app.state.gateway.budgets
         estimates, speed = controller.estimates(), engine.stats().prefill_tokens_per_s
-        slo_s = 2 * estimates.calibration * (estimates.compression_s
-                                             + (estimates.overhead_tokens + CEILING_TOKENS) / speed)
+        slo_s = (
+            2
+            * estimates.calibration
+            * (estimates.compression_s + (estimates.overhead_tokens + CEILING_TOKENS) / speed)
+        )
         idle = await ask(client, model, slo_s)
         assert idle["budget"]["documents_tokens"] == CEILING_TOKENS and idle["budget"]["reason"] == CEILING
         assert isinstance(idle["budget"]["slo_met"], bool) and idle["budget"]["ttft_slo_s"] == round(slo_s, 3)
@@ -111,7 +124,7 @@ async def test_budget_tightens_under_load_and_relaxes_when_idle(app, engine):
         metrics = (await client.get("/metrics")).text
         assert 'ctxgate:adaptive_budget_tokens_count{policy="adaptive-test"} 6.0' in metrics
         assert f'ctxgate:adaptive_decisions_total{{policy="adaptive-test",reason="{CEILING}"}}' in metrics
-        assert 'ctxgate:adaptive_slo_requests_total{met=' in metrics
+        assert "ctxgate:adaptive_slo_requests_total{met=" in metrics
 
         fixed = body() | {"model": model}
         fixed["ctxgate"]["policy"] = "passthrough"
@@ -125,8 +138,10 @@ async def test_gateway_ttft_counts_from_arrival_compression_included(engine, tmp
     app = create_app(GatewaySettings(policy_dir=tmp_path), engine=engine)  # a fresh app: its own lifespan
     transport = httpx.ASGITransport(app=app)
     registry = app.state.gateway.metrics.registry
-    async with app.router.lifespan_context(app), \
-            httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=120) as client:
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=120) as client,
+    ):
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         request = body() | {"model": model}
         request["ctxgate"]["policy"] = "rag-adaptive"  # rerank and extraction: compression takes time

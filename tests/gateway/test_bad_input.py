@@ -21,8 +21,11 @@ def secured(engine, tmp_path_factory):
     key = add_key(keys_file, "acme", policy="tiny", policies=["rag-fast", "gone"])
     policy_dir = root / "policies"
     policy_dir.mkdir()
-    write_policy(policy_dir, "tiny", "name: tiny\nmax_input_tokens: 64\nreserve_output_tokens: 4\n"
-                 "documents: {max_tokens: 32}\n")
+    write_policy(
+        policy_dir,
+        "tiny",
+        "name: tiny\nmax_input_tokens: 64\nreserve_output_tokens: 4\ndocuments: {max_tokens: 32}\n",
+    )
     settings = GatewaySettings(policy_dir=policy_dir, keys_file=keys_file, max_body_bytes=64 * 1024)
     with ServerThread(create_app(settings, engine=engine)) as running:
         running.key = key
@@ -30,8 +33,14 @@ def secured(engine, tmp_path_factory):
         yield running
 
 
-def _post(server, path: str, content: bytes | str | None = None, json_body=None, key: str | None = "default",
-          headers: dict | None = None) -> httpx.Response:
+def _post(
+    server,
+    path: str,
+    content: bytes | str | None = None,
+    json_body=None,
+    key: str | None = "default",
+    headers: dict | None = None,
+) -> httpx.Response:
     all_headers = {"content-type": "application/json", **(headers or {})}
     if key == "default":
         key = server.key
@@ -49,7 +58,11 @@ def _assert_error(response: httpx.Response, status: int, mentions: str) -> dict:
 
 
 def _chat(**overrides):
-    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+    }
     body.update(overrides)
     return body
 
@@ -125,17 +138,44 @@ def test_malformed_bodies(secured, content, status, mentions):
         (_chat(ctxgate={"policy": "no-such-policy"}), 403, "may not use policy", "ctxgate.policy"),
         (_chat(ctxgate={"documents": "not a list"}), 400, "documents", "ctxgate.documents"),
         (_chat(ctxgate={"documents": [{"title": "no text"}]}), 400, "text", "ctxgate.documents.0.text"),
-        (_chat(ctxgate={"documents": [{"text": "x", "title": "t" * 1001}]}), 400, "at most 1000 characters",
-         "ctxgate.documents.0.title"),
-        (_chat(ctxgate={"documents": [{"text": "x", "id": "i" * 257}]}), 400, "at most 256 characters",
-         "ctxgate.documents.0.id"),
+        (
+            _chat(ctxgate={"documents": [{"text": "x", "title": "t" * 1001}]}),
+            400,
+            "at most 1000 characters",
+            "ctxgate.documents.0.title",
+        ),
+        (
+            _chat(ctxgate={"documents": [{"text": "x", "id": "i" * 257}]}),
+            400,
+            "at most 256 characters",
+            "ctxgate.documents.0.id",
+        ),
         (_chat(ctxgate={"documents": [], "bogus": 1}), 400, "bogus", "ctxgate.bogus"),
-        (_chat(ctxgate={"overrides": {"max_input_tokens": 10**6}}), 400, "does not allow", "ctxgate.overrides"),
-        (_chat(ctxgate={"policy": "rag-fast", "overrides": {"documents.embed_budget_multiple": 0}}), 400,
-         "embed_budget_multiple", "ctxgate.overrides"),
+        (
+            _chat(ctxgate={"overrides": {"max_input_tokens": 10**6}}),
+            400,
+            "does not allow",
+            "ctxgate.overrides",
+        ),
+        (
+            _chat(ctxgate={"policy": "rag-fast", "overrides": {"documents.embed_budget_multiple": 0}}),
+            400,
+            "embed_budget_multiple",
+            "ctxgate.overrides",
+        ),
         (_chat(ctxgate={"retrieval": {"index": "wiki"}}), 404, "retrieval", "ctxgate.retrieval.index"),
-        (_chat(ctxgate={"retrieval": {"index": "../wiki"}}), 400, "invalid index name", "ctxgate.retrieval.index"),
-        (_chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "image_url", "messages"),
+        (
+            _chat(ctxgate={"retrieval": {"index": "../wiki"}}),
+            400,
+            "invalid index name",
+            "ctxgate.retrieval.index",
+        ),
+        (
+            _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            400,
+            "image_url",
+            "messages",
+        ),
         (_chat(messages=[{"role": "user", "content": "word " * 200}]), 413, "max_input_tokens", "messages"),
     ],
 )
@@ -152,21 +192,38 @@ def test_oversize_body_is_413(secured):
         for _ in range(100):
             yield b"x" * 1024
 
-    response = httpx.post(f"{secured.url}/v1/chat/completions", content=chunks(),
-                          headers={"authorization": f"Bearer {secured.key}", "content-type": "application/json"})
+    response = httpx.post(
+        f"{secured.url}/v1/chat/completions",
+        content=chunks(),
+        headers={"authorization": f"Bearer {secured.key}", "content-type": "application/json"},
+    )
     _assert_error(response, 413, "limit")
 
 
 def test_other_endpoints_errors(secured):
-    _assert_error(_post(secured, "/v1/completions", json_body={"model": "SmolLM2-135M-Instruct", "prompt": ""}),
-                  400, "empty")
-    _assert_error(_post(secured, "/v1/completions", json_body={"model": "SmolLM2-135M-Instruct",
-                                                                "prompt": ["a", "b"]}), 400, "one prompt")
-    _assert_error(_post(secured, "/v1/completions", json_body={"model": "SmolLM2-135M-Instruct",
-                                                                "prompt": "word " * 100}), 413, "never cut")
+    _assert_error(
+        _post(secured, "/v1/completions", json_body={"model": "SmolLM2-135M-Instruct", "prompt": ""}),
+        400,
+        "empty",
+    )
+    _assert_error(
+        _post(secured, "/v1/completions", json_body={"model": "SmolLM2-135M-Instruct", "prompt": ["a", "b"]}),
+        400,
+        "one prompt",
+    )
+    _assert_error(
+        _post(
+            secured, "/v1/completions", json_body={"model": "SmolLM2-135M-Instruct", "prompt": "word " * 100}
+        ),
+        413,
+        "never cut",
+    )
     _assert_error(_post(secured, "/v1/ctxgate/compress", json_body={"messages": 3}), 400, "model")
-    _assert_error(_post(secured, "/v1/chat/completions", content="{}", headers={"content-type": "text/plain"}),
-                  415, "application/json")
+    _assert_error(
+        _post(secured, "/v1/chat/completions", content="{}", headers={"content-type": "text/plain"}),
+        415,
+        "application/json",
+    )
     response = httpx.get(f"{secured.url}/v1/chat/completions")
     _assert_error(response, 405, "not allowed")
     _assert_error(httpx.get(f"{secured.url}/nowhere"), 404, "not found")

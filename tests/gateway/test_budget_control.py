@@ -71,8 +71,10 @@ def test_choose_budget_table(engine, estimates, target_s, budget, reason):
 
 
 def test_budget_never_rises_as_the_queue_grows():
-    budgets = [choose_budget(load(waiting=w), Estimates(), CANDIDATES, 1.75, 0.95, 560).budget
-               for w in range(0, 6000, 50)]
+    budgets = [
+        choose_budget(load(waiting=w), Estimates(), CANDIDATES, 1.75, 0.95, 560).budget
+        for w in range(0, 6000, 50)
+    ]
     assert budgets == sorted(budgets, reverse=True)
     assert budgets[0] == 1200 and budgets[-1] == 160
 
@@ -87,7 +89,10 @@ def test_no_estimate_fallback_is_clamped_to_the_range():
     [(160, 1200, 80, CANDIDATES), (100, 100, 50, (100,)), (0, 250, 100, (0, 100, 200, 250))],
 )
 def test_candidate_budgets(floor, ceiling, step, expected):
-    assert candidate_budgets(AdaptivePolicy(floor_tokens=floor, ceiling_tokens=ceiling, step_tokens=step)) == expected
+    assert (
+        candidate_budgets(AdaptivePolicy(floor_tokens=floor, ceiling_tokens=ceiling, step_tokens=step))
+        == expected
+    )
 
 
 @pytest.mark.parametrize(
@@ -104,8 +109,9 @@ def test_candidate_budgets(floor, ceiling, step, expected):
     ],
 )
 def test_damping(target, last, since_rise, budget, reason, rose):
-    decision, did_rise = damp(target, last, last_rise_at=10.0, now=10.0 + since_rise, candidates=CANDIDATES,
-                              relax_interval_s=0.5)
+    decision, did_rise = damp(
+        target, last, last_rise_at=10.0, now=10.0 + since_rise, candidates=CANDIDATES, relax_interval_s=0.5
+    )
     assert (decision.budget, decision.reason, did_rise) == (budget, reason, rose)
 
 
@@ -127,8 +133,15 @@ class Clock:
         return self.now
 
 
-POLICY = AdaptivePolicy(enabled=True, ttft_slo_s=2.5, headroom=0.7, floor_tokens=160, ceiling_tokens=1200,
-                        step_tokens=80, relax_interval_s=0.5)
+POLICY = AdaptivePolicy(
+    enabled=True,
+    ttft_slo_s=2.5,
+    headroom=0.7,
+    floor_tokens=160,
+    ceiling_tokens=1200,
+    step_tokens=80,
+    relax_interval_s=0.5,
+)
 
 
 def test_a_burst_sees_itself_and_tightens_then_relaxes_step_by_step():
@@ -158,14 +171,18 @@ def test_after_a_quiet_stretch_the_budget_rises_by_the_intervals_elapsed_not_one
     controller.forget("busy")
     reader.reading = EngineReading(prefill_tokens_per_s=SPEED)  # the queue drained
     clock.now += 0.2
-    assert controller.decide("soon", "p", POLICY, 560).reason == RISE_LIMITED  # within one interval of the fall
+    assert (
+        controller.decide("soon", "p", POLICY, 560).reason == RISE_LIMITED
+    )  # within one interval of the fall
     controller.forget("soon")
     clock.now += 2.0  # 2.2 s since the fall: four intervals, four steps
     assert controller.decide("later", "p", POLICY, 560).budget == 480
 
 
 def test_engine_queue_and_own_ledger_are_not_added_twice():
-    reader = FixedReading(EngineReading(waiting_tokens=3000, running=4, kv_usage=0.5, prefill_tokens_per_s=SPEED))
+    reader = FixedReading(
+        EngineReading(waiting_tokens=3000, running=4, kv_usage=0.5, prefill_tokens_per_s=SPEED)
+    )
     controller = BudgetController(reader)
     controller.decide("a", "p", POLICY, 560)
     assert controller.load().waiting_tokens == 3000
@@ -183,8 +200,16 @@ def test_outcomes_feed_the_estimates():
     decision = controller.decide("b", "p", POLICY, 560)
     assert decision.reason in (CEILING, SLO, RISE_LIMITED)
     assert decision.predicted_ttft_s == predicted_ttft_s(before, estimates, decision.budget)
-    controller.observe("b", decision.budget, Outcome(ttft_s=4 * decision.predicted_ttft_s, compression_s=0.3,
-                                                     prompt_tokens=decision.budget + 140, prefill_ms=1000.0))
+    controller.observe(
+        "b",
+        decision.budget,
+        Outcome(
+            ttft_s=4 * decision.predicted_ttft_s,
+            compression_s=0.3,
+            prompt_tokens=decision.budget + 140,
+            prefill_ms=1000.0,
+        ),
+    )
     assert controller.estimates().calibration > 1.0  # TTFT ran over the prediction: predictions grow
 
 

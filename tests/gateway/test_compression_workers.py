@@ -31,7 +31,9 @@ def test_fewer_than_one_worker_is_refused():
 
 
 def test_the_flag_and_the_config_file_set_it(tmp_path, capsys):
-    assert _serve_args([]).compression_workers == default_compression_workers()  # unset: the settings' default
+    assert (
+        _serve_args([]).compression_workers == default_compression_workers()
+    )  # unset: the settings' default
     assert _serve_args(["--compression-workers", "3"]).compression_workers == 3
     path = tmp_path / "ctxgate.yaml"
     path.write_text(yaml.safe_dump({"server": {"compression_workers": 2}}))
@@ -107,8 +109,10 @@ def test_the_nice_flag_and_config_key_set_it(tmp_path, capsys):
     path.write_text(yaml.safe_dump({"server": {"compression_nice": 5}}))
     assert _serve_args(["--config", str(path)]).compression_nice == 5
     assert _serve_args(["--config", str(path), "--compression-nice", "19"]).compression_nice == 19
-    for command, not_a_number in ((["serve"], "invalid int value: 'low'"),
-                                  (["bench", "e2e"], "expected a whole number, not 'low'")):
+    for command, not_a_number in (
+        (["serve"], "invalid int value: 'low'"),
+        (["bench", "e2e"], "expected a whole number, not 'low'"),
+    ):
         for bad, message in (("20", "must be from 0 to 19, not 20"), ("low", not_a_number)):
             with pytest.raises(SystemExit):
                 parse_args([*command, "--compression-nice", bad])
@@ -137,7 +141,9 @@ def test_a_worker_thread_runs_that_much_lower_and_the_caller_keeps_its_priority(
     from ctxgate.gateway.app import default_pipeline
 
     caller = _own_priority()
-    settings = GatewaySettings(compression_workers=1, compression_nice=nice, embed_cache_url=None, embed_on="process")
+    settings = GatewaySettings(
+        compression_workers=1, compression_nice=nice, embed_cache_url=None, embed_on="process"
+    )
     pipeline = default_pipeline(tokenizer, None, settings=settings)
     try:
         assert pipeline._executor.submit("tenant", _own_priority).result(timeout=30) == min(19, caller + nice)

@@ -41,7 +41,9 @@ def test_example_config_sets_every_field_and_validates(monkeypatch):
     warnings: list[str] = []
     config = load_config(DEPLOY / "ctxgate.example.yaml", warn=warnings.append)
     written = _written_keys(yaml.safe_load((DEPLOY / "ctxgate.example.yaml").read_text()))
-    assert written == set(key_flags()), "deploy/ctxgate.example.yaml must show every setting, by its current name"
+    assert written == set(key_flags()), (
+        "deploy/ctxgate.example.yaml must show every setting, by its current name"
+    )
     assert warnings == []
     assert config.server.keys_file == DEPLOY / "keys.yaml"  # relative to the file
 
@@ -101,7 +103,9 @@ def test_dockerfile_inputs_exist_and_it_prepares_the_model():
     for sources in from_context:
         for source in sources:
             assert (REPO / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
-    packages = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    packages = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    )
     # Every product package is installed; eval (benchmarks, quality runs) stays out of the image.
     assert packages - {"eval"} <= {Path(source).name for sources in from_context for source in sources}
     assert "eval" not in {Path(source).name for sources in from_context for source in sources}

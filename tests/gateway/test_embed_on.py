@@ -14,7 +14,9 @@ def engine(model_dir):
     from ctxgate.backend.engine.async_engine import AsyncEngine
     from ctxgate.backend.engine.config import EngineConfig
 
-    async_engine = AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=16, max_model_len=128))
+    async_engine = AsyncEngine(
+        EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=16, max_model_len=128)
+    )
     yield async_engine
     async_engine.shutdown()
 

@@ -19,7 +19,9 @@ from tests.support.servers import ServerThread, write_policy
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "Say hi."}]
-TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+]
 
 # Fields the built-in engine cannot honour, with a value that asks for them.
 UNSUPPORTED: list[tuple[str, Any]] = [
@@ -31,15 +33,27 @@ UNSUPPORTED: list[tuple[str, Any]] = [
 # Fields the built-in engine honours now (backend/openai_api/request_params.py), with a check of the answer.
 ENGINE_FIELDS: list[tuple[dict[str, Any], Any]] = [
     ({"tools": TOOLS}, lambda body: body["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")),
-    ({"tools": TOOLS, "tool_choice": "required", "max_tokens": 30},
-     lambda body: body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup"),
-    ({"response_format": {"type": "json_object"}}, lambda body: body["choices"][0]["message"]["content"][0] == "{"),
-    ({"logprobs": True, "top_logprobs": 2},
-     lambda body: len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2),
-    ({"presence_penalty": 0.5, "frequency_penalty": -0.3, "logit_bias": {"42": 5}, "min_p": 0.1},
-     lambda body: body["usage"]["completion_tokens"] >= 1),
+    (
+        {"tools": TOOLS, "tool_choice": "required", "max_tokens": 30},
+        lambda body: body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup",
+    ),
+    (
+        {"response_format": {"type": "json_object"}},
+        lambda body: body["choices"][0]["message"]["content"][0] == "{",
+    ),
+    (
+        {"logprobs": True, "top_logprobs": 2},
+        lambda body: len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2,
+    ),
+    (
+        {"presence_penalty": 0.5, "frequency_penalty": -0.3, "logit_bias": {"42": 5}, "min_p": 0.1},
+        lambda body: body["usage"]["completion_tokens"] >= 1,
+    ),
     ({"n": 2, "temperature": 1.0, "seed": 3}, lambda body: [c["index"] for c in body["choices"]] == [0, 1]),
-    ({"guided_choice": ["yes", "no"]}, lambda body: body["choices"][0]["message"]["content"] in ("yes", "no")),
+    (
+        {"guided_choice": ["yes", "no"]},
+        lambda body: body["choices"][0]["message"]["content"] in ("yes", "no"),
+    ),
 ]
 # Fields it honours, or neutral values that ask nothing it does not do.
 HONOURED: list[tuple[str, Any]] = [
@@ -62,8 +76,11 @@ HONOURED: list[tuple[str, Any]] = [
 @pytest.fixture(scope="module")
 def builtin(engine, tmp_path_factory):
     policy_dir = tmp_path_factory.mktemp("policies")
-    write_policy(policy_dir, "drop", "name: drop\nmax_input_tokens: 1800\ndrop_params: true\n"
-                                     "compression_enabled: false\n")
+    write_policy(
+        policy_dir,
+        "drop",
+        "name: drop\nmax_input_tokens: 1800\ndrop_params: true\ncompression_enabled: false\n",
+    )
     settings = GatewaySettings(default_policy="passthrough", policy_dir=policy_dir)
     with ServerThread(create_app(settings, engine=engine)) as running:
         yield running
@@ -119,8 +136,13 @@ def gateway_body(**fields: Any):
 def test_builtin_accepts_tool_calls_and_tool_results_in_history(builtin):
     messages = [
         {"role": "user", "content": "Look it up."},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
         {"role": "user", "content": "So?"},
     ]
@@ -147,9 +169,15 @@ def test_builtin_server_flag_drop_params(engine):
 
 
 def test_content_parts_are_joined_by_newlines(builtin):
-    parts = [{"type": "text", "text": "Answer with one word."}, {"type": "text", "text": "What colour is grass?"}]
-    response = httpx.post(f"{builtin.url}/v1/ctxgate/compress", timeout=60, json={
-        "model": MODEL, "messages": [{"role": "user", "content": parts}]})
+    parts = [
+        {"type": "text", "text": "Answer with one word."},
+        {"type": "text", "text": "What colour is grass?"},
+    ]
+    response = httpx.post(
+        f"{builtin.url}/v1/ctxgate/compress",
+        timeout=60,
+        json={"model": MODEL, "messages": [{"role": "user", "content": parts}]},
+    )
     assert response.json()["messages"][-1]["content"] == "Answer with one word.\nWhat colour is grass?"
 
 
@@ -166,12 +194,27 @@ def _recording_upstream() -> tuple[FastAPI, list[dict[str, Any]]]:
     async def chat(request: Request) -> StreamingResponse:
         body = await request.json()
         received.append(body)
-        envelope = {"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1, "model": "remote-model",
-                    "system_fingerprint": "fp-up"}
+        envelope = {
+            "id": "chatcmpl-up",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "remote-model",
+            "system_fingerprint": "fp-up",
+        }
         if body.get("tools"):
             deltas = [
-                {"role": "assistant", "content": None, "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                                                                        "function": {"name": "lookup", "arguments": ""}}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "lookup", "arguments": ""},
+                        }
+                    ],
+                },
                 {"tool_calls": [{"index": 0, "function": {"arguments": '{"q": '}}]},
                 {"tool_calls": [{"index": 0, "function": {"arguments": '"grass"}'}}]},
             ]
@@ -179,16 +222,30 @@ def _recording_upstream() -> tuple[FastAPI, list[dict[str, Any]]]:
             finish = "tool_calls"
         else:
             pieces = [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}] + [
-                {"delta": {"content": word}, "finish_reason": None,
-                 "logprobs": {"content": [{"token": word, "logprob": -0.5, "bytes": None, "top_logprobs": []}]}}
+                {
+                    "delta": {"content": word},
+                    "finish_reason": None,
+                    "logprobs": {
+                        "content": [{"token": word, "logprob": -0.5, "bytes": None, "top_logprobs": []}]
+                    },
+                }
                 for word in ("Hello", " there")
             ]
             finish = "stop"
         chunks = [envelope | {"choices": [{"index": 0} | piece]} for piece in pieces]
         chunks.append(envelope | {"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
-        chunks.append(envelope | {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3,
-                                                           "total_tokens": 14, "completion_tokens_details": {
-                                                               "reasoning_tokens": 0}}})
+        chunks.append(
+            envelope
+            | {
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 11,
+                    "completion_tokens": 3,
+                    "total_tokens": 14,
+                    "completion_tokens_details": {"reasoning_tokens": 0},
+                },
+            }
+        )
 
         async def events():
             for chunk in chunks:
@@ -206,18 +263,32 @@ def _recording_upstream() -> tuple[FastAPI, list[dict[str, Any]]]:
 def upstream_pair(model_dir):
     upstream_app, received = _recording_upstream()
     with ServerThread(upstream_app) as upstream:
-        settings = GatewaySettings(upstreams=[upstream.url], served_model_name="front", default_policy="passthrough",
-                                   tokenizer=str(model_dir))
+        settings = GatewaySettings(
+            upstreams=[upstream.url],
+            served_model_name="front",
+            default_policy="passthrough",
+            tokenizer=str(model_dir),
+        )
         with ServerThread(create_app(settings)) as front:
             front.received = received
             yield front
 
 
-@pytest.mark.parametrize(("field", "value"), UNSUPPORTED + HONOURED,
-                         ids=[f"{f}={v!r}" for f, v in UNSUPPORTED + HONOURED])
+@pytest.mark.parametrize(
+    ("field", "value"), UNSUPPORTED + HONOURED, ids=[f"{f}={v!r}" for f, v in UNSUPPORTED + HONOURED]
+)
 def test_upstream_gets_every_allowed_field_untouched(upstream_pair, field, value):
-    response = httpx.post(f"{upstream_pair.url}/v1/chat/completions", timeout=60, json={
-        "model": "front", "messages": QUESTION, "max_tokens": 3, field: value, "vendor_extra": {"a": [1]}})
+    response = httpx.post(
+        f"{upstream_pair.url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "front",
+            "messages": QUESTION,
+            "max_tokens": 3,
+            field: value,
+            "vendor_extra": {"a": [1]},
+        },
+    )
     assert response.status_code == 200, response.text
     sent = upstream_pair.received[-1]
     # Off the allow-list (gateway/forwarding.py): the legacy `functions`, which a template would render
@@ -249,11 +320,20 @@ def test_upstream_tool_calls_and_logprobs_come_back_whole_and_streamed(upstream_
     assert texted.choices[0].message.content == "Hello there"
     assert [t.token for t in texted.choices[0].logprobs.content] == ["Hello", " there"]
 
-    stream = client.chat.completions.create(model="front", messages=QUESTION, tools=TOOLS, max_tokens=8,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="front",
+        messages=QUESTION,
+        tools=TOOLS,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
-    pieces = [c.choices[0].delta.tool_calls[0].function.arguments for c in chunks
-              if c.choices and c.choices[0].delta.tool_calls]
+    pieces = [
+        c.choices[0].delta.tool_calls[0].function.arguments
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+    ]
     assert "".join(pieces) == '{"q": "grass"}'
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage.prompt_tokens == 11 and "ctxgate" in chunks[-1].usage.model_extra
@@ -263,12 +343,20 @@ def test_upstream_tool_calls_and_logprobs_come_back_whole_and_streamed(upstream_
 def test_upstream_forwards_tool_messages(upstream_pair):
     messages = [
         {"role": "user", "content": "Look it up."},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
     ]
-    response = httpx.post(f"{upstream_pair.url}/v1/chat/completions", timeout=60, json={
-        "model": "front", "messages": messages, "tools": TOOLS, "max_tokens": 3})
+    response = httpx.post(
+        f"{upstream_pair.url}/v1/chat/completions",
+        timeout=60,
+        json={"model": "front", "messages": messages, "tools": TOOLS, "max_tokens": 3},
+    )
     assert response.status_code == 200, response.text
     sent = upstream_pair.received[-1]["messages"]
     assert sent[1]["tool_calls"] == messages[1]["tool_calls"]

@@ -12,17 +12,26 @@ from ctxgate.gateway.settings import GatewaySettings
 from tests.support.servers import write_policy
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
+    ),
     max_leaves=8,
 )
-messages = st.lists(
-    st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant", "tool", "bot"]) | json_values},
-        optional={"content": st.text(max_size=40) | json_values, "name": json_values},
-    ),
-    max_size=3,
-) | json_values
+messages = (
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant", "tool", "bot"]) | json_values},
+            optional={"content": st.text(max_size=40) | json_values, "name": json_values},
+        ),
+        max_size=3,
+    )
+    | json_values
+)
 bodies = st.fixed_dictionaries(
     {},
     optional={
@@ -32,12 +41,17 @@ bodies = st.fixed_dictionaries(
         "temperature": st.floats(-1, 3) | json_values,
         "stream": st.booleans() | json_values,
         "stop": json_values,
-        "ctxgate": st.fixed_dictionaries({}, optional={
-            "documents": st.lists(st.fixed_dictionaries({"text": st.text(max_size=30)}), max_size=3) | json_values,
-            "policy": st.sampled_from(["fuzz", "missing"]) | json_values,
-            "overrides": json_values,
-            "retrieval": json_values,
-        }) | json_values,
+        "ctxgate": st.fixed_dictionaries(
+            {},
+            optional={
+                "documents": st.lists(st.fixed_dictionaries({"text": st.text(max_size=30)}), max_size=3)
+                | json_values,
+                "policy": st.sampled_from(["fuzz", "missing"]) | json_values,
+                "overrides": json_values,
+                "retrieval": json_values,
+            },
+        )
+        | json_values,
     },
 )
 
@@ -45,8 +59,12 @@ bodies = st.fixed_dictionaries(
 @pytest.fixture(scope="module")
 def app(engine, tmp_path_factory):
     policy_dir = tmp_path_factory.mktemp("fuzz")
-    write_policy(policy_dir, "fuzz", "name: fuzz\nmax_input_tokens: 128\nreserve_output_tokens: 1\n"
-                 "documents: {max_tokens: 64}\nrerank: {enabled: false}\ndedup: {near_duplicate_cosine: null}\n")
+    write_policy(
+        policy_dir,
+        "fuzz",
+        "name: fuzz\nmax_input_tokens: 128\nreserve_output_tokens: 1\n"
+        "documents: {max_tokens: 64}\nrerank: {enabled: false}\ndedup: {near_duplicate_cosine: null}\n",
+    )
     return create_app(GatewaySettings(policy_dir=policy_dir, default_policy="fuzz"), engine=engine)
 
 

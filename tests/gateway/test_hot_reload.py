@@ -17,9 +17,11 @@ PASSAGE = "Paris is the capital of France and its largest city, on the Seine. " 
 
 def _policy(max_input: int) -> str:
     # Only budget fitting (no dedup/rerank/extraction), so the prompt size tracks the budget.
-    return (f"name: live\nmax_input_tokens: {max_input}\nreserve_output_tokens: 4\n"
-            f"documents: {{max_tokens: {max_input}}}\ndedup: {{enabled: false}}\nrerank: {{enabled: false}}\n"
-            "extraction: {enabled: false}\n")
+    return (
+        f"name: live\nmax_input_tokens: {max_input}\nreserve_output_tokens: 4\n"
+        f"documents: {{max_tokens: {max_input}}}\ndedup: {{enabled: false}}\nrerank: {{enabled: false}}\n"
+        "extraction: {enabled: false}\n"
+    )
 
 
 @pytest.fixture
@@ -32,8 +34,11 @@ def server(engine, tmp_path):
 
 
 def _compress(server) -> dict:
-    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Capital?"}],
-            "ctxgate": {"documents": [{"text": f"Fact {i}. {PASSAGE}"} for i in range(12)]}}
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "Capital?"}],
+        "ctxgate": {"documents": [{"text": f"Fact {i}. {PASSAGE}"} for i in range(12)]},
+    }
     response = httpx.post(f"{server.url}/v1/ctxgate/compress", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()["report"]
@@ -74,10 +79,18 @@ def test_valid_edit_applies_and_invalid_edit_keeps_old_policy(server):
 
 
 def test_new_policy_file_becomes_available(server):
-    write_policy(server.policy_dir, "fresh", "name: fresh\nmax_input_tokens: 120\ndocuments: {max_tokens: 60}\n")
-    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Capital?"}],
-            "ctxgate": {"policy": "fresh", "documents": [{"text": f"Fact {i}. {PASSAGE}"} for i in range(4)]}}
+    write_policy(
+        server.policy_dir, "fresh", "name: fresh\nmax_input_tokens: 120\ndocuments: {max_tokens: 60}\n"
+    )
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "Capital?"}],
+        "ctxgate": {"policy": "fresh", "documents": [{"text": f"Fact {i}. {PASSAGE}"} for i in range(4)]},
+    }
     response = _wait_for(
-        lambda: (r := httpx.post(f"{server.url}/v1/ctxgate/compress", json=body, timeout=60)).status_code == 200 and r)
+        lambda: (
+            (r := httpx.post(f"{server.url}/v1/ctxgate/compress", json=body, timeout=60)).status_code == 200
+            and r
+        )
+    )
     assert response.json()["report"]["prompt_tokens"] <= 120
-

@@ -32,7 +32,10 @@ from tests.support.servers import (
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "ctxgate-test"
 MESSAGES = [{"role": "user", "content": "What is the tallest mountain in Europe?"}]
-KEYS = {name: f"cg-{name}-key" for name in ("rpm", "rpm-again", "budget", "revoke", "expired", "models", "parallel")}
+KEYS = {
+    name: f"cg-{name}-key"
+    for name in ("rpm", "rpm-again", "budget", "revoke", "expired", "models", "parallel")
+}
 
 
 class HeldUpstream:
@@ -48,20 +51,27 @@ class HeldUpstream:
                 await send({"type": "lifespan.startup.complete"})
             return await send({"type": "lifespan.shutdown.complete"})
         if scope["path"] == "/v1/models":
-            return await self._send(send, b'{"object":"list","data":[{"id":"ctxgate-test","max_model_len":2048}]}',
-                                    b"application/json")
+            return await self._send(
+                send,
+                b'{"object":"list","data":[{"id":"ctxgate-test","max_model_len":2048}]}',
+                b"application/json",
+            )
         while (await receive()).get("more_body"):
             pass
         self.received += 1
         while not self.release.is_set():
             await asyncio.sleep(0.02)
-        events = (b'data: {"choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}\n\n'
-                  b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]\n\n')
+        events = (
+            b'data: {"choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}\n\n'
+            b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]\n\n'
+        )
         await self._send(send, events, b"text/event-stream")
 
     @staticmethod
     async def _send(send, body: bytes, content_type: bytes) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type)]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type)]}
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -89,8 +99,12 @@ def prompt_tokens(tokenizer) -> int:
 def setup(redis_module, upstream, prompt_tokens, tmp_path_factory):
     root = tmp_path_factory.mktemp("key-replicas")
     (root / "policies").mkdir()
-    write_policy(root / "policies", "priced", "name: priced\nmax_input_tokens: 256\nreserve_output_tokens: 2\n"
-                 "documents: {max_tokens: 128}\ncost: {prompt_per_1k: 1.0, completion_per_1k: 1.0}\n")
+    write_policy(
+        root / "policies",
+        "priced",
+        "name: priced\nmax_input_tokens: 256\nreserve_output_tokens: 2\n"
+        "documents: {max_tokens: 128}\ncost: {prompt_per_1k: 1.0, completion_per_1k: 1.0}\n",
+    )
     past = (datetime.now(UTC) - timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
     entries = {
         "rpm": {"limits": {"requests_per_minute": 3}, "labels": {"team": "search"}},
@@ -106,12 +120,17 @@ def setup(redis_module, upstream, prompt_tokens, tmp_path_factory):
     keys_file = root / "keys.yaml"
     keys_file.write_text(yaml.safe_dump({"tenants": tenants}))
     config = root / "ctxgate.yaml"
-    config.write_text(yaml.safe_dump({
-        "server": {"served_model_name": MODEL, "default_policy": "priced", "reload_interval": 0.2},
-        "upstreams": {"urls": [upstream[1]], "model": MODEL},
-        "redis": {"url": "os.environ/CG_TEST_REDIS"},
-        "keys_file": "keys.yaml", "policy_dir": "policies",
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "server": {"served_model_name": MODEL, "default_policy": "priced", "reload_interval": 0.2},
+                "upstreams": {"urls": [upstream[1]], "model": MODEL},
+                "redis": {"url": "os.environ/CG_TEST_REDIS"},
+                "keys_file": "keys.yaml",
+                "policy_dir": "policies",
+            }
+        )
+    )
     env = ctxgate_env(CG_TEST_REDIS=redis_module.url)
     env.pop("REDIS_URL", None)
     with ctxgate_replicas(["--config", str(config)], root, env, ready_timeout_s=60, must_stop=True) as urls:
@@ -119,14 +138,19 @@ def setup(redis_module, upstream, prompt_tokens, tmp_path_factory):
 
 
 def _compress(url: str, key: str, model: str = MODEL) -> httpx.Response:
-    return httpx.post(f"{url}/v1/ctxgate/compress", json={"model": model, "messages": MESSAGES},
-                      headers={"authorization": f"Bearer {KEYS[key]}"}, timeout=30)
+    return httpx.post(
+        f"{url}/v1/ctxgate/compress",
+        json={"model": model, "messages": MESSAGES},
+        headers={"authorization": f"Bearer {KEYS[key]}"},
+        timeout=30,
+    )
 
 
 def test_key_requests_per_minute_is_shared_by_both_replicas(setup):
     urls, _ = setup
-    key, responses = in_one_minute(lambda key, _: (key, [_compress(urls[i % 2], key) for i in range(6)]),
-                                   ["rpm", "rpm-again"])
+    key, responses = in_one_minute(
+        lambda key, _: (key, [_compress(urls[i % 2], key) for i in range(6)]), ["rpm", "rpm-again"]
+    )
     assert [r.status_code for r in responses] == [200, 200, 200, 429, 429, 429]
     refused = responses[3:]
     assert {str(r.request.url).split("/v1")[0] for r in refused} == set(urls)
@@ -135,10 +159,14 @@ def test_key_requests_per_minute_is_shared_by_both_replicas(setup):
         error = response.json()["error"]
         assert error["code"] == "requests_per_minute"
         retry = response.headers["retry-after"]
-        assert error["message"] == (f"API key '{hash_key(KEYS[key])[:12]}' is over its requests_per_minute quota: "
-                                    f"3 of 3 requests a minute used, this request needs 1; the limit resets in {retry}s")
-        assert (response.headers["x-ratelimit-limit-requests"], response.headers["x-ratelimit-remaining-requests"]) == (
-            "3", "0")
+        assert error["message"] == (
+            f"API key '{hash_key(KEYS[key])[:12]}' is over its requests_per_minute quota: "
+            f"3 of 3 requests a minute used, this request needs 1; the limit resets in {retry}s"
+        )
+        assert (
+            response.headers["x-ratelimit-limit-requests"],
+            response.headers["x-ratelimit-remaining-requests"],
+        ) == ("3", "0")
 
 
 def test_key_budget_with_a_period(setup):
@@ -154,8 +182,22 @@ def test_key_budget_with_a_period(setup):
 def test_revoked_and_expired_keys_get_401_with_the_reason(setup):
     urls, keys_file = setup
     assert [_compress(url, "revoke").status_code for url in urls] == [200, 200]
-    result = subprocess.run([sys.executable, "-m", "ctxgate", "keys", "revoke", hash_key(KEYS["revoke"])[:10],
-                             "--keys", str(keys_file)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ctxgate",
+            "keys",
+            "revoke",
+            hash_key(KEYS["revoke"])[:10],
+            "--keys",
+            str(keys_file),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     for url in urls:
         deadline = time.monotonic() + 10
@@ -163,7 +205,9 @@ def test_revoked_and_expired_keys_get_401_with_the_reason(setup):
             assert time.monotonic() < deadline, "the replica did not pick up the revocation"
             time.sleep(0.1)
         assert response.status_code == 401
-        assert f"API key {hash_key(KEYS['revoke'])[:12]} was revoked at " in response.json()["error"]["message"]
+        assert (
+            f"API key {hash_key(KEYS['revoke'])[:12]} was revoked at " in response.json()["error"]["message"]
+        )
     expired = _compress(urls[1], "expired")
     assert expired.status_code == 401 and "expired at" in expired.json()["error"]["message"]
 
@@ -182,8 +226,11 @@ def test_max_parallel_requests_across_replicas(setup, upstream):
     before = held.received
 
     async def complete(client: httpx.AsyncClient, url: str) -> httpx.Response:
-        return await client.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
-                                 headers={"authorization": f"Bearer {KEYS['parallel']}"})
+        return await client.post(
+            f"{url}/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+            headers={"authorization": f"Bearer {KEYS['parallel']}"},
+        )
 
     async def scenario():
         async with httpx.AsyncClient(timeout=30) as client:

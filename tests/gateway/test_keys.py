@@ -18,8 +18,22 @@ REPO = Path(__file__).resolve().parents[2]
 def test_keys_add_cli(tmp_path):
     keys_file = tmp_path / "keys.yaml"
     result = subprocess.run(
-        [sys.executable, "-m", "ctxgate", "keys", "add", "acme", "--keys-file", str(keys_file), "--policy", "rag-strict"],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "ctxgate",
+            "keys",
+            "add",
+            "acme",
+            "--keys-file",
+            str(keys_file),
+            "--policy",
+            "rag-strict",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     key = result.stdout.strip()
@@ -52,25 +66,55 @@ def test_invalid_edit_keeps_previous_keys(tmp_path):
 
 
 def _ctxgate(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ctxgate", *argv], capture_output=True, text=True, cwd=REPO,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "ctxgate", *argv], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
 
 
 def test_key_lifecycle_cli(tmp_path):
     keys = str(tmp_path / "keys.yaml")
-    added = _ctxgate("keys", "add", "acme", "--keys-file", keys, "--label", "team=search", "--label", "old note",
-                     "--expires", "30d", "--model", "smol", "--requests-per-minute", "60",
-                     "--max-parallel-requests", "4", "--budget", "20", "--budget-period", "weekly")
+    added = _ctxgate(
+        "keys",
+        "add",
+        "acme",
+        "--keys-file",
+        keys,
+        "--label",
+        "team=search",
+        "--label",
+        "old note",
+        "--expires",
+        "30d",
+        "--model",
+        "smol",
+        "--requests-per-minute",
+        "60",
+        "--max-parallel-requests",
+        "4",
+        "--budget",
+        "20",
+        "--budget-period",
+        "weekly",
+    )
     assert added.returncode == 0, added.stderr
     key = added.stdout.strip()
     other = _ctxgate("keys", "add", "globex", "--keys", keys).stdout.strip()
     key_id, other_id = hash_key(key)[:12], hash_key(other)[:12]
 
     tenant = KeyStore(keys).authenticate(key)
-    assert tenant.name == "acme" and tenant.key.models == ("smol",) and tenant.key.labels == {"team": "search"}
-    assert tenant.key.limits == {"requests_per_minute": 60, "max_parallel_requests": 4, "budget": 20.0,
-                                 "budget_period": "weekly"}
-    listed = [json.loads(line) for line in _ctxgate("keys", "list", "--keys-file", keys, "--json").stdout.splitlines()]
+    assert (
+        tenant.name == "acme" and tenant.key.models == ("smol",) and tenant.key.labels == {"team": "search"}
+    )
+    assert tenant.key.limits == {
+        "requests_per_minute": 60,
+        "max_parallel_requests": 4,
+        "budget": 20.0,
+        "budget_period": "weekly",
+    }
+    listed = [
+        json.loads(line)
+        for line in _ctxgate("keys", "list", "--keys-file", keys, "--json").stdout.splitlines()
+    ]
     assert [row["id"] for row in listed] == [key_id, other_id]
     assert listed[0]["note"] == "old note" and listed[0]["status"] == "active"
     assert 29 <= (datetime.fromisoformat(listed[0]["expires_at"]) - datetime.now(UTC)).days <= 30
@@ -101,14 +145,17 @@ def test_key_lifecycle_cli(tmp_path):
     assert KeyStore(keys).resolve(new_key) is None
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["keys", "add", "acme", "--expires", "soon"], "--expires: 'soon' is neither a duration"),
-    (["keys", "add", "acme", "--budget-period", "daily"], "--budget-period needs --budget"),
-    (["keys", "revoke", "abc"], "give the key id from `ctxgate keys list`"),
-    (["keys", "revoke", "abcdef0123"], "no key 'abcdef0123' in the keys file"),
-    (["keys", "rotate", "abcdef0123", "--grace", "1x"], "'1x' is not a duration"),
-    (["keys", "list", "--keys-file", "missing.yaml"], "keys file not found: missing.yaml"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["keys", "add", "acme", "--expires", "soon"], "--expires: 'soon' is neither a duration"),
+        (["keys", "add", "acme", "--budget-period", "daily"], "--budget-period needs --budget"),
+        (["keys", "revoke", "abc"], "give the key id from `ctxgate keys list`"),
+        (["keys", "revoke", "abcdef0123"], "no key 'abcdef0123' in the keys file"),
+        (["keys", "rotate", "abcdef0123", "--grace", "1x"], "'1x' is not a duration"),
+        (["keys", "list", "--keys-file", "missing.yaml"], "keys file not found: missing.yaml"),
+    ],
+)
 def test_key_cli_errors_are_clear(tmp_path, argv, message):
     keys = tmp_path / "keys.yaml"
     keys.write_text("tenants: {}\n")
@@ -122,18 +169,35 @@ def test_keys_add_warns_about_a_model_not_served_and_a_budget_without_prices(tmp
     keys = str(tmp_path / "keys.yaml")
     added = _ctxgate("keys", "add", "acme", "--keys-file", keys, "--model", "smollm2-135m", "--budget", "5")
     assert added.returncode == 0 and added.stdout.startswith("cg-")  # warned, still written
-    assert ("ctxgate: warning: --model smollm2-135m: a `ctxgate serve` without --config (pass --config FILE) "
-            "serves SmolLM2-135M-Instruct") in added.stderr
+    assert (
+        "ctxgate: warning: --model smollm2-135m: a `ctxgate serve` without --config (pass --config FILE) "
+        "serves SmolLM2-135M-Instruct"
+    ) in added.stderr
     assert "--budget 5: policy 'rag-default' has no prices" in added.stderr
     priced = tmp_path / "policies"
     priced.mkdir()
     (priced / "paid.yaml").write_text("name: paid\ncost: {prompt_per_1k: 0.5}\n")
     config = tmp_path / "ctxgate.yaml"
     config.write_text(json.dumps({"server": {"served_model_name": "smol", "policy_dir": str(priced)}}))
-    clean = _ctxgate("keys", "add", "globex", "--keys-file", keys, "--config", str(config), "--model", "smol",
-                     "--policy", "paid", "--budget", "5")
+    clean = _ctxgate(
+        "keys",
+        "add",
+        "globex",
+        "--keys-file",
+        keys,
+        "--config",
+        str(config),
+        "--model",
+        "smol",
+        "--policy",
+        "paid",
+        "--budget",
+        "5",
+    )
     assert clean.returncode == 0 and "warning" not in clean.stderr, clean.stderr
-    unknown = _ctxgate("keys", "add", "initech", "--keys-file", keys, "--config", str(config), "--policy", "payd")
+    unknown = _ctxgate(
+        "keys", "add", "initech", "--keys-file", keys, "--config", str(config), "--policy", "payd"
+    )
     assert "ctxgate: warning: --policy payd: no such policy in the server config" in unknown.stderr
 
 

@@ -38,12 +38,22 @@ def servers(engine, tmp_path_factory):
     keys_file = root / "keys.yaml"
     keys_file.write_text(yaml.safe_dump({"tenants": {"acme": {"keys": [{"sha256": hash_key(KEY)}]}}}))
     export_vllm_names(engine.metrics)
-    common = {"policy_dir": root, "default_policy": "tiny", "served_model_name": MODEL, "keys_file": keys_file,
-              "access_log": True}
-    with ServerThread(create_engine_app(engine, served_model_name=MODEL, manage_engine=False)) as engine_server, \
-            ServerThread(create_app(GatewaySettings(**common), engine=engine)) as in_process, \
-            ServerThread(create_app(GatewaySettings(**common, upstreams=[engine_server.url], upstream_model=MODEL)
-                                    )) as via_upstream:
+    common = {
+        "policy_dir": root,
+        "default_policy": "tiny",
+        "served_model_name": MODEL,
+        "keys_file": keys_file,
+        "access_log": True,
+    }
+    with (
+        ServerThread(
+            create_engine_app(engine, served_model_name=MODEL, manage_engine=False)
+        ) as engine_server,
+        ServerThread(create_app(GatewaySettings(**common), engine=engine)) as in_process,
+        ServerThread(
+            create_app(GatewaySettings(**common, upstreams=[engine_server.url], upstream_model=MODEL))
+        ) as via_upstream,
+    ):
         yield in_process.url, via_upstream.url
 
 
@@ -55,7 +65,8 @@ def test_request_id_round_trip_and_access_log(servers, caplog):
     url = servers[0]
     caplog.set_level(logging.INFO, logger="ctxgate.access")
     raw = _client(url).completions.with_raw_response.create(
-        model=MODEL, prompt=PROMPT, max_tokens=2, extra_headers={"x-request-id": "client-req.42:a"})
+        model=MODEL, prompt=PROMPT, max_tokens=2, extra_headers={"x-request-id": "client-req.42:a"}
+    )
     assert raw.headers["x-request-id"] == "client-req.42:a"
     assert raw.parse().choices[0].text is not None
 
@@ -64,8 +75,11 @@ def test_request_id_round_trip_and_access_log(servers, caplog):
     # A value that could forge log lines or flood them is replaced, not echoed.
     forged = httpx.get(f"{url}/health", headers={"x-request-id": "a b\tc" + "x" * 200})
     assert re.fullmatch(r"[0-9a-f]{32}", forged.headers["x-request-id"])
-    unauthorised = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT},
-                              headers={"authorization": "Bearer cg-wrong-secret", "x-request-id": "r-401"})
+    unauthorised = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": MODEL, "prompt": PROMPT},
+        headers={"authorization": "Bearer cg-wrong-secret", "x-request-id": "r-401"},
+    )
     assert unauthorised.status_code == 401 and unauthorised.headers["x-request-id"] == "r-401"
 
     assert httpx.get(f"{url}/no/such%0Apath=forged status=200").status_code == 404
@@ -74,9 +88,12 @@ def test_request_id_round_trip_and_access_log(servers, caplog):
     assert any("path=/no/such%0Apath=forged%20status=200 status=404" in line for line in lines)
     assert not any("\n" in line for line in lines)
     completion = next(line for line in lines if "request_id=client-req.42:a" in line)
-    assert re.fullmatch(r"request_id=client-req.42:a method=POST path=/v1/completions status=200 tenant=acme "
-                        r"policy=\S+ prompt_tokens_before=\S+ prompt_tokens_after=\S+ ttft_ms=\S+ "
-                        r"duration_ms=\d+\.\d", completion)
+    assert re.fullmatch(
+        r"request_id=client-req.42:a method=POST path=/v1/completions status=200 tenant=acme "
+        r"policy=\S+ prompt_tokens_before=\S+ prompt_tokens_after=\S+ ttft_ms=\S+ "
+        r"duration_ms=\d+\.\d",
+        completion,
+    )
     assert any("path=/v1/completions status=401" in line and "tenant=-" in line for line in lines)
     everything = "\n".join(lines)
     assert KEY not in everything and "cg-wrong-secret" not in everything and PROMPT not in everything
@@ -86,23 +103,47 @@ def test_process_admission_upstream_and_vllm_metrics(servers):
     in_process, via_upstream = servers
     _client(via_upstream).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     local = httpx.get(f"{in_process}/metrics").text
-    for line in ("ctxgate:admission_in_flight 0.0", "ctxgate:admission_queued 0.0",
-                 "ctxgate:admission_max_in_flight 64.0"):
+    for line in (
+        "ctxgate:admission_in_flight 0.0",
+        "ctxgate:admission_queued 0.0",
+        "ctxgate:admission_max_in_flight 64.0",
+    ):
         assert line in local
-    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "python_info",
-                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
-                 "ctxgate:num_requests_waiting"):
+    for name in (
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+        "python_info",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_bucket",
+        "ctxgate:num_requests_waiting",
+    ):
         assert re.search(rf"^{re.escape(name)}[{{ ]", local, re.M), name
     remote = httpx.get(f"{via_upstream}/metrics").text
     assert re.search(r'^ctxgate:upstream_up\{upstream="http://127\.0\.0\.1:\d+"\} 1\.0$', remote, re.M)
     count = re.search(r'^ctxgate:upstream_request_seconds_count\{upstream="[^"]+"\} (\S+)$', remote, re.M)
     assert count and float(count.group(1)) >= 1
-    assert re.search(r'^ctxgate:upstream_failures_total\{kind="connect",upstream="[^"]+"\} 0\.0$', remote, re.M)
+    assert re.search(
+        r'^ctxgate:upstream_failures_total\{kind="connect",upstream="[^"]+"\} 0\.0$', remote, re.M
+    )
 
 
 # -- dashboard and alert queries -----------------------------------------------------------------
-_PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
-                    "unless", "offset", "inf", "nan"}
+_PROMQL_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 _SYNTHETIC = {"up"}  # written by Prometheus itself for every target
 
 
@@ -119,9 +160,14 @@ def promql_metric_names(expr: str) -> set[str]:
 
 def _exported_series(metrics_text: str) -> set[str]:
     """Every series name /metrics exports, including families that have no samples yet."""
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "summary": ("", "_sum", "_count", "_created"), "info": ("_info",), "gauge": ("",),
-                "untyped": ("",)}
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "summary": ("", "_sum", "_count", "_created"),
+        "info": ("_info",),
+        "gauge": ("",),
+        "untyped": ("",),
+    }
     names = set()
     for line in metrics_text.splitlines():
         if line.startswith("# TYPE "):
@@ -136,12 +182,19 @@ def _exported_series(metrics_text: str) -> set[str]:
 
 def _shipped_queries() -> list[tuple[str, str]]:
     dashboard = json.loads((REPO / "deploy/grafana/ctxgate.json").read_text())
-    queries = [(f"panel '{panel['title']}'", target["expr"])
-               for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    queries = [
+        (f"panel '{panel['title']}'", target["expr"])
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+    ]
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
-            queries.append((f"variable {variable['name']}", re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1",
-                                                                  variable["query"]["query"])))
+            queries.append(
+                (
+                    f"variable {variable['name']}",
+                    re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", variable["query"]["query"]),
+                )
+            )
     alerts = yaml.safe_load((REPO / "deploy/prometheus/alerts.yml").read_text())
     for group in alerts["groups"]:
         for rule in group["rules"]:
@@ -151,8 +204,10 @@ def _shipped_queries() -> list[tuple[str, str]]:
 
 
 def test_promql_name_extraction():
-    expr = ('histogram_quantile(0.95, sum by (le, upstream) (rate(ctxgate:upstream_ttft_seconds_bucket'
-            '{instance=~"$instance",status=~"5.."}[$__rate_interval]))) > 8e9 and on (instance) up == 0')
+    expr = (
+        "histogram_quantile(0.95, sum by (le, upstream) (rate(ctxgate:upstream_ttft_seconds_bucket"
+        '{instance=~"$instance",status=~"5.."}[$__rate_interval]))) > 8e9 and on (instance) up == 0'
+    )
     assert promql_metric_names(expr) == {"ctxgate:upstream_ttft_seconds_bucket", "up"}
 
 
@@ -192,11 +247,18 @@ def test_the_access_log_carries_what_the_service_noted(caplog):
     with ServerThread(app) as server:
         assert httpx.get(f"{server.url}/noted", headers={"x-request-id": "n-1"}).status_code == 200
         assert httpx.get(f"{server.url}/health", headers={"x-request-id": "n-2"}).status_code == 404
-    lines = {record.getMessage().split()[0]: record.getMessage() for record in caplog.records
-             if record.name == "ctxgate.access"}
-    assert re.fullmatch(r"request_id=n-1 method=GET path=/noted status=200 tenant=acme policy=rag-default "
-                        r"prompt_tokens_before=1840 prompt_tokens_after=412 ttft_ms=388\.1 duration_ms=\d+\.\d",
-                        lines["request_id=n-1"])
-    assert re.fullmatch(r"request_id=n-2 method=GET path=/health status=404 tenant=- policy=- "
-                        r"prompt_tokens_before=- prompt_tokens_after=- ttft_ms=- duration_ms=\d+\.\d",
-                        lines["request_id=n-2"])
+    lines = {
+        record.getMessage().split()[0]: record.getMessage()
+        for record in caplog.records
+        if record.name == "ctxgate.access"
+    }
+    assert re.fullmatch(
+        r"request_id=n-1 method=GET path=/noted status=200 tenant=acme policy=rag-default "
+        r"prompt_tokens_before=1840 prompt_tokens_after=412 ttft_ms=388\.1 duration_ms=\d+\.\d",
+        lines["request_id=n-1"],
+    )
+    assert re.fullmatch(
+        r"request_id=n-2 method=GET path=/health status=404 tenant=- policy=- "
+        r"prompt_tokens_before=- prompt_tokens_after=- ttft_ms=- duration_ms=\d+\.\d",
+        lines["request_id=n-2"],
+    )

@@ -20,15 +20,19 @@ documents: {max_tokens: 150}
 cost: {prompt_per_1k: 0.5, completion_per_1k: 1.5, currency: USD}
 """
 
-PASSAGE = ("The Eiffel Tower is a wrought-iron lattice tower in Paris, France. It was designed by the company "
-           "of Gustave Eiffel and completed in 1889 for the World's Fair. ")
+PASSAGE = (
+    "The Eiffel Tower is a wrought-iron lattice tower in Paris, France. It was designed by the company "
+    "of Gustave Eiffel and completed in 1889 for the World's Fair. "
+)
 
 
 @pytest.fixture(scope="module")
 def server(engine, tmp_path_factory):
     policy_dir = tmp_path_factory.mktemp("policies")
     write_policy(policy_dir, "small", SMALL_POLICY)
-    settings = GatewaySettings(policy_dir=policy_dir, default_policy="small", served_model_name="ctxgate-test")
+    settings = GatewaySettings(
+        policy_dir=policy_dir, default_policy="small", served_model_name="ctxgate-test"
+    )
     app = create_app(settings, engine=engine)
     with ServerThread(app) as running:
         running.app = app
@@ -63,9 +67,12 @@ def test_chat_completion_budget_enforced_with_documents_five_times_over(client, 
     documents = _documents(tokenizer, 200)
     response = client.chat.completions.create(
         model="ctxgate-test",
-        messages=[{"role": "system", "content": "Answer briefly."},
-                  {"role": "user", "content": "When was the Eiffel Tower completed?"}],
-        max_tokens=6, temperature=0,
+        messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "When was the Eiffel Tower completed?"},
+        ],
+        max_tokens=6,
+        temperature=0,
         extra_body={"ctxgate": {"documents": documents, "policy": "small"}},
     )
     assert response.choices[0].message.content is not None
@@ -92,8 +99,11 @@ def test_chat_completion_budget_enforced_with_documents_five_times_over(client, 
 
 def test_max_tokens_is_clamped_to_the_policy(client):
     response = client.chat.completions.create(
-        model="ctxgate-test", messages=[{"role": "user", "content": "Count from one to one hundred."}],
-        max_tokens=500, temperature=0, extra_body={"ctxgate": {"policy": "small"}, "ignore_eos": True},
+        model="ctxgate-test",
+        messages=[{"role": "user", "content": "Count from one to one hundred."}],
+        max_tokens=500,
+        temperature=0,
+        extra_body={"ctxgate": {"policy": "small"}, "ignore_eos": True},
     )
     assert response.usage.completion_tokens == 8
     assert response.choices[0].finish_reason == "length"
@@ -103,7 +113,10 @@ def test_streamed_chat_completion_with_usage(client, tokenizer):
     stream = client.chat.completions.create(
         model="ctxgate-test",
         messages=[{"role": "user", "content": "Say hello."}],
-        max_tokens=5, temperature=0, stream=True, stream_options={"include_usage": True},
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
         extra_body={"ctxgate": {"documents": _documents(tokenizer, 200, factor=2)}},
     )
     pieces, finish_reasons, usage = [], [], None
@@ -125,11 +138,18 @@ def test_streamed_chat_completion_with_usage(client, tokenizer):
 def test_usage_matches_metrics(client, server, tokenizer):
     before = _scrape(server.url)
     response = client.chat.completions.create(
-        model="ctxgate-test", messages=[{"role": "user", "content": "Where is the tower?"}],
-        max_tokens=4, temperature=0, extra_body={"ctxgate": {"documents": _documents(tokenizer, 200, 3)}},
+        model="ctxgate-test",
+        messages=[{"role": "user", "content": "Where is the tower?"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ctxgate": {"documents": _documents(tokenizer, 200, 3)}},
     )
     after = _scrape(server.url)
-    ctx = response.usage.ctxgate if hasattr(response.usage, "ctxgate") else response.usage.model_extra["ctxgate"]
+    ctx = (
+        response.usage.ctxgate
+        if hasattr(response.usage, "ctxgate")
+        else response.usage.model_extra["ctxgate"]
+    )
     labels = '{policy="small",tenant="anonymous"}'
 
     def delta(name: str) -> float:
@@ -140,24 +160,32 @@ def test_usage_matches_metrics(client, server, tokenizer):
     assert delta(f"ctxgate:completion_tokens_total{labels}") == response.usage.completion_tokens
     for stage, saved in ctx["saved_tokens"].items():
         assert delta(f'ctxgate:saved_tokens_total{{policy="small",stage="{stage}"}}') == saved
-    assert delta('ctxgate:spend_total{currency="USD",tenant="anonymous"}') == pytest.approx(ctx["cost"], abs=1e-9)
+    assert delta('ctxgate:spend_total{currency="USD",tenant="anonymous"}') == pytest.approx(
+        ctx["cost"], abs=1e-9
+    )
     assert delta("ctxgate:gateway_ttft_seconds_count") == 1
     assert delta('ctxgate:gateway_requests_total{endpoint="/v1/chat/completions",status="200"}') == 1
     assert delta("ctxgate:compression_wait_seconds_count") == 1
-    assert delta("ctxgate:compression_wait_seconds_sum") == pytest.approx(ctx["compression_wait_ms"] / 1000, abs=1e-5)
+    assert delta("ctxgate:compression_wait_seconds_sum") == pytest.approx(
+        ctx["compression_wait_ms"] / 1000, abs=1e-5
+    )
 
 
 def test_completions_models_and_compress(client, server, tokenizer):
     models = client.models.list()
     assert [m.id for m in models.data][0] == "ctxgate-test"
     assert models.data[0].model_extra["engine_path"]["device"] == "cpu"  # which compute path serves
-    completion = client.completions.create(model="ctxgate-test", prompt="The capital of France is",
-                                           max_tokens=3, temperature=0)
+    completion = client.completions.create(
+        model="ctxgate-test", prompt="The capital of France is", max_tokens=3, temperature=0
+    )
     assert completion.usage.prompt_tokens == tokenizer.count("The capital of France is")
     assert completion.usage.completion_tokens <= 3
 
-    body = {"model": "ctxgate-test", "messages": [{"role": "user", "content": "When was it built?"}],
-            "ctxgate": {"documents": _documents(tokenizer, 200), "policy": "small"}}
+    body = {
+        "model": "ctxgate-test",
+        "messages": [{"role": "user", "content": "When was it built?"}],
+        "ctxgate": {"documents": _documents(tokenizer, 200), "policy": "small"},
+    }
     report = httpx.post(f"{server.url}/v1/ctxgate/compress", json=body).json()
     assert report["report"]["prompt_tokens"] <= 200
     assert tokenizer.count_chat(report["messages"]) == report["report"]["prompt_tokens"]

@@ -13,8 +13,14 @@ from tests.support.servers import REPO, ctxgate_env
 
 def _serve(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "ctxgate", "serve", *args], capture_output=True, text=True,
-                            cwd=REPO, env=ctxgate_env(), timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "ctxgate", "serve", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ctxgate_env(),
+        timeout=60,
+    )
     return result, time.perf_counter() - started
 
 
@@ -26,7 +32,8 @@ def test_missing_keys_file_and_policy_folder_fail_before_the_model_loads(tmp_pat
     assert lines == [
         f"ctxgate serve: field 'server.keys_file' (--keys-file): keys file not found: {keys} "
         f"(create it with `ctxgate keys add TENANT --keys-file {keys}`)",
-        f"ctxgate serve: field 'server.policy_dir' (--policy-dir): policy folder not found: {policies}"]
+        f"ctxgate serve: field 'server.policy_dir' (--policy-dir): policy folder not found: {policies}",
+    ]
     # No engine, no tokenizer: the whole process (interpreter start included) is a few seconds on
     # a busy 2-core machine, where loading the model took 14 s.
     assert elapsed < 10, elapsed

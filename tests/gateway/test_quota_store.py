@@ -49,7 +49,9 @@ async def test_tokens_per_minute_reserve_and_reconcile(store):
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 async def test_without_a_time_the_store_reads_its_clock(kind, request):
     clock = FakeClock(NOW)
-    store = create_store(request.getfixturevalue("redis_server").url if kind == "redis" else None, clock=clock)
+    store = create_store(
+        request.getfixturevalue("redis_server").url if kind == "redis" else None, clock=clock
+    )
     limits = QuotaLimits(tokens_per_minute=100, max_parallel_requests=1)
     await store.reserve("t", limits, 60, 0, slot_id="r1")
     clock.advance(5)
@@ -84,8 +86,12 @@ async def test_rejected_reservation_changes_nothing(store):
     with pytest.raises(QuotaExceeded):
         await store.reserve("t", limits, 20, 0, now=NOW)
     usage = await store.usage("t", now=NOW)
-    assert usage == {"requests_this_minute": 1, "tokens_this_minute": 40, "tokens_today": 40,
-                     "spend_micros_today": 0}
+    assert usage == {
+        "requests_this_minute": 1,
+        "tokens_this_minute": 40,
+        "tokens_today": 40,
+        "spend_micros_today": 0,
+    }
 
 
 async def test_redis_reservations_are_atomic_across_clients(redis_server):
@@ -152,11 +158,14 @@ async def test_parallel_slots_are_held_released_and_expire(store):
     await store.reserve("p", limits, 1, 0, now=NOW + DEFAULT_SLOT_TTL_S + 1, slot_id="r4")
 
 
-@pytest.mark.parametrize(("period", "start", "end"), [
-    ("daily", "2026-03-04T00:00:00", "2026-03-05T00:00:00"),
-    ("weekly", "2026-03-02T00:00:00", "2026-03-09T00:00:00"),  # ISO weeks start on Monday
-    ("monthly", "2026-02-01T00:00:00", "2026-03-01T00:00:00"),
-])
+@pytest.mark.parametrize(
+    ("period", "start", "end"),
+    [
+        ("daily", "2026-03-04T00:00:00", "2026-03-05T00:00:00"),
+        ("weekly", "2026-03-02T00:00:00", "2026-03-09T00:00:00"),  # ISO weeks start on Monday
+        ("monthly", "2026-02-01T00:00:00", "2026-03-01T00:00:00"),
+    ],
+)
 async def test_budget_periods(store, period, start, end):
     begin = datetime.fromisoformat(start).replace(tzinfo=UTC).timestamp()
     finish = datetime.fromisoformat(end).replace(tzinfo=UTC).timestamp()
@@ -190,7 +199,9 @@ async def test_check_refuses_as_reserve_would_and_applies_nothing(store):
 
 
 async def test_reserve_reports_what_the_binding_limits_leave(store):
-    tenant = QuotaLimits(requests_per_minute=3, tokens_per_minute=100, tokens_per_day=1000, max_parallel_requests=2)
+    tenant = QuotaLimits(
+        requests_per_minute=3, tokens_per_minute=100, tokens_per_day=1000, max_parallel_requests=2
+    )
     key = QuotaLimits(tokens_per_minute=70)
     first = await store.reserve("h", tenant, 40, 0, now=NOW, key_id="k", key_limits=key, slot_id="r1")
     state = first.rate_limits
@@ -199,8 +210,12 @@ async def test_reserve_reports_what_the_binding_limits_leave(store):
     assert (state.tokens.limit, state.tokens.remaining, state.tokens.reset_s) == (70, 30, 50)
     assert (state.requests.limit, state.requests.remaining, state.requests.reset_s) == (3, 2, 50)
     assert state.headers() == {
-        "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "2", "x-ratelimit-reset-requests": "50s",
-        "x-ratelimit-limit-tokens": "70", "x-ratelimit-remaining-tokens": "30", "x-ratelimit-reset-tokens": "50s",
+        "x-ratelimit-limit-requests": "3",
+        "x-ratelimit-remaining-requests": "2",
+        "x-ratelimit-reset-requests": "50s",
+        "x-ratelimit-limit-tokens": "70",
+        "x-ratelimit-remaining-tokens": "30",
+        "x-ratelimit-reset-tokens": "50s",
     }
     await store.reconcile(first, 10, 0)  # 30 of the 40 reserved come back
     second = await store.reserve("h", tenant, 50, 0, now=NOW + 5, key_id="k", key_limits=key)
@@ -229,4 +244,11 @@ def test_resets_are_written_as_openai_writes_them():
     from ctxgate.gateway.quota.model import go_duration
 
     assert [go_duration(s) for s in (0, 1, 59, 60, 360, 3661, 86400)] == [
-        "0s", "1s", "59s", "1m0s", "6m0s", "1h1m1s", "24h0m0s"]
+        "0s",
+        "1s",
+        "59s",
+        "1m0s",
+        "6m0s",
+        "1h1m1s",
+        "24h0m0s",
+    ]

@@ -22,7 +22,12 @@ from tests.support.servers import ctxgate_env, ctxgate_replicas, free_port, writ
 from tests.support.waiting import eventually
 
 MODEL = "ctxgate-test"
-KEYS = {"burst": "cg-burst-key", "burst-again": "cg-burst-again-key", "allow": "cg-allow-key", "deny": "cg-deny-key"}
+KEYS = {
+    "burst": "cg-burst-key",
+    "burst-again": "cg-burst-again-key",
+    "allow": "cg-allow-key",
+    "deny": "cg-deny-key",
+}
 MESSAGES = [{"role": "user", "content": "What is the tallest mountain in Europe?"}]
 
 
@@ -44,14 +49,24 @@ def gateways(redis_module, prompt_tokens, tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
     policy_dir = root / "policies"
     policy_dir.mkdir()
-    write_policy(policy_dir, "shared-allow", "name: shared-allow\nmax_input_tokens: 256\ndocuments: {max_tokens: 128}\n"
-                 "quota: {tokens_per_minute: 1000000, on_store_error: allow}\n")
-    write_policy(policy_dir, "shared-deny", "name: shared-deny\nmax_input_tokens: 256\ndocuments: {max_tokens: 128}\n"
-                 "quota: {tokens_per_minute: 1000000, on_store_error: deny}\n")
+    write_policy(
+        policy_dir,
+        "shared-allow",
+        "name: shared-allow\nmax_input_tokens: 256\ndocuments: {max_tokens: 128}\n"
+        "quota: {tokens_per_minute: 1000000, on_store_error: allow}\n",
+    )
+    write_policy(
+        policy_dir,
+        "shared-deny",
+        "name: shared-deny\nmax_input_tokens: 256\ndocuments: {max_tokens: 128}\n"
+        "quota: {tokens_per_minute: 1000000, on_store_error: deny}\n",
+    )
     # Room for exactly 10 requests (and half of an eleventh) per minute; "burst-again" is for a burst
     # that a minute boundary cut through.
-    burst = {"policy": "shared-allow",
-             "quota": {"tokens_per_minute": prompt_tokens * 10 + prompt_tokens // 2, "requests_per_minute": 100}}
+    burst = {
+        "policy": "shared-allow",
+        "quota": {"tokens_per_minute": prompt_tokens * 10 + prompt_tokens // 2, "requests_per_minute": 100},
+    }
     tenants = {
         "burst": {**burst, "keys": [{"sha256": hash_key(KEYS["burst"])}]},
         "burst-again": {**burst, "keys": [{"sha256": hash_key(KEYS["burst-again"])}]},
@@ -62,15 +77,28 @@ def gateways(redis_module, prompt_tokens, tmp_path_factory):
     keys_file.write_text(yaml.safe_dump({"tenants": tenants}))
     dead_upstream = f"http://127.0.0.1:{free_port()}"
     env = ctxgate_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", REDIS_URL=redis_module.url)
-    args = ["--policy-dir", str(policy_dir), "--keys", str(keys_file), "--upstream", dead_upstream,
-            "--served-model-name", MODEL, "--default-policy", "shared-allow"]
+    args = [
+        "--policy-dir",
+        str(policy_dir),
+        "--keys",
+        str(keys_file),
+        "--upstream",
+        dead_upstream,
+        "--served-model-name",
+        MODEL,
+        "--default-policy",
+        "shared-allow",
+    ]
     with ctxgate_replicas(args, root, env, ready_timeout_s=60) as urls:
         yield urls
 
 
 async def _compress(client: httpx.AsyncClient, url: str, tenant: str) -> httpx.Response:
-    return await client.post(f"{url}/v1/ctxgate/compress", json={"model": MODEL, "messages": MESSAGES},
-                             headers={"authorization": f"Bearer {KEYS[tenant]}"})
+    return await client.post(
+        f"{url}/v1/ctxgate/compress",
+        json={"model": MODEL, "messages": MESSAGES},
+        headers={"authorization": f"Bearer {KEYS[tenant]}"},
+    )
 
 
 def _ledger(redis_url: str, tenant: str, minute: int) -> int:
@@ -94,7 +122,8 @@ def test_two_replicas_share_one_tokens_per_minute_ledger(gateways, redis_module,
             # One request through each replica first, then a concurrent burst split across both.
             warmup = [await _compress(client, url, tenant) for url in gateways]
             return warmup + list(
-                await asyncio.gather(*(_compress(client, gateways[i % 2], tenant) for i in range(30))))
+                await asyncio.gather(*(_compress(client, gateways[i % 2], tenant) for i in range(30)))
+            )
 
     def attempt(tenant: str, minute: int) -> tuple[list[httpx.Response], int]:
         return asyncio.run(burst(tenant)), _ledger(redis_module.url, tenant, minute)
@@ -117,13 +146,19 @@ def test_two_replicas_share_one_tokens_per_minute_ledger(gateways, redis_module,
     assert 1 <= int(rejected.headers["retry-after"]) <= 60
     assert rejected.json()["error"]["code"] == "tokens_per_minute"
     # Each admitted request saw exactly what the shared ledger had left after its own reservation.
-    left = sorted((int(r.headers["x-ratelimit-remaining-tokens"]), int(r.headers["x-ratelimit-remaining-requests"]))
-                  for r in admitted)
+    left = sorted(
+        (int(r.headers["x-ratelimit-remaining-tokens"]), int(r.headers["x-ratelimit-remaining-requests"]))
+        for r in admitted
+    )
     assert left == [(limit - k * prompt_tokens, 100 - k) for k in range(10, 0, -1)]
-    assert (rejected.headers["x-ratelimit-limit-tokens"], rejected.headers["x-ratelimit-remaining-tokens"]) == (
-        str(limit), str(prompt_tokens // 2))
-    assert (rejected.headers["x-ratelimit-limit-requests"], rejected.headers["x-ratelimit-remaining-requests"]) == (
-        "100", "90")
+    assert (
+        rejected.headers["x-ratelimit-limit-tokens"],
+        rejected.headers["x-ratelimit-remaining-tokens"],
+    ) == (str(limit), str(prompt_tokens // 2))
+    assert (
+        rejected.headers["x-ratelimit-limit-requests"],
+        rejected.headers["x-ratelimit-remaining-requests"],
+    ) == ("100", "90")
     assert rejected.headers["x-ratelimit-reset-tokens"] == rejected.headers["retry-after"] + "s"
     assert f"of {limit} tokens a minute used" in rejected.json()["error"]["message"]
 
@@ -154,8 +189,12 @@ def test_redis_outage_follows_on_store_error_then_recovers(gateways, redis_modul
     finally:
         redis_module.start()  # same port, empty data
 
-    eventually(lambda: asyncio.run(call(second, "deny")).status_code == 200, timeout_s=10, interval_s=0.2,
-               message="gateway did not recover after Redis came back")
+    eventually(
+        lambda: asyncio.run(call(second, "deny")).status_code == 200,
+        timeout_s=10,
+        interval_s=0.2,
+        message="gateway did not recover after Redis came back",
+    )
     assert asyncio.run(call(first, "allow")).status_code == 200
     assert _counted(redis_module.url, "allow") > 0  # counted in the restarted (empty) Redis again
     assert "ctxgate:quota_store_up 1.0" in httpx.get(f"{first}/metrics").text

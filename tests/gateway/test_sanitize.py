@@ -18,7 +18,15 @@ from ctxgate.policies.schema import AssemblyPolicy
 
 # Client text: every line of a rendered prompt that is not one of these is the renderer's layout.
 # The history summary is client-derived and goes in quoted ("> ...").
-CLIENT_TEXT = {"Be brief.", "Earlier turn.", "Earlier reply.", "> Older talk.", "First body.", "Second body.", "Why?"}
+CLIENT_TEXT = {
+    "Be brief.",
+    "Earlier turn.",
+    "Earlier reply.",
+    "> Older talk.",
+    "First body.",
+    "Second body.",
+    "Why?",
+}
 STARTS_WITH_MARKER = re.compile(rf"^\s*({'|'.join(LINE_MARKERS)})", re.IGNORECASE)
 
 
@@ -29,7 +37,10 @@ def _rendered_prompts() -> list[str]:
     ]
     state = PipelineState(
         system_messages=[{"role": "system", "content": "Be brief."}],
-        history=[{"role": "user", "content": "Earlier turn."}, {"role": "assistant", "content": "Earlier reply."}],
+        history=[
+            {"role": "user", "content": "Earlier turn."},
+            {"role": "assistant", "content": "Earlier reply."},
+        ],
         question={"role": "user", "content": "Why?"},
         trailing=[],
         passages=passages,

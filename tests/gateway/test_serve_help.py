@@ -17,12 +17,30 @@ def test_every_gateway_setting_is_in_exactly_one_help_section():
 
 
 def test_serve_help_shows_the_sections_in_order():
-    help_text = subprocess.run([sys.executable, "-m", "ctxgate", "serve", "--help"], capture_output=True, text=True,
-                               cwd=REPO, env=ctxgate_env(), timeout=60, check=True).stdout
-    sections = [line.rstrip(":") for line in help_text.splitlines() if line.endswith(":") and line[0].isalpha()]
-    assert sections == ["options", "server", "tenants and policies", "quotas and admission", "compression",
-                        "upstreams", "engine (the built-in engine; unused with upstreams)"]
+    help_text = subprocess.run(
+        [sys.executable, "-m", "ctxgate", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ctxgate_env(),
+        timeout=60,
+        check=True,
+    ).stdout
+    sections = [
+        line.rstrip(":") for line in help_text.splitlines() if line.endswith(":") and line[0].isalpha()
+    ]
+    assert sections == [
+        "options",
+        "server",
+        "tenants and policies",
+        "quotas and admission",
+        "compression",
+        "upstreams",
+        "engine (the built-in engine; unused with upstreams)",
+    ]
     server = help_text.split("\nserver:")[1].split("\ntenants and policies:")[0]
-    assert "--port N" in server and "--access-log, --no-access-log" in server and "--max-in-flight" not in server
+    assert (
+        "--port N" in server and "--access-log, --no-access-log" in server and "--max-in-flight" not in server
+    )
     engine = help_text.split("\nengine (the built-in engine")[1]
     assert "--max-num-seqs" in engine and "--kv-cache-memory-mb" in engine

@@ -19,8 +19,17 @@ def test_serve_gguf_counts_with_the_served_tokenizer(qwen_gguf, qwen_dir, tmp_pa
 
     qwen = load_tokenizer(str(qwen_dir))
     port = free_port()
-    args = ["serve", "--model", str(qwen_gguf), "--port", str(port), "--num-threads", "1",
-            "--kv-cache-memory-mb", "16"]
+    args = [
+        "serve",
+        "--model",
+        str(qwen_gguf),
+        "--port",
+        str(port),
+        "--num-threads",
+        "1",
+        "--kv-cache-memory-mb",
+        "16",
+    ]
     with ctxgate_process(args, tmp_path / "serve.log"):
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/ready", timeout_s=300)
@@ -29,11 +38,20 @@ def test_serve_gguf_counts_with_the_served_tokenizer(qwen_gguf, qwen_dir, tmp_pa
         messages = [{"role": "user", "content": "When was the Eiffel Tower completed?"}]
         documents = [{"id": f"d{i}", "title": f"Doc {i}", "text": PASSAGE} for i in range(4)]
         reply = client.chat.completions.create(
-            model=qwen_gguf.stem, messages=messages, max_tokens=4, temperature=0,
-            extra_body={"ctxgate": {"documents": documents, "policy": "rag-default"}})
+            model=qwen_gguf.stem,
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ctxgate": {"documents": documents, "policy": "rag-default"}},
+        )
         ctx = reply.usage.model_extra["ctxgate"]
         assert reply.usage.prompt_tokens == ctx["prompt_tokens"]  # the engine prefilled what was counted
-        body = {"model": qwen_gguf.stem, "messages": messages,
-                "ctxgate": {"documents": documents, "policy": "rag-default"}}
+        body = {
+            "model": qwen_gguf.stem,
+            "messages": messages,
+            "ctxgate": {"documents": documents, "policy": "rag-default"},
+        }
         report = httpx.post(f"{url}/v1/ctxgate/compress", json=body, timeout=120).json()
-        assert qwen.count_chat(report["messages"]) == report["report"]["prompt_tokens"] == ctx["prompt_tokens"]
+        assert (
+            qwen.count_chat(report["messages"]) == report["report"]["prompt_tokens"] == ctx["prompt_tokens"]
+        )

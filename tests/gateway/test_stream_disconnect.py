@@ -30,8 +30,14 @@ class QueueingEngine(RecordingEngine):
 
 
 def body(text: str) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0,
-            "stream": True, "ctxgate": {"policy": "passthrough"}}
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "ctxgate": {"policy": "passthrough"},
+    }
 
 
 def test_client_gone_before_the_first_token_aborts_the_request(engine, tmp_path):
@@ -41,19 +47,28 @@ def test_client_gone_before_the_first_token_aborts_the_request(engine, tmp_path)
         model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
         started = time.monotonic()
         try:
-            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body(HOLD) | {"model": model},
-                              timeout=httpx.Timeout(1.0)) as response:
+            with httpx.stream(
+                "POST",
+                f"{server.url}/v1/chat/completions",
+                json=body(HOLD) | {"model": model},
+                timeout=httpx.Timeout(1.0),
+            ) as response:
                 response.read()
             raise AssertionError("the held request answered")
         except httpx.ReadTimeout:
             pass  # the client gives up after 1 s without a byte and closes the connection
-        eventually(lambda: len(queueing.aborted) == 1, timeout_s=10, interval_s=0.05,
-                   message=lambda: f"not aborted: {queueing.aborted}")
+        eventually(
+            lambda: len(queueing.aborted) == 1,
+            timeout_s=10,
+            interval_s=0.05,
+            message=lambda: f"not aborted: {queueing.aborted}",
+        )
         assert time.monotonic() - started < 20  # well before the 30 s hold would have ended
         gateway = app.state.gateway
         assert not gateway.budgets._pending  # nothing left counted as queued
         # The gateway serves the next client as before.
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body("Say hi.") | {"model": model},
-                          timeout=60) as response:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/chat/completions", json=body("Say hi.") | {"model": model}, timeout=60
+        ) as response:
             assert response.status_code == 200 and "[DONE]" in response.read().decode()
     wait_until_engine_idle(engine)

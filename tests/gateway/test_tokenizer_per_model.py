@@ -15,13 +15,16 @@ from ctxgate.gateway.settings import GatewaySettings
 from ctxgate.gateway.tokenizer_spec import load_counting_tokenizer
 from tests.support.servers import ServerThread, engine_processes, llama_server, llama_server_binary
 
-MESSAGES = [{"role": "system", "content": "You are terse. Ünïcödé, emoji 🙂, code: `x = f(y) ** 2`."},
-            {"role": "user", "content": "Name the capital of France in one word."}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse. Ünïcödé, emoji 🙂, code: `x = f(y) ** 2`."},
+    {"role": "user", "content": "Name the capital of France in one word."},
+]
 
 
 def _usage(url: str, model: str, messages=MESSAGES) -> tuple[int, int, dict]:
     reply = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0).chat.completions.create(
-        model=model, messages=messages, max_tokens=2, temperature=0)
+        model=model, messages=messages, max_tokens=2, temperature=0
+    )
     extra = reply.usage.model_extra["ctxgate"]
     return extra["prompt_tokens"], reply.usage.prompt_tokens, extra
 
@@ -33,8 +36,11 @@ def tiktoken_gateway(engine, model_dir, tmp_path_factory):
     with engine_processes(model_dir, tmp, count=1) as engines:
         model_list = [
             {"model_name": "local", "deployments": [{"engine": "builtin"}]},
-            {"model_name": "gpt", "tokenizer": "cl100k_base",
-             "deployments": [{"url": f"{url}/v1"} for url, _ in engines]},
+            {
+                "model_name": "gpt",
+                "tokenizer": "cl100k_base",
+                "deployments": [{"url": f"{url}/v1"} for url, _ in engines],
+            },
         ]
         settings = GatewaySettings(model_list=model_list, default_policy="passthrough")
         with ServerThread(create_app(settings, engine=engine)) as running:
@@ -81,12 +87,18 @@ def test_a_qwen_group_is_counted_as_llama_server_counts_it(engine, tokenizer, qw
     assert coder == upstream  # llama-server's own count of the prompt it rendered from the same GGUF
 
 
-@pytest.mark.parametrize(("entry", "message"), [
-    ({"tokenizer": "/nowhere/model.gguf"}, "no such GGUF file"),
-    ({"tokenizer": "./no-such-dir"}, "not a directory with a tokenizer.json"),
-    ({"tokenizer": "cl100k_typo"}, "neither a GGUF file"),
-    ({"tokenizer": "cl100k_base", "deployments": [{"engine": "builtin"}]}, "counts with its own tokenizer"),
-])
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"tokenizer": "/nowhere/model.gguf"}, "no such GGUF file"),
+        ({"tokenizer": "./no-such-dir"}, "not a directory with a tokenizer.json"),
+        ({"tokenizer": "cl100k_typo"}, "neither a GGUF file"),
+        (
+            {"tokenizer": "cl100k_base", "deployments": [{"engine": "builtin"}]},
+            "counts with its own tokenizer",
+        ),
+    ],
+)
 def test_a_bad_tokenizer_is_a_config_error(tmp_path, entry, message):
     path = tmp_path / "ctxgate.yaml"
     model = {"model_name": "chat", "deployments": [{"url": "http://a:1"}]} | entry
@@ -98,8 +110,15 @@ def test_a_bad_tokenizer_is_a_config_error(tmp_path, entry, message):
 def test_a_relative_tokenizer_path_is_relative_to_the_config_file(tmp_path, model_dir):
     (tmp_path / "smol").symlink_to(model_dir, target_is_directory=True)
     path = tmp_path / "ctxgate.yaml"
-    path.write_text(yaml.safe_dump({"model_list": [
-        {"model_name": "chat", "tokenizer": "smol", "deployments": [{"url": "http://a:1"}]},
-        {"model_name": "gpt", "tokenizer": "cl100k_base", "deployments": [{"url": "http://b:1"}]}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model_list": [
+                    {"model_name": "chat", "tokenizer": "smol", "deployments": [{"url": "http://a:1"}]},
+                    {"model_name": "gpt", "tokenizer": "cl100k_base", "deployments": [{"url": "http://b:1"}]},
+                ]
+            }
+        )
+    )
     chat, gpt = load_config(path).model_list
     assert chat.tokenizer == str(tmp_path / "smol") and gpt.tokenizer == "cl100k_base"

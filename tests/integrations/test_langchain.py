@@ -27,15 +27,26 @@ def _stuff(documents: list[Document]) -> str:
 
 
 def _llm(gateway_url: str, **kwargs) -> ChatOpenAI:
-    return ChatOpenAI(base_url=gateway_url, api_key="unused", model=MODEL, temperature=0, max_tokens=4,
-                      max_retries=0, **kwargs)
+    return ChatOpenAI(
+        base_url=gateway_url,
+        api_key="unused",
+        model=MODEL,
+        temperature=0,
+        max_tokens=4,
+        max_retries=0,
+        **kwargs,
+    )
 
 
 def test_stuff_documents_chain_context_is_found_and_cut(gateway_url):
     prompt = ChatPromptTemplate.from_messages([("system", SYSTEM_PROMPT), ("human", "{input}")])
     # The extension only tightens the budget here; the passages themselves are inside the prompt.
     llm = _llm(gateway_url, extra_body=ctxgate_extra_body(overrides=OVERRIDES))
-    chain = {"context": RunnableLambda(lambda _: _stuff(DOCUMENTS)), "input": RunnablePassthrough()} | prompt | llm
+    chain = (
+        {"context": RunnableLambda(lambda _: _stuff(DOCUMENTS)), "input": RunnablePassthrough()}
+        | prompt
+        | llm
+    )
     message = chain.invoke(QUESTION)
     assert message.content
     usage = read_usage(message)

@@ -13,14 +13,24 @@ from llama_index.llms.openai_like import OpenAILike
 from ctxgate.client import ctxgate_extra_body, read_usage
 from tests.integrations.conftest import FACTS, MODEL, OVERRIDES, QUESTION
 
-NODES = [NodeWithScore(node=TextNode(text=text, metadata={"title": f"Town {name}"}), score=1.0)
-         for name, text in FACTS]
+NODES = [
+    NodeWithScore(node=TextNode(text=text, metadata={"title": f"Town {name}"}), score=1.0)
+    for name, text in FACTS
+]
 
 
 def _llm(gateway_url: str, extension: dict) -> OpenAILike:
-    return OpenAILike(model=MODEL, api_base=gateway_url, api_key="unused", is_chat_model=True, max_tokens=4,
-                      temperature=0, context_window=2048, max_retries=0,
-                      additional_kwargs={"extra_body": extension})
+    return OpenAILike(
+        model=MODEL,
+        api_base=gateway_url,
+        api_key="unused",
+        is_chat_model=True,
+        max_tokens=4,
+        temperature=0,
+        context_window=2048,
+        max_retries=0,
+        additional_kwargs={"extra_body": extension},
+    )
 
 
 def _context_str() -> str:
@@ -31,8 +41,12 @@ def _context_str() -> str:
 def test_context_chat_prompt_in_system_message(gateway_url):
     llm = _llm(gateway_url, ctxgate_extra_body(overrides=OVERRIDES))
     system = DEFAULT_CONTEXT_TEMPLATE.format(context_str=_context_str())
-    response = llm.chat([ChatMessage(role=MessageRole.SYSTEM, content=system),
-                         ChatMessage(role=MessageRole.USER, content=QUESTION)])
+    response = llm.chat(
+        [
+            ChatMessage(role=MessageRole.SYSTEM, content=system),
+            ChatMessage(role=MessageRole.USER, content=QUESTION),
+        ]
+    )
     assert response.message.content
     usage = read_usage(response)
     found = usage.message_context

@@ -20,14 +20,25 @@ def test_openai_sdk_parse_returns_cited_answers_on_nq(gateway_url):
     for example in questions(limit=NUM_QUESTIONS):
         messages, _gold = messages_for(example)
         completion = client.beta.chat.completions.parse(
-            model=MODEL, messages=messages, response_format=CitedAnswer, max_tokens=MAX_TOKENS, temperature=0,
-            extra_body={"ctxgate": {"policy": "passthrough"}})
+            model=MODEL,
+            messages=messages,
+            response_format=CitedAnswer,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ctxgate": {"policy": "passthrough"}},
+        )
         assert isinstance(completion.choices[0].message.parsed, CitedAnswer), completion
 
 
 def test_langchain_with_structured_output(gateway_url):
-    llm = ChatOpenAI(model=MODEL, base_url=gateway_url, api_key="unused", temperature=0, max_tokens=MAX_TOKENS,
-                     extra_body={"ctxgate": {"policy": "passthrough"}})
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=gateway_url,
+        api_key="unused",
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        extra_body={"ctxgate": {"policy": "passthrough"}},
+    )
     messages, _gold = messages_for(questions(limit=1)[0])
     answer = llm.with_structured_output(CitedAnswer, method="json_schema").invoke(messages)
     assert isinstance(answer, CitedAnswer)
@@ -40,8 +51,14 @@ def lookup(query: str) -> str:
 
 
 def test_langchain_tool_calling_agent_step(gateway_url):
-    llm = ChatOpenAI(model=MODEL, base_url=gateway_url, api_key="unused", temperature=0, max_tokens=60,
-                     extra_body={"ctxgate": {"policy": "passthrough"}})
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=gateway_url,
+        api_key="unused",
+        temperature=0,
+        max_tokens=60,
+        extra_body={"ctxgate": {"policy": "passthrough"}},
+    )
     question = HumanMessage("When does the bakery open? Use the lookup tool.")
     call = llm.bind_tools([lookup], tool_choice="lookup").invoke([question])
     assert call.tool_calls and call.tool_calls[0]["name"] == "lookup"

@@ -18,12 +18,21 @@ from ctxgate.policies.loader import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = ["passthrough", "rag-default", "rag-strict", "chat-long-history", "rag-multihop", "rag-fast", "rag-adaptive"]
+SHIPPED = [
+    "passthrough",
+    "rag-default",
+    "rag-strict",
+    "chat-long-history",
+    "rag-multihop",
+    "rag-fast",
+    "rag-adaptive",
+]
 
 
 def _ctxgate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ctxgate", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "ctxgate", *args], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -55,19 +64,38 @@ def test_passthrough_disables_compression_but_keeps_a_budget():
     [
         ("name: x\nmax_input_tokens: -5\n", "max_input_tokens", "greater than or equal"),
         ("name: x\ndocuments: {max_tokens: 9000}\n", "", "documents.max_tokens cannot exceed"),
-        ("name: x\nrerank: {methd: bm25}\n", "rerank.methd", "Extra inputs are not permitted (got \"bm25\"); "
-         "did you mean 'method'?"),
+        (
+            "name: x\nrerank: {methd: bm25}\n",
+            "rerank.methd",
+            "Extra inputs are not permitted (got \"bm25\"); did you mean 'method'?",
+        ),
         ("name: x\nextraction: {neighbors: 1}\n", "extraction.neighbors", "did you mean 'neighbours'?"),
         ("name: x\nmax_input_token: 100\n", "max_input_token", "did you mean 'max_input_tokens'?"),
         ("name: x\nquota: {on_store_error: maybe}\n", "quota.on_store_error", "'allow' or 'deny'"),
         ("max_input_tokens: 100\n", "name", "Field required"),
-        ("name: x\ndocuments: {embed_budget_multiple: 0}\n", "documents.embed_budget_multiple", "greater than 0"),
-        ("name: x\ndocuments: {embed_min_share: 1.5}\n", "documents.embed_min_share", "less than or equal to 1"),
-        ("name: x\nadaptive: {floor_tokens: 900, ceiling_tokens: 300}\n", "adaptive", "floor_tokens cannot exceed"),
+        (
+            "name: x\ndocuments: {embed_budget_multiple: 0}\n",
+            "documents.embed_budget_multiple",
+            "greater than 0",
+        ),
+        (
+            "name: x\ndocuments: {embed_min_share: 1.5}\n",
+            "documents.embed_min_share",
+            "less than or equal to 1",
+        ),
+        (
+            "name: x\nadaptive: {floor_tokens: 900, ceiling_tokens: 300}\n",
+            "adaptive",
+            "floor_tokens cannot exceed",
+        ),
         ("name: x\nadaptive: {enabled: true, ceiling_tokens: 4000}\n", "", "ceiling_tokens cannot exceed"),
         ("name: x\nadaptive: {ttft_slo_s: 0}\n", "adaptive.ttft_slo_s", "greater than 0"),
         ("name: x\nadaptive: {headroom: 1.5}\n", "adaptive.headroom", "less than or equal to 1"),
-        ("name: x\nadaptive: {step_tokens: 1, ceiling_tokens: 2000}\n", "adaptive", "more than 256 candidate"),
+        (
+            "name: x\nadaptive: {step_tokens: 1, ceiling_tokens: 2000}\n",
+            "adaptive",
+            "more than 256 candidate",
+        ),
         ("name: x\nadaptive: {slo: 2}\n", "adaptive.slo", "Extra inputs"),
         ("name: x\nextraction: {second_hop: auto}\n", "extraction.second_hop", "Extra inputs"),  # removed
         ("name: [unclosed\n", "", "invalid YAML at line"),
@@ -109,7 +137,8 @@ def test_policy_schema_cli():
     result = _ctxgate("policy", "schema")
     schema = json.loads(result.stdout)
     assert {"max_input_tokens", "reserve_output_tokens", "history", "documents", "quota", "cost"} <= set(
-        schema["properties"])
+        schema["properties"]
+    )
 
 
 def test_overrides_only_where_allowed():

@@ -29,8 +29,15 @@ RELIABILITY_POLICY = (
 def small_engine_config(model_dir, **overrides):
     from ctxgate.backend.engine.config import EngineConfig
 
-    fields = dict(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
-                  max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_num_batched_tokens=256, num_threads=1)
+    fields = dict(
+        model=str(model_dir),
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        num_threads=1,
+    )
     fields.update(overrides)
     return EngineConfig(**fields)
 
@@ -54,13 +61,25 @@ def policy_dir(root: Path, text: str = RELIABILITY_POLICY) -> Path:
 def gateway_settings(root: Path, **overrides):
     from ctxgate.gateway.settings import GatewaySettings
 
-    fields = dict(policy_dir=policy_dir(root), default_policy="rel", include_packaged_policies=False,
-                  reload_interval_s=0.3, max_in_flight=4, max_queued=4, queue_timeout_s=2.0,
-                  request_timeout_s=60.0)
+    fields = dict(
+        policy_dir=policy_dir(root),
+        default_policy="rel",
+        include_packaged_policies=False,
+        reload_interval_s=0.3,
+        max_in_flight=4,
+        max_queued=4,
+        queue_timeout_s=2.0,
+        request_timeout_s=60.0,
+    )
     fields.update(overrides)
     return GatewaySettings(**fields)
 
 
 def chat_body(content: str = "Say hi.", max_tokens: int = 4, **extra) -> dict:
-    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, **extra}
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }

@@ -38,10 +38,18 @@ class LoadReport:
     elapsed_s: float = 0.0
 
     def figures(self) -> dict:
-        return {"sent": self.sent, "accepted": self.accepted, "rejected_429": self.rejected_429,
-                "rejected_503": self.rejected_503, "completed": self.completed, "aborted": self.aborted,
-                "errors_5xx": self.errors_5xx, "hung": self.hung, "elapsed_s": round(self.elapsed_s, 1),
-                "statuses": dict(self.statuses)}
+        return {
+            "sent": self.sent,
+            "accepted": self.accepted,
+            "rejected_429": self.rejected_429,
+            "rejected_503": self.rejected_503,
+            "completed": self.completed,
+            "aborted": self.aborted,
+            "errors_5xx": self.errors_5xx,
+            "hung": self.hung,
+            "elapsed_s": round(self.elapsed_s, 1),
+            "statuses": dict(self.statuses),
+        }
 
 
 def _is_overload_answer(response: httpx.Response, body: bytes) -> bool:
@@ -54,14 +62,27 @@ def _is_overload_answer(response: httpx.Response, body: bytes) -> bool:
 
 
 class _Request:
-    def __init__(self, client: httpx.AsyncClient, url: str, rng: random.Random, report: LoadReport, index: int,
-                 max_tokens: int, stream_fraction: float, disconnect_fraction: float, background_fraction: float):
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        rng: random.Random,
+        report: LoadReport,
+        index: int,
+        max_tokens: int,
+        stream_fraction: float,
+        disconnect_fraction: float,
+        background_fraction: float,
+    ):
         self.client, self.url, self.report = client, url, report
         self.stream = rng.random() < stream_fraction
         self.disconnect_after = rng.uniform(0.05, 1.0) if rng.random() < disconnect_fraction else None
         priority = "background" if rng.random() < background_fraction else "user"
         self.body = {
-            "model": MODEL_NAME, "max_tokens": rng.randint(1, max_tokens), "temperature": 0, "stream": self.stream,
+            "model": MODEL_NAME,
+            "max_tokens": rng.randint(1, max_tokens),
+            "temperature": 0,
+            "stream": self.stream,
             "messages": [{"role": "user", "content": f"Request {index}: name a colour and a number."}],
             "ctxgate": {"priority": priority},
         }
@@ -94,7 +115,10 @@ class _Request:
             self._classify_status(response, response.content)
             if response.status_code == 200:
                 payload = response.json()
-                if payload["choices"][0]["finish_reason"] in ("stop", "length") and payload["usage"]["total_tokens"]:
+                if (
+                    payload["choices"][0]["finish_reason"] in ("stop", "length")
+                    and payload["usage"]["total_tokens"]
+                ):
                     report.completed += 1
                 else:
                     report.problems.append(f"incomplete answer: {payload}")
@@ -108,7 +132,7 @@ class _Request:
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     done = True
                     break
@@ -151,8 +175,13 @@ async def measure_capacity(url: str, concurrency: int, num_requests: int, max_to
     async with httpx.AsyncClient(timeout=120) as client:
 
         async def one(index: int) -> None:
-            body = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": f"Warm-up {index}: name a colour."}]}
+            body = {
+                "model": MODEL_NAME,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"Warm-up {index}: name a colour."}],
+            }
             response = await client.post(f"{url}/v1/chat/completions", json=body)
             response.raise_for_status()
 
@@ -161,18 +190,42 @@ async def measure_capacity(url: str, concurrency: int, num_requests: int, max_to
         return num_requests / (time.perf_counter() - started)
 
 
-async def run_load(url: str, *, rate_per_s: float, max_requests: int, duration_s: float, seed: int = 0,
-                   max_tokens: int = 8, stream_fraction: float = 0.5, disconnect_fraction: float = 0.2,
-                   background_fraction: float = 0.3, request_timeout_s: float = 90.0,
-                   max_outstanding: int = 64) -> LoadReport:
+async def run_load(
+    url: str,
+    *,
+    rate_per_s: float,
+    max_requests: int,
+    duration_s: float,
+    seed: int = 0,
+    max_tokens: int = 8,
+    stream_fraction: float = 0.5,
+    disconnect_fraction: float = 0.2,
+    background_fraction: float = 0.3,
+    request_timeout_s: float = 90.0,
+    max_outstanding: int = 64,
+) -> LoadReport:
     """Send requests at `rate_per_s` (open loop) until `max_requests` or `duration_s`, then wait for all."""
     rng = random.Random(seed)
     report = LoadReport()
     limits = httpx.Limits(max_connections=max_outstanding, max_keepalive_connections=max_outstanding)
     offsets = [offset for offset in uniform_offsets(max_requests, rate_per_s) if offset <= duration_s]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=10), limits=limits) as client:
-        requests = [_Request(client, url, rng, report, index, max_tokens, stream_fraction, disconnect_fraction,
-                             background_fraction) for index in range(len(offsets))]
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(request_timeout_s, connect=10), limits=limits
+    ) as client:
+        requests = [
+            _Request(
+                client,
+                url,
+                rng,
+                report,
+                index,
+                max_tokens,
+                stream_fraction,
+                disconnect_fraction,
+                background_fraction,
+            )
+            for index in range(len(offsets))
+        ]
 
         async def one(request: _Request) -> None:
             await request.run(request_timeout_s)
@@ -186,8 +239,17 @@ async def run_load(url: str, *, rate_per_s: float, max_requests: int, duration_s
 def merge_reports(reports: list[LoadReport]) -> LoadReport:
     merged = LoadReport()
     for report in reports:
-        for name in ("sent", "accepted", "rejected_429", "rejected_503", "completed", "aborted", "errors_5xx",
-                     "hung", "elapsed_s"):
+        for name in (
+            "sent",
+            "accepted",
+            "rejected_429",
+            "rejected_503",
+            "completed",
+            "aborted",
+            "errors_5xx",
+            "hung",
+            "elapsed_s",
+        ):
             setattr(merged, name, getattr(merged, name) + getattr(report, name))
         merged.statuses.update(report.statuses)
         merged.problems.extend(report.problems)

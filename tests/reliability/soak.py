@@ -41,17 +41,32 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(gateway_settings(Path(root), max_queued=2, queue_timeout_s=1.0), engine=engine)
         with ServerThread(app) as server:
             capacity = asyncio.run(measure_capacity(server.url, concurrency=4, num_requests=8, max_tokens=8))
-            asyncio.run(run_load(server.url, rate_per_s=args.factor * capacity, max_requests=12, duration_s=10,
-                                 seed=args.seed + 1))
+            asyncio.run(
+                run_load(
+                    server.url,
+                    rate_per_s=args.factor * capacity,
+                    max_requests=12,
+                    duration_s=10,
+                    seed=args.seed + 1,
+                )
+            )
             wait_until_engine_idle(engine)
             rss_start = rss_bytes()
             started = time.monotonic()
             # Three equal segments, RSS after each: growth that continues after the first is a leak.
             segments, rss_after = [], []
             for part in range(3):
-                segments.append(asyncio.run(run_load(
-                    server.url, rate_per_s=args.factor * capacity, max_requests=args.max_requests // 3,
-                    duration_s=args.duration / 3, seed=args.seed + 10 * part)))
+                segments.append(
+                    asyncio.run(
+                        run_load(
+                            server.url,
+                            rate_per_s=args.factor * capacity,
+                            max_requests=args.max_requests // 3,
+                            duration_s=args.duration / 3,
+                            seed=args.seed + 10 * part,
+                        )
+                    )
+                )
                 rss_after.append(round(rss_bytes() / 2**20, 1))
             report = merge_reports(segments)
             try:
@@ -63,18 +78,30 @@ def main(argv: list[str] | None = None) -> int:
             admission = app.state.admission.stats()
     engine.shutdown()
     figures = {
-        "capacity_req_per_s": round(capacity, 2), "offered_req_per_s": round(args.factor * capacity, 2),
-        **report.figures(), "leaked_kv_blocks": stats.num_kv_blocks_total - stats.num_kv_blocks_free,
-        "kv_blocks_total": stats.num_kv_blocks_total, "preemptions": stats.num_preemptions,
-        "in_flight_at_end": admission.in_flight, "rss_start_mib": round(rss_start / 2**20, 1),
-        "rss_end_mib": round(rss_end / 2**20, 1), "rss_after_each_third_mib": rss_after, "wall_s": round(time.monotonic() - started, 1),
+        "capacity_req_per_s": round(capacity, 2),
+        "offered_req_per_s": round(args.factor * capacity, 2),
+        **report.figures(),
+        "leaked_kv_blocks": stats.num_kv_blocks_total - stats.num_kv_blocks_free,
+        "kv_blocks_total": stats.num_kv_blocks_total,
+        "preemptions": stats.num_preemptions,
+        "in_flight_at_end": admission.in_flight,
+        "rss_start_mib": round(rss_start / 2**20, 1),
+        "rss_end_mib": round(rss_end / 2**20, 1),
+        "rss_after_each_third_mib": rss_after,
+        "wall_s": round(time.monotonic() - started, 1),
     }
     print(json.dumps(figures, indent=2))
     for problem in report.problems[:20]:
         print("problem:", problem, file=sys.stderr)
-    ok = (not report.problems and report.errors_5xx == 0 and figures["leaked_kv_blocks"] == 0
-          and admission.in_flight == 0 and not engine.engine.sequences
-          and rss_end - rss_start < 200 * 2**20 and rss_after[2] - rss_after[1] < 50)
+    ok = (
+        not report.problems
+        and report.errors_5xx == 0
+        and figures["leaked_kv_blocks"] == 0
+        and admission.in_flight == 0
+        and not engine.engine.sequences
+        and rss_end - rss_start < 200 * 2**20
+        and rss_after[2] - rss_after[1] < 50
+    )
     print("soak: OK" if ok else "soak: FAILED", file=sys.stderr)
     return 0 if ok else 1
 

@@ -38,8 +38,11 @@ def test_engine_out_of_kv_blocks_preempts_instead_of_failing(small_engine, token
     stats_before = small_engine.stats()
     requests = [
         GenerationRequest(
-            request_id=f"kv-{i}", priority=Priority.BACKGROUND if i % 2 else Priority.USER,
-            prompt_token_ids=tokenizer.encode_chat([{"role": "user", "content": f"Tell story number {i} " * 3}]),
+            request_id=f"kv-{i}",
+            priority=Priority.BACKGROUND if i % 2 else Priority.USER,
+            prompt_token_ids=tokenizer.encode_chat(
+                [{"role": "user", "content": f"Tell story number {i} " * 3}]
+            ),
             sampling=SamplingParams(max_tokens=80, temperature=0, ignore_eos=True),
         )
         for i in range(4)
@@ -58,16 +61,25 @@ def test_engine_out_of_kv_blocks_preempts_instead_of_failing(small_engine, token
 
 # -- a policy file corrupted while serving --------------------------------------------------------
 def test_policy_corrupted_while_serving_keeps_old_policy(small_engine, tmp_path):
-    settings = gateway_settings(tmp_path, reload_interval_s=0.2, max_in_flight=4, max_queued=16,
-                                queue_timeout_s=60)
+    settings = gateway_settings(
+        tmp_path, reload_interval_s=0.2, max_in_flight=4, max_queued=16, queue_timeout_s=60
+    )
     policy_dir = settings.policy_dir
     with ServerThread(create_app(settings, engine=small_engine)) as server:
+
         async def load_while_corrupting():
-            load = asyncio.create_task(run_load(server.url, rate_per_s=4, max_requests=16, duration_s=8, seed=5,
-                                                disconnect_fraction=0.0))
+            load = asyncio.create_task(
+                run_load(
+                    server.url, rate_per_s=4, max_requests=16, duration_s=8, seed=5, disconnect_fraction=0.0
+                )
+            )
             await asyncio.sleep(0.5)
-            for garbage in ("name: rel\nmax_input_tokens: [unclosed\n", "name: rel\nmax_input_tokens: -5\n",
-                            "\x00\xff binary junk", ""):
+            for garbage in (
+                "name: rel\nmax_input_tokens: [unclosed\n",
+                "name: rel\nmax_input_tokens: -5\n",
+                "\x00\xff binary junk",
+                "",
+            ):
                 write_policy(policy_dir, "rel", garbage)
                 await asyncio.sleep(0.6)
             return await load
@@ -79,9 +91,20 @@ def test_policy_corrupted_while_serving_keeps_old_policy(small_engine, tmp_path)
         assert listing["policies"][0]["effective"]["max_input_tokens"] == 256  # the last good version
         assert listing["last_reload_error"] and "rel.yaml" in listing["last_reload_error"]["file"]
         # Repaired file: applies again.
-        write_policy(policy_dir, "rel", RELIABILITY_POLICY.replace("max_input_tokens: 256", "max_input_tokens: 200"))
-        eventually(lambda: httpx.get(f"{server.url}/v1/ctxgate/policies").json()["policies"][0]["effective"][
-            "max_input_tokens"] == 200, timeout_s=10, interval_s=0.2, message="repaired policy not reloaded")
+        write_policy(
+            policy_dir, "rel", RELIABILITY_POLICY.replace("max_input_tokens: 256", "max_input_tokens: 200")
+        )
+        eventually(
+            lambda: (
+                httpx.get(f"{server.url}/v1/ctxgate/policies").json()["policies"][0]["effective"][
+                    "max_input_tokens"
+                ]
+                == 200
+            ),
+            timeout_s=10,
+            interval_s=0.2,
+            message="repaired policy not reloaded",
+        )
     wait_until_engine_idle(small_engine)
 
 
@@ -91,9 +114,26 @@ def upstream_process(tmp_path):
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "ctxgate", "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--num-kv-blocks", "64", "--max-model-len", "1024", "--threads", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        [
+            sys.executable,
+            "-m",
+            "ctxgate",
+            "engine",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-kv-blocks",
+            "64",
+            "--max-model-len",
+            "1024",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", timeout_s=180)
@@ -106,13 +146,22 @@ def upstream_process(tmp_path):
 
 def test_upstream_killed_mid_stream_gives_a_clean_error_event(upstream_process, tmp_path):
     upstream_url, process = upstream_process
-    settings = gateway_settings(tmp_path, upstreams=[f"{upstream_url}/v1"], upstream_read_timeout_s=10,
-                                upstream_retries=0, upstream_connect_timeout_s=1, request_timeout_s=30,
-                                served_model_name=MODEL_NAME)
+    settings = gateway_settings(
+        tmp_path,
+        upstreams=[f"{upstream_url}/v1"],
+        upstream_read_timeout_s=10,
+        upstream_retries=0,
+        upstream_connect_timeout_s=1,
+        request_timeout_s=30,
+        served_model_name=MODEL_NAME,
+    )
     slow = RELIABILITY_POLICY.replace("reserve_output_tokens: 8", "reserve_output_tokens: 400")
     write_policy(settings.policy_dir, "rel", slow)
     with ServerThread(create_app(settings)) as server:
-        body = chat_body("Count from one to a thousand.", max_tokens=400) | {"stream": True, "ignore_eos": True}
+        body = chat_body("Count from one to a thousand.", max_tokens=400) | {
+            "stream": True,
+            "ignore_eos": True,
+        }
         events: list[str] = []
         started = time.monotonic()
         with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
@@ -120,7 +169,7 @@ def test_upstream_killed_mid_stream_gives_a_clean_error_event(upstream_process, 
             for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
                 if len(events) == 3:  # mid-stream: tokens are flowing
                     process.send_signal(signal.SIGKILL)
         elapsed = time.monotonic() - started
@@ -145,16 +194,25 @@ def test_redis_killed_mid_load_then_recovers(small_engine, tmp_path):
     redis_server = RedisServer(tmp_path)
     redis_server.start()
     quota = "quota: {tokens_per_minute: 1000000, requests_per_minute: 100000, on_store_error: allow}\n"
-    settings = gateway_settings(tmp_path, redis_url=redis_server.url, max_in_flight=4, max_queued=32,
-                                queue_timeout_s=60)
+    settings = gateway_settings(
+        tmp_path, redis_url=redis_server.url, max_in_flight=4, max_queued=32, queue_timeout_s=60
+    )
     write_policy(settings.policy_dir, "rel", RELIABILITY_POLICY + quota)
     try:
         with ServerThread(create_app(settings, engine=small_engine)) as server:
             assert httpx.get(f"{server.url}/ready").json()["store"] is True
 
             async def load_with_outage():
-                load = asyncio.create_task(run_load(server.url, rate_per_s=4, max_requests=24, duration_s=10,
-                                                    seed=9, disconnect_fraction=0.1))
+                load = asyncio.create_task(
+                    run_load(
+                        server.url,
+                        rate_per_s=4,
+                        max_requests=24,
+                        duration_s=10,
+                        seed=9,
+                        disconnect_fraction=0.1,
+                    )
+                )
                 await asyncio.sleep(1.5)
                 redis_server.stop()  # reservations and reconciles in flight now fail
                 await asyncio.sleep(2.0)
@@ -165,8 +223,12 @@ def test_redis_killed_mid_load_then_recovers(small_engine, tmp_path):
             # on_store_error: allow -> every request is served through the outage, none fails.
             assert report.problems == [] and report.errors_5xx == 0, report.figures()
             assert report.completed + report.aborted == report.sent
-            eventually(lambda: httpx.get(f"{server.url}/ready").status_code == 200, timeout_s=10, interval_s=0.2,
-                       message="store did not come back")
+            eventually(
+                lambda: httpx.get(f"{server.url}/ready").status_code == 200,
+                timeout_s=10,
+                interval_s=0.2,
+                message="store did not come back",
+            )
             metrics = httpx.get(f"{server.url}/metrics").text
             assert 'ctxgate:quota_store_errors_total{action="allow"}' in metrics
             ok = httpx.post(f"{server.url}/v1/chat/completions", json=chat_body(max_tokens=2), timeout=60)

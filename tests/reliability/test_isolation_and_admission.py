@@ -18,8 +18,10 @@ from tests.support.waiting import wait_until_engine_idle
 pytestmark = pytest.mark.timeout(300)
 
 # Long enough to fill several 16-token KV blocks, so a prefix-cache hit is visible.
-SHARED_PROMPT = ("The quarterly report of the northern warehouse lists pallets, forklifts, shelving units, "
-                 "loading docks and the inventory counts for every aisle in detail. ") * 3
+SHARED_PROMPT = (
+    "The quarterly report of the northern warehouse lists pallets, forklifts, shelving units, "
+    "loading docks and the inventory counts for every aisle in detail. "
+) * 3
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,12 @@ def tenants_gateway(small_engine, tmp_path_factory):
 
 
 def _cached_tokens(server, tenant: str, content: str) -> int:
-    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat_body(content, max_tokens=1), timeout=120,
-                          headers={"authorization": f"Bearer {server.keys[tenant]}"})
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json=chat_body(content, max_tokens=1),
+        timeout=120,
+        headers={"authorization": f"Bearer {server.keys[tenant]}"},
+    )
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
     assert usage["ctxgate"]["tenant"] == tenant
@@ -54,7 +60,10 @@ def test_prefix_cache_never_crosses_tenants(tenants_gateway, small_engine):
 def test_history_summaries_are_keyed_per_tenant():
     from ctxgate.compression.history import turns_key
 
-    turns = [{"role": "user", "content": "my account number is 12345"}, {"role": "assistant", "content": "noted"}]
+    turns = [
+        {"role": "user", "content": "my account number is 12345"},
+        {"role": "assistant", "content": "noted"},
+    ]
     assert turns_key("alpha", turns) != turns_key("beta", turns)
     assert turns_key("alpha", turns) == turns_key("alpha", [dict(t) for t in turns])
     assert "12345" not in turns_key("alpha", turns)  # the key itself holds no tenant text
@@ -114,11 +123,13 @@ async def test_controller_queue_timeout_and_draining():
 def test_gateway_overload_answer_is_503_with_retry_after(small_engine, tmp_path):
     settings = gateway_settings(tmp_path, max_in_flight=1, max_queued=1, queue_timeout_s=30)
     with ServerThread(create_app(settings, engine=small_engine)) as server:
+
         async def burst():
             async with httpx.AsyncClient(timeout=120) as client:
                 body = chat_body(max_tokens=8) | {"ignore_eos": True}
-                return await asyncio.gather(*(client.post(f"{server.url}/v1/chat/completions", json=body)
-                                              for _ in range(6)))
+                return await asyncio.gather(
+                    *(client.post(f"{server.url}/v1/chat/completions", json=body) for _ in range(6))
+                )
 
         responses = asyncio.run(burst())
         statuses = sorted(r.status_code for r in responses)
@@ -137,8 +148,11 @@ def test_gateway_overload_answer_is_503_with_retry_after(small_engine, tmp_path)
 def test_request_timeout_is_a_clean_504_and_frees_the_engine(small_engine, tmp_path):
     settings = gateway_settings(tmp_path, request_timeout_s=0.3)
     slow = chat_body("Write a long story.", max_tokens=8) | {"ignore_eos": True}
-    write_policy_text = (settings.policy_dir / "rel.yaml").read_text().replace(
-        "reserve_output_tokens: 8", "reserve_output_tokens: 300")
+    write_policy_text = (
+        (settings.policy_dir / "rel.yaml")
+        .read_text()
+        .replace("reserve_output_tokens: 8", "reserve_output_tokens: 300")
+    )
     (settings.policy_dir / "rel.yaml").write_text(write_policy_text)
     with ServerThread(create_app(settings, engine=small_engine)) as server:
         slow["max_tokens"] = 300
@@ -147,8 +161,9 @@ def test_request_timeout_is_a_clean_504_and_frees_the_engine(small_engine, tmp_p
         assert response.status_code == 504, response.text
         assert response.json()["error"]["code"] == "timeout"
         assert time.monotonic() - started < 10
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=slow | {"stream": True},
-                          timeout=60) as stream:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/chat/completions", json=slow | {"stream": True}, timeout=60
+        ) as stream:
             status = stream.status_code
             lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
         if status != 504:  # 504: timed out before the first token, still an HTTP status

@@ -49,7 +49,9 @@ def test_twice_capacity_sheds_load_and_leaks_nothing(loaded_gateway, small_engin
     # Everything accepted has finished or been aborted: no request left running, every KV block free.
     wait_until_engine_idle(small_engine, timeout_s=30)
     # Handlers may still be writing their last bytes.
-    eventually(lambda: admission.in_flight == 0, timeout_s=20, interval_s=0.1, message=lambda: str(admission.stats()))
+    eventually(
+        lambda: admission.in_flight == 0, timeout_s=20, interval_s=0.1, message=lambda: str(admission.stats())
+    )
     assert admission.stats().queued == 0, admission.stats()
     stats = small_engine.stats()
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total

@@ -21,9 +21,11 @@ pytestmark = pytest.mark.timeout(240)
 
 SECRET_PROMPT = "zebra-quartz-7781 is my private medical note"
 SECRET_DOCUMENT = "ledger-omega-4420 confidential salary table"
-SLOW_POLICY = ("name: rel\nmax_input_tokens: 256\nreserve_output_tokens: 64\ncompression_enabled: false\n"
-               "history: {enabled: false, max_tokens: 256}\ndocuments: {max_tokens: 200}\n"
-               "dedup: {enabled: false}\nrerank: {enabled: false}\nextraction: {enabled: false}\n")
+SLOW_POLICY = (
+    "name: rel\nmax_input_tokens: 256\nreserve_output_tokens: 64\ncompression_enabled: false\n"
+    "history: {enabled: false, max_tokens: 256}\ndocuments: {max_tokens: 200}\n"
+    "dedup: {enabled: false}\nrerank: {enabled: false}\nextraction: {enabled: false}\n"
+)
 
 
 def _start_server(root, key_name: str = "acme") -> tuple[subprocess.Popen, str, str, object]:
@@ -38,10 +40,31 @@ def _start_server(root, key_name: str = "acme") -> tuple[subprocess.Popen, str, 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("REDIS_URL", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "ctxgate", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--policy-dir", str(policies), "--default-policy", "rel", "--keys", str(keys_file),
-         "--max-in-flight", "2", "--max-queued", "0", "--drain-timeout", "60"],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
+        [
+            sys.executable,
+            "-m",
+            "ctxgate",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy-dir",
+            str(policies),
+            "--default-policy",
+            "rel",
+            "--keys",
+            str(keys_file),
+            "--max-in-flight",
+            "2",
+            "--max-queued",
+            "0",
+            "--drain-timeout",
+            "60",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     return process, f"http://127.0.0.1:{port}", key, log
 
@@ -65,8 +88,14 @@ def _headers(key: str) -> dict:
 
 
 def _body(content: str, max_tokens: int, stream: bool = False, documents: list[str] | None = None) -> dict:
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": stream}
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if documents:
         body["ctxgate"] = {"documents": [{"text": text} for text in documents]}
     return body
@@ -74,32 +103,51 @@ def _body(content: str, max_tokens: int, stream: bool = False, documents: list[s
 
 def test_keys_and_prompts_are_not_logged(served):
     url, key = served["url"], served["key"]
-    ok = httpx.post(f"{url}/v1/chat/completions", headers=_headers(key), timeout=120,
-                    json=_body(SECRET_PROMPT, 2, documents=[SECRET_DOCUMENT]))
+    ok = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=_headers(key),
+        timeout=120,
+        json=_body(SECRET_PROMPT, 2, documents=[SECRET_DOCUMENT]),
+    )
     assert ok.status_code == 200, ok.text
     # Error paths too: a wrong key, a bad value next to the secret prompt, an over-budget prompt.
-    assert httpx.post(f"{url}/v1/chat/completions", headers=_headers(key + "x"),
-                      json=_body(SECRET_PROMPT, 2)).status_code == 401
+    assert (
+        httpx.post(
+            f"{url}/v1/chat/completions", headers=_headers(key + "x"), json=_body(SECRET_PROMPT, 2)
+        ).status_code
+        == 401
+    )
     bad = _body(SECRET_PROMPT, 2) | {"temperature": -3}
     assert httpx.post(f"{url}/v1/chat/completions", headers=_headers(key), json=bad).status_code == 400
     huge = _body(SECRET_PROMPT * 200, 2)
-    assert httpx.post(f"{url}/v1/chat/completions", headers=_headers(key), json=huge,
-                      timeout=60).status_code in (400, 413)
+    assert httpx.post(
+        f"{url}/v1/chat/completions", headers=_headers(key), json=huge, timeout=60
+    ).status_code in (400, 413)
     time.sleep(0.5)
     log = served["log_path"].read_text()
     assert "Application startup complete" in log or "Uvicorn running" in log, log[-2000:]
-    for secret in (key, key[len("cg-"):] if key.startswith("cg-") else key, "zebra-quartz-7781", "ledger-omega-4420"):
+    for secret in (
+        key,
+        key[len("cg-") :] if key.startswith("cg-") else key,
+        "zebra-quartz-7781",
+        "ledger-omega-4420",
+    ):
         assert secret not in log, f"{secret!r} found in the server log"
 
 
 def _stream_to_end(url: str, key: str, results: list, first_chunk: threading.Event) -> None:
     try:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", headers=_headers(key), timeout=120,
-                          json=_body("Count slowly.", 64, stream=True)) as response:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/chat/completions",
+            headers=_headers(key),
+            timeout=120,
+            json=_body("Count slowly.", 64, stream=True),
+        ) as response:
             events = []
             for line in response.iter_lines():
                 if line.startswith("data: "):
-                    events.append(line[len("data: "):])
+                    events.append(line[len("data: ") :])
                     first_chunk.set()
             results.append((response.status_code, events))
     except Exception as exc:  # reported by the test

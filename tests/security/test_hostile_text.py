@@ -22,22 +22,33 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _documents(text: str, title: str = "A title") -> dict:
-    return {"documents": [{"id": "d1", "title": title, "text": text},
-                          {"id": "d2", "title": "Paris", "text": "Paris is the capital of France."}]}
+    return {
+        "documents": [
+            {"id": "d1", "title": title, "text": text},
+            {"id": "d2", "title": "Paris", "text": "Paris is the capital of France."},
+        ]
+    }
 
 
 def _chat(content: str, system: str | None = None, ctxgate: dict | None = None) -> dict:
-    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages = [{"role": "system", "content": system}] if system is not None else []
     messages.append({"role": "user", "content": content})
-    return {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0,
-            **({"ctxgate": ctxgate} if ctxgate else {})}
+    return {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 1,
+        "temperature": 0,
+        **({"ctxgate": ctxgate} if ctxgate else {}),
+    }
 
 
 # Each payload as the issue reported it (a blank-line run in a document, a "context" header followed
 # by spaces, a run of unterminated tags, a title of an open parenthesis and spaces), at SIZE.
 PAYLOADS = {
     "document_newlines": _chat("What is the capital of France?", ctxgate=_documents("\n" * SIZE + "x")),
-    "document_marker_indent": _chat("Which city?", ctxgate=_documents((" " * 50 + "\n") * (SIZE // 51) + "Question: x")),
+    "document_marker_indent": _chat(
+        "Which city?", ctxgate=_documents((" " * 50 + "\n") * (SIZE // 51) + "Question: x")
+    ),
     "message_context_spaces": _chat("context" + " " * SIZE + "x"),
     "message_doc_tags": _chat("<doc>" * (SIZE // 5) + " What is it?"),
     "message_attribute_run": _chat("<document " + "a" * SIZE + "> text </document> What?"),
@@ -51,7 +62,15 @@ PAYLOADS = {
 def gateway(tmp_path_factory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("hostile-text") / "gateway.log"
-    args = ["serve", "--port", str(port), "--default-policy", "rag-default", "--max-body-bytes", str(4 * 1024 * 1024)]
+    args = [
+        "serve",
+        "--port",
+        str(port),
+        "--default-policy",
+        "rag-default",
+        "--max-body-bytes",
+        str(4 * 1024 * 1024),
+    ]
     with ctxgate_process(args, log):
         wait_http(f"http://127.0.0.1:{port}/ready", timeout_s=300)
         yield f"http://127.0.0.1:{port}"

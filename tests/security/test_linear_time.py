@@ -101,8 +101,11 @@ ENTRY_POINTS: dict[str, Callable[[str], object]] = {
     "message_context.split_passages": message_context.split_passages,
     "multihop.title_core": names.title_core,
     "multihop.normalise": names.normalise.__wrapped__,
-    "multihop.mentions": lambda value: names.mentions.__wrapped__(value, "cranberry")
-    if hasattr(names.mentions, "__wrapped__") else names.mentions(value + " ", "cranberry"),
+    "multihop.mentions": lambda value: (
+        names.mentions.__wrapped__(value, "cranberry")
+        if hasattr(names.mentions, "__wrapped__")
+        else names.mentions(value + " ", "cranberry")
+    ),
     "text.SentenceSplitter.split": _split,
     "text.normalize_for_dedup": text.normalize_for_dedup.__wrapped__,
     "text.content_words": text.content_words.__wrapped__,
@@ -169,16 +172,27 @@ def _assert_linear(work: Callable[[str], object], build: Callable[[int], str]) -
     small_s = max(_best_of_3(work, small), FLOOR_S)
     large_s = _best_of_3(work, large)
     ratio = large_s / small_s
-    assert ratio < MAX_RATIO, f"{len(large)} chars took {large_s:.3f}s, {len(small)} chars {small_s:.4f}s: x{ratio:.0f}"
+    assert ratio < MAX_RATIO, (
+        f"{len(large)} chars took {large_s:.3f}s, {len(small)} chars {small_s:.4f}s: x{ratio:.0f}"
+    )
 
 
 CASES = (
-    [pytest.param(work, build, id=f"{name}-{shape}") for name, work in ENTRY_POINTS.items()
-     for shape, build in INPUTS.items()]
-    + [pytest.param(_apply(*spec), build, id=f"{name}-{shape}") for name, spec in PATTERNS.items()
-       for shape, build in INPUTS.items()]
-    + [pytest.param(work, build, id=f"{name}-{shape}") for name, work in SCANNERS.items()
-       for shape, build in INPUTS.items()]
+    [
+        pytest.param(work, build, id=f"{name}-{shape}")
+        for name, work in ENTRY_POINTS.items()
+        for shape, build in INPUTS.items()
+    ]
+    + [
+        pytest.param(_apply(*spec), build, id=f"{name}-{shape}")
+        for name, spec in PATTERNS.items()
+        for shape, build in INPUTS.items()
+    ]
+    + [
+        pytest.param(work, build, id=f"{name}-{shape}")
+        for name, work in SCANNERS.items()
+        for shape, build in INPUTS.items()
+    ]
 )
 
 
@@ -196,45 +210,134 @@ def test_tokenizer_grows_linearly(tokenizer) -> None:
 
 # -- the rewrites mean what the old patterns meant ----------------------------------------------------
 _OLD_STRUCTURE_LINE = re.compile(
-    r"^(\s*)(" + "|".join(re.escape(m) for m in ("Documents:", "Question:", "Summary of the earlier conversation:"))
-    + r"|\[\d+\])", re.IGNORECASE | re.MULTILINE)
+    r"^(\s*)("
+    + "|".join(re.escape(m) for m in ("Documents:", "Question:", "Summary of the earlier conversation:"))
+    + r"|\[\d+\])",
+    re.IGNORECASE | re.MULTILINE,
+)
 _OLD = {
     "_ELEMENT": re.compile(
         r"<(?P<tag>document|doc|passage|source|search_result|result)\b(?P<attrs>[^>]*)>(?P<body>.*?)</(?P=tag)\s*>",
-        re.IGNORECASE | re.DOTALL),
+        re.IGNORECASE | re.DOTALL,
+    ),
     "_CONTAINER": re.compile(
         r"<(?P<tag>context|contexts|documents|docs|sources|search_results|retrieved_context|knowledge)\b[^>]*>"
-        r"(?P<body>.*?)</(?P=tag)\s*>", re.IGNORECASE | re.DOTALL),
+        r"(?P<body>.*?)</(?P=tag)\s*>",
+        re.IGNORECASE | re.DOTALL,
+    ),
     "_ATTRIBUTE": re.compile(r"""(\w+)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s>]+))"""),
     "_NUMBERED_STYLES[0]": re.compile(
         r"^[ \t]*Document[ \t]*\[(?P<n>\d+)\](?:[ \t]*\(Title:[ \t]*(?P<title>[^\n]*?)\))?[ \t]*(?P<rest>[^\n]*)",
-        re.MULTILINE | re.IGNORECASE),
+        re.MULTILINE | re.IGNORECASE,
+    ),
     "_NUMBERED_STYLES[1]": re.compile(
         r"^[ \t]*(?:Document|Source|Passage|Doc|Context|Chunk|Excerpt)[ \t]*#?[ \t]*(?P<n>\d+)[ \t]*[:.)\-][ \t]*"
-        r"(?P<rest>[^\n]*)", re.MULTILINE | re.IGNORECASE),
+        r"(?P<rest>[^\n]*)",
+        re.MULTILINE | re.IGNORECASE,
+    ),
     "_NUMBERED_STYLES[2]": re.compile(r"^[ \t]*\[(?P<n>\d+)\][ \t]*(?P<rest>[^\n]*)", re.MULTILINE),
     "_SECTION": re.compile(
         r"^[ \t]*(?:#+[ \t]*)?(?:context|contexts|context information|retrieved context|relevant context|documents|"
         r"retrieved documents|sources|references|search results|background|knowledge)[ \t]*:?[ \t]*$"
         r"|^[ \t]*(?:context|contexts|retrieved context|documents|sources)[ \t]*:[ \t]*(?=\S)",
-        re.MULTILINE | re.IGNORECASE),
+        re.MULTILINE | re.IGNORECASE,
+    ),
     "_TERMINATOR": re.compile(
         r"^[ \t]*(?:#+[ \t]*)?(?:(?:question|query|user question|q|answer|instructions?|task|helpful answer)[ \t]*:"
-        r"|given the context\b)", re.MULTILINE | re.IGNORECASE),
+        r"|given the context\b)",
+        re.MULTILINE | re.IGNORECASE,
+    ),
 }
 
 # Pieces the random texts are made of: every marker, tag and separator the patterns look for, in
 # several cases (with the characters Unicode case folding matches: İ, K, ſ), and the blanks between.
 PIECES = [
-    "\n", "\n\n", " ", "\t", " \n", "\r", "\u2028", "\x85", "#", "##", ":", ".", ")", "(", "-", "---", "[", "]", "[1]",
-    "[12]", "1", "42", "=", '"', "'", ">", "<", "</", "&", "x", "word", "a b", "?", "Documents:", "Question:",
-    "Summary of the earlier conversation:", "question", "Query", "Answer", "given the context", "Context",
-    "context", "CONTEXT", "contexts", "context information", "Sources", "documents", "Document", "Doc", "Source",
-    "Passage", "Title:", "(Title: ", "Document [1]", "Source 2:", "<doc>", "</doc>", "<DOC id=1>", "</Doc >",
-    "<document title='t'>", "</document>", "<ſource>", "</source>", "</ſource>", "<passage id=\"3\">", "</passage>",
-    "<context>", "</context>", "<knowledge>", "</\u212anowledge>", "<retr\u0130eved_context>",
-    "</retrieved_context>", "<docs>", "</docs>", "<result>", "</result>", "<search_result x=y>", "</search_result>",
-    " song", " Song)", " album)", " ep)", "mixtape", "ſingle", "Guns N' Roses", "(1945 film)",
+    "\n",
+    "\n\n",
+    " ",
+    "\t",
+    " \n",
+    "\r",
+    "\u2028",
+    "\x85",
+    "#",
+    "##",
+    ":",
+    ".",
+    ")",
+    "(",
+    "-",
+    "---",
+    "[",
+    "]",
+    "[1]",
+    "[12]",
+    "1",
+    "42",
+    "=",
+    '"',
+    "'",
+    ">",
+    "<",
+    "</",
+    "&",
+    "x",
+    "word",
+    "a b",
+    "?",
+    "Documents:",
+    "Question:",
+    "Summary of the earlier conversation:",
+    "question",
+    "Query",
+    "Answer",
+    "given the context",
+    "Context",
+    "context",
+    "CONTEXT",
+    "contexts",
+    "context information",
+    "Sources",
+    "documents",
+    "Document",
+    "Doc",
+    "Source",
+    "Passage",
+    "Title:",
+    "(Title: ",
+    "Document [1]",
+    "Source 2:",
+    "<doc>",
+    "</doc>",
+    "<DOC id=1>",
+    "</Doc >",
+    "<document title='t'>",
+    "</document>",
+    "<ſource>",
+    "</source>",
+    "</ſource>",
+    '<passage id="3">',
+    "</passage>",
+    "<context>",
+    "</context>",
+    "<knowledge>",
+    "</\u212anowledge>",
+    "<retr\u0130eved_context>",
+    "</retrieved_context>",
+    "<docs>",
+    "</docs>",
+    "<result>",
+    "</result>",
+    "<search_result x=y>",
+    "</search_result>",
+    " song",
+    " Song)",
+    " album)",
+    " ep)",
+    "mixtape",
+    "ſingle",
+    "Guns N' Roses",
+    "(1945 film)",
 ]
 
 
@@ -270,7 +373,9 @@ def test_same_attributes_as_before() -> None:
     pieces = ["a", "id", "title", "=", " ", "\t", '"', "'", "x y", "-", "é", "1", "ab_c"]
     for _ in range(5000):
         value = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 20)))
-        assert _spans(message_context._ATTRIBUTE.finditer(value)) == _spans(_OLD["_ATTRIBUTE"].finditer(value)), value
+        assert _spans(message_context._ATTRIBUTE.finditer(value)) == _spans(
+            _OLD["_ATTRIBUTE"].finditer(value)
+        ), value
 
 
 def test_same_structure_lines_as_before() -> None:
@@ -293,6 +398,6 @@ def test_gap_after_a_header_as_before() -> None:
     block = "[1]  \t\n body one\n\n[2]\u2028 body two\n[3]"
     headers = message_context._numbered_headers(block)
     for header in headers:
-        after = block[header.start("rest"):]
+        after = block[header.start("rest") :]
         expected = after[: len(after) - len(after.lstrip())]
         assert message_context._gap(block, header.start("rest"), "body") == expected

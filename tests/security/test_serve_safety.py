@@ -23,15 +23,31 @@ METRICS_KEY = "scrape-secret"
 
 def _serve(args: list[str], **kwargs) -> subprocess.Popen:
     """A serve process expected to exit by itself (refusing to start)."""
-    return subprocess.Popen([sys.executable, "-m", "ctxgate", "--log-level", "WARNING", "serve", *args],
-                            cwd=REPO, env=ctxgate_env(CTXGATE_METRICS_KEY=""), **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ctxgate", "--log-level", "WARNING", "serve", *args],
+        cwd=REPO,
+        env=ctxgate_env(CTXGATE_METRICS_KEY=""),
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gateway.internal"])
 def test_open_gateway_on_a_reachable_address_refuses_to_start(host, tmp_path):
     # A dead upstream and a tiktoken tokenizer: nothing to load, the refusal comes first anyway.
-    process = _serve(["--host", host, "--port", str(free_port()), "--upstream", "http://127.0.0.1:9/v1",
-                      "--tokenizer", "cl100k_base"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = _serve(
+        [
+            "--host",
+            host,
+            "--port",
+            str(free_port()),
+            "--upstream",
+            "http://127.0.0.1:9/v1",
+            "--tokenizer",
+            "cl100k_base",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 2
     message = stderr.decode()
@@ -41,8 +57,10 @@ def test_open_gateway_on_a_reachable_address_refuses_to_start(host, tmp_path):
 
 def test_config_file_host_without_keys_refuses_too(tmp_path):
     config = tmp_path / "ctxgate.yaml"
-    config.write_text(f"server: {{host: 0.0.0.0, port: {free_port()}, tokenizer: cl100k_base}}\n"
-                      "upstreams: {urls: ['http://127.0.0.1:9/v1']}\n")
+    config.write_text(
+        f"server: {{host: 0.0.0.0, port: {free_port()}, tokenizer: cl100k_base}}\n"
+        "upstreams: {urls: ['http://127.0.0.1:9/v1']}\n"
+    )
     process = _serve(["--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 2 and "server.allow_unauthenticated" in stderr.decode()
@@ -58,7 +76,8 @@ def _open_gateway(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         f"server: {{host: 0.0.0.0, port: {port}, tokenizer: cl100k_base, allow_unauthenticated: true,\n"
         "         body_read_timeout: 1.0}\n"
         f"upstreams: {{urls: ['http://127.0.0.1:{free_port()}/v1'], model: m, connect_timeout: 0.2, retries: 0}}\n"
-        "metrics: {key: os.environ/SCRAPE_KEY}\n")
+        "metrics: {key: os.environ/SCRAPE_KEY}\n"
+    )
     log = tmp_path / "gateway.log"
     env = ctxgate_env(CTXGATE_METRICS_KEY="", SCRAPE_KEY=METRICS_KEY)
     with ctxgate_process(["serve", "--config", str(config), "--served-model-name", "m"], log, env):
@@ -95,9 +114,15 @@ def test_a_502_is_generic_and_the_log_has_the_details(gateway):
         assert response.status_code == 502, response.text
         request_id = response.headers["x-request-id"]
         assert response.json()["error"]["message"] == f"the model backend failed (request id {request_id})"
-        assert "127.0.0.1" not in response.text and "http" not in response.text and "Error" not in response.text
-        eventually(lambda request_id=request_id: request_id in log.read_text(), timeout_s=10, interval_s=0.1,
-                   message="the failure was not logged with its request id")
+        assert (
+            "127.0.0.1" not in response.text and "http" not in response.text and "Error" not in response.text
+        )
+        eventually(
+            lambda request_id=request_id: request_id in log.read_text(),
+            timeout_s=10,
+            interval_s=0.1,
+            message="the failure was not logged with its request id",
+        )
         logged = [line for line in log.read_text().splitlines() if request_id in line]
         assert any("no upstream could take the request" in line and "127.0.0.1" in line for line in logged)
 
@@ -106,8 +131,10 @@ def test_a_trickled_body_is_cut_off(gateway):
     url, _ = gateway
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n{")
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{"
+        )
         started = time.monotonic()
         sock.settimeout(0.3)
         reply = b""

@@ -36,32 +36,50 @@ from tests.support.servers import (
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 MESSAGES = [{"role": "user", "content": "Which mountain is the tallest in Europe?"}]
-KEYS = {name: f"cg-{name}-secret" for name in ("acme", "acme-again", "globex", "initech", "pricing", "models")}
+KEYS = {
+    name: f"cg-{name}-secret" for name in ("acme", "acme-again", "globex", "initech", "pricing", "models")
+}
 HOME = "home-strict"
 START = 1_700_000_045.0  # in-process gateways run on a FakeClock from here: no minute ends mid-test
 # Requests fit in the quota twice, not three times (see `quota_tokens`).
-HOME_POLICY = ("name: home-strict\nmax_input_tokens: 256\nreserve_output_tokens: 1\ndocuments: {max_tokens: 128}\n"
-               "cost: {prompt_per_1k: 1.0, completion_per_1k: 2.0}\nquota: {tokens_per_minute: %d}\n")
-TINY_POLICY = ("name: tiny\nmax_input_tokens: 256\nreserve_output_tokens: 1\ndocuments: {max_tokens: 128}\n"
-               "quota: {requests_per_minute: 1}\n")
-PRICEY_POLICY = ("name: pricey\nmax_input_tokens: 256\nreserve_output_tokens: 1\ndocuments: {max_tokens: 128}\n"
-                 "compression_enabled: false\ncost: {prompt_per_1k: 5.0, completion_per_1k: 0.5}\n")
+HOME_POLICY = (
+    "name: home-strict\nmax_input_tokens: 256\nreserve_output_tokens: 1\ndocuments: {max_tokens: 128}\n"
+    "cost: {prompt_per_1k: 1.0, completion_per_1k: 2.0}\nquota: {tokens_per_minute: %d}\n"
+)
+TINY_POLICY = (
+    "name: tiny\nmax_input_tokens: 256\nreserve_output_tokens: 1\ndocuments: {max_tokens: 128}\n"
+    "quota: {requests_per_minute: 1}\n"
+)
+PRICEY_POLICY = (
+    "name: pricey\nmax_input_tokens: 256\nreserve_output_tokens: 1\ndocuments: {max_tokens: 128}\n"
+    "compression_enabled: false\ncost: {prompt_per_1k: 5.0, completion_per_1k: 0.5}\n"
+)
 
 
 def _tenants() -> dict:
     key = {name: [{"sha256": hash_key(secret)}] for name, secret in KEYS.items()}
-    return {"tenants": {
-        # May name passthrough (no quota at all) and the others; its home quota still holds.
-        "acme": {"policy": HOME, "policies": ["passthrough", "tiny", "pricey"], "keys": key["acme"]},
-        # acme's twin, for a burst on the wall clock that a minute boundary cut through.
-        "acme-again": {"policy": HOME, "policies": ["passthrough", "tiny", "pricey"], "keys": key["acme-again"]},
-        "globex": {"policy": HOME, "keys": key["globex"]},  # its home policy only
-        "initech": {"policy": HOME, "policies": ["tiny"], "keys": key["initech"]},
-        # The tenant's own quota raises its home policy's; prices stay the home policy's.
-        "pricing": {"policy": HOME, "policies": ["passthrough", "pricey"],
-                    "quota": {"tokens_per_minute": 1_000_000}, "keys": key["pricing"]},
-        "models": {"keys": [{"sha256": hash_key(KEYS["models"]), "models": ["front"]}]},
-    }}
+    return {
+        "tenants": {
+            # May name passthrough (no quota at all) and the others; its home quota still holds.
+            "acme": {"policy": HOME, "policies": ["passthrough", "tiny", "pricey"], "keys": key["acme"]},
+            # acme's twin, for a burst on the wall clock that a minute boundary cut through.
+            "acme-again": {
+                "policy": HOME,
+                "policies": ["passthrough", "tiny", "pricey"],
+                "keys": key["acme-again"],
+            },
+            "globex": {"policy": HOME, "keys": key["globex"]},  # its home policy only
+            "initech": {"policy": HOME, "policies": ["tiny"], "keys": key["initech"]},
+            # The tenant's own quota raises its home policy's; prices stay the home policy's.
+            "pricing": {
+                "policy": HOME,
+                "policies": ["passthrough", "pricey"],
+                "quota": {"tokens_per_minute": 1_000_000},
+                "keys": key["pricing"],
+            },
+            "models": {"keys": [{"sha256": hash_key(KEYS["models"]), "models": ["front"]}]},
+        }
+    }
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +107,14 @@ def _chat(policy: str | None = None, max_tokens: int = 1, model: str = MODEL) ->
 
 
 def _post(url: str, tenant: str, body: dict, path: str = "/v1/chat/completions") -> httpx.Response:
-    return httpx.post(f"{url}{path}", json=body, headers={"authorization": f"Bearer {KEYS[tenant]}"}, timeout=60)
+    return httpx.post(
+        f"{url}{path}", json=body, headers={"authorization": f"Bearer {KEYS[tenant]}"}, timeout=60
+    )
 
 
-def _until_refused(urls: list[str], tenant: str, body: dict, path: str = "/v1/chat/completions",
-                   most: int = 3) -> list[httpx.Response]:
+def _until_refused(
+    urls: list[str], tenant: str, body: dict, path: str = "/v1/chat/completions", most: int = 3
+) -> list[httpx.Response]:
     """Requests (round robin over `urls`) up to and including the first refusal, at most `most`
     (two fit in the quota)."""
     responses = []
@@ -118,7 +139,10 @@ def _assert_policy_refused(response: httpx.Response, policy: str, tenant: str = 
     # Only the key's own policies are named, never other tenants'.
     assert response.json()["error"] == {
         "message": f"API key {hash_key(KEYS[tenant])[:12]} may not use policy '{policy}' (it may use: {HOME})",
-        "type": "permission_error", "param": "ctxgate.policy", "code": "policy_not_allowed"}
+        "type": "permission_error",
+        "param": "ctxgate.policy",
+        "code": "policy_not_allowed",
+    }
 
 
 # -- limits and prices, as functions ---------------------------------------------------------------
@@ -133,9 +157,15 @@ def test_a_policy_only_tightens_the_tenants_limits():
     strict = _policy((packaged_policy_dir() / "rag-strict.yaml").read_text())
     base = QuotaLimits.from_policy(home.quota)
     assert base.tightened_by(quota_cap(home, passthrough)) == base  # no quota: not a loosening
-    assert base.tightened_by(quota_cap(home, tiny)) == QuotaLimits(tokens_per_minute=1000, requests_per_minute=1)
+    assert base.tightened_by(quota_cap(home, tiny)) == QuotaLimits(
+        tokens_per_minute=1000, requests_per_minute=1
+    )
     merged = base.tightened_by(quota_cap(home, strict))  # 20000 tpm, 2M tpd, rpm 120, deny
-    assert (merged.tokens_per_minute, merged.tokens_per_day, merged.requests_per_minute) == (1000, 2_000_000, 120)
+    assert (merged.tokens_per_minute, merged.tokens_per_day, merged.requests_per_minute) == (
+        1000,
+        2_000_000,
+        120,
+    )
     assert merged.on_store_error == "deny"
     # The tenant's own quota (keys file) over its home policy is its base; the home policy does not cap it.
     raised = QuotaLimits.from_policy(home.quota, {"tokens_per_minute": 50_000, "budget": 3.0})
@@ -154,7 +184,10 @@ def test_a_policy_only_raises_the_tenants_prices():
     pricey = _policy(PRICEY_POLICY).cost
     euro = _policy("name: euro\ncost: {prompt_per_1k: 9.0, completion_per_1k: 9.0, currency: EUR}\n").cost
     assert tenant_prices(home, cheap) == home
-    assert (tenant_prices(home, pricey).prompt_per_1k, tenant_prices(home, pricey).completion_per_1k) == (5.0, 2.0)
+    assert (tenant_prices(home, pricey).prompt_per_1k, tenant_prices(home, pricey).completion_per_1k) == (
+        5.0,
+        2.0,
+    )
     assert tenant_prices(home, euro) == home  # another currency cannot be compared: the tenant's own
 
 
@@ -162,8 +195,11 @@ def test_a_policy_only_raises_the_tenants_prices():
 async def test_the_ledger_is_the_tenants_whatever_the_policy(store_kind, request):
     """One minute (a fixed `now`): spending under the home policy and under passthrough draws on the
     same counters, and passthrough's merged limits are the home's."""
-    store = InProcessQuotaStore() if store_kind == "memory" else RedisQuotaStore(
-        request.getfixturevalue("redis_server").url)
+    store = (
+        InProcessQuotaStore()
+        if store_kind == "memory"
+        else RedisQuotaStore(request.getfixturevalue("redis_server").url)
+    )
     home = _policy(HOME_POLICY % 100)
     passthrough = _policy((packaged_policy_dir() / "passthrough.yaml").read_text())
     base = QuotaLimits.from_policy(home.quota)
@@ -184,8 +220,9 @@ async def test_the_ledger_is_the_tenants_whatever_the_policy(store_kind, request
 def gateway(engine, files):  # noqa: F811 (the engine fixture)
     from ctxgate.gateway.app import create_app
 
-    settings = GatewaySettings(policy_dir=files / "policies", keys_file=files / "keys.yaml",
-                               index_dir=files / "indexes")
+    settings = GatewaySettings(
+        policy_dir=files / "policies", keys_file=files / "keys.yaml", index_dir=files / "indexes"
+    )
     app = create_app(settings, engine=engine, clock=FakeClock(START))
     with ServerThread(app) as running:
         running.store = app.state.gateway.store
@@ -203,9 +240,12 @@ def test_a_policy_outside_the_allow_list_is_403(gateway):
     for policy in ("passthrough", "tiny", "no-such-policy"):  # the same answer whether it exists or not
         _assert_policy_refused(_post(gateway.url, "globex", _chat(policy)), policy)
         _assert_policy_refused(_post(gateway.url, "globex", _chat(policy), "/v1/ctxgate/compress"), policy)
-    completion = httpx.post(f"{gateway.url}/v1/completions", timeout=60,
-                            headers={"authorization": f"Bearer {KEYS['globex']}"},
-                            json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "ctxgate": {"policy": "tiny"}})
+    completion = httpx.post(
+        f"{gateway.url}/v1/completions",
+        timeout=60,
+        headers={"authorization": f"Bearer {KEYS['globex']}"},
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "ctxgate": {"policy": "tiny"}},
+    )
     _assert_policy_refused(completion, "tiny")
     home = _post(gateway.url, "globex", _chat(HOME), "/v1/ctxgate/compress")
     assert home.status_code == 200 and home.json()["policy"] == HOME
@@ -218,26 +258,38 @@ def test_a_stricter_policy_tightens_the_tenants_limits(gateway):
 
 
 def test_prices_are_the_tenants_and_a_policy_only_raises_them(gateway):
-    for policy, prompt_price, completion_price in (("passthrough", 1.0, 2.0), ("pricey", 5.0, 2.0), (None, 1.0, 2.0)):
+    for policy, prompt_price, completion_price in (
+        ("passthrough", 1.0, 2.0),
+        ("pricey", 5.0, 2.0),
+        (None, 1.0, 2.0),
+    ):
         response = _post(gateway.url, "pricing", _chat(policy))
         assert response.status_code == 200, response.text
         usage = response.json()["usage"]
-        expected = usage["prompt_tokens"] / 1000 * prompt_price + usage["completion_tokens"] / 1000 * completion_price
+        expected = (
+            usage["prompt_tokens"] / 1000 * prompt_price
+            + usage["completion_tokens"] / 1000 * completion_price
+        )
         assert usage["ctxgate"]["cost"] == pytest.approx(expected), policy
     # The tenant's keys-file quota (1M tokens/minute) is its own: its home policy's small one does not cap it.
-    statuses = [_post(gateway.url, "pricing", _chat(HOME), "/v1/ctxgate/compress").status_code for _ in range(4)]
+    statuses = [
+        _post(gateway.url, "pricing", _chat(HOME), "/v1/ctxgate/compress").status_code for _ in range(4)
+    ]
     assert statuses == [200] * 4
 
 
 def test_policies_listing_shows_only_the_keys_policies_without_paths(gateway, files):
-    listing = httpx.get(f"{gateway.url}/v1/ctxgate/policies", timeout=30,
-                        headers={"authorization": f"Bearer {KEYS['acme']}"})
+    listing = httpx.get(
+        f"{gateway.url}/v1/ctxgate/policies", timeout=30, headers={"authorization": f"Bearer {KEYS['acme']}"}
+    )
     assert listing.status_code == 200
     body = listing.json()
     assert body["default"] == HOME
     assert sorted(p["name"] for p in body["policies"]) == sorted([HOME, "passthrough", "tiny", "pricey"])
     assert "errors" not in body and all("file" not in p for p in body["policies"])
-    globex = httpx.get(f"{gateway.url}/v1/ctxgate/policies", headers={"authorization": f"Bearer {KEYS['globex']}"})
+    globex = httpx.get(
+        f"{gateway.url}/v1/ctxgate/policies", headers={"authorization": f"Bearer {KEYS['globex']}"}
+    )
     assert [p["name"] for p in globex.json()["policies"]] == [HOME]
     for text in (listing.text, globex.text):
         assert str(files) not in text and str(packaged_policy_dir()) not in text and ".yaml" not in text
@@ -266,8 +318,12 @@ def backend(engine):  # noqa: F811 (the engine fixture)
 def test_upstream_mode_holds_the_quota(backend, files, quota_tokens):
     from ctxgate.gateway.app import create_app
 
-    settings = GatewaySettings(upstreams=[f"{backend.url}/v1"], served_model_name="front",
-                               policy_dir=files / "policies", keys_file=files / "keys.yaml")
+    settings = GatewaySettings(
+        upstreams=[f"{backend.url}/v1"],
+        served_model_name="front",
+        policy_dir=files / "policies",
+        keys_file=files / "keys.yaml",
+    )
     app = create_app(settings, clock=FakeClock(START))
     with ServerThread(app) as front:
         responses = _until_refused([front.url], "acme", _chat("passthrough", model="front"))
@@ -284,11 +340,17 @@ def replicas(backend, files, tmp_path_factory):
     redis = RedisServer(tmp_path_factory.mktemp("redis"))
     redis.start()
     config = files / "ctxgate.yaml"
-    config.write_text(yaml.safe_dump({
-        "server": {"served_model_name": "front", "reload_interval": 0.2},
-        "upstreams": {"urls": [f"{backend.url}/v1"], "model": MODEL},
-        "redis": {"url": redis.url}, "keys_file": "keys.yaml", "policy_dir": "policies",
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "server": {"served_model_name": "front", "reload_interval": 0.2},
+                "upstreams": {"urls": [f"{backend.url}/v1"], "model": MODEL},
+                "redis": {"url": redis.url},
+                "keys_file": "keys.yaml",
+                "policy_dir": "policies",
+            }
+        )
+    )
     env = ctxgate_env()
     env.pop("REDIS_URL", None)
     try:
@@ -328,14 +390,22 @@ def indexed(engine, tmp_path_factory):  # noqa: F811 (the engine fixture)
 
     root = tmp_path_factory.mktemp("indexed")
     corpus = root / "corpus.jsonl"
-    corpus.write_text(json.dumps({"id": "alps", "title": "Alps", "text": "Mont Blanc is the highest Alpine peak."}))
+    corpus.write_text(
+        json.dumps({"id": "alps", "title": "Alps", "text": "Mont Blanc is the highest Alpine peak."})
+    )
     build_index(corpus, "acme-docs", root / "indexes", show_progress=False)
     build_index(corpus, "globex-docs", root / "indexes", show_progress=False)
     keys = root / "keys.yaml"
-    keys.write_text(yaml.safe_dump({"tenants": {
-        "acme": {"indexes": ["acme-docs"], "keys": [{"sha256": hash_key(KEYS["acme"])}]},
-        "globex": {"keys": [{"sha256": hash_key(KEYS["globex"])}]},  # no index at all
-    }}))
+    keys.write_text(
+        yaml.safe_dump(
+            {
+                "tenants": {
+                    "acme": {"indexes": ["acme-docs"], "keys": [{"sha256": hash_key(KEYS["acme"])}]},
+                    "globex": {"keys": [{"sha256": hash_key(KEYS["globex"])}]},  # no index at all
+                }
+            }
+        )
+    )
     keyed = create_app(GatewaySettings(keys_file=keys, index_dir=root / "indexes"), engine=engine)
     open_app = create_app(GatewaySettings(index_dir=root / "indexes"), engine=engine)
     with ServerThread(keyed) as keyed_server, ServerThread(open_app) as open_server:
@@ -343,8 +413,11 @@ def indexed(engine, tmp_path_factory):  # noqa: F811 (the engine fixture)
 
 
 def _retrieve(url: str, index: str, tenant: str | None = None) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Highest Alpine peak?"}],
-            "ctxgate": {"retrieval": {"index": index, "top_n": 1}}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Highest Alpine peak?"}],
+        "ctxgate": {"retrieval": {"index": index, "top_n": 1}},
+    }
     headers = {"authorization": f"Bearer {KEYS[tenant]}"} if tenant else {}
     return httpx.post(f"{url}/v1/ctxgate/compress", json=body, headers=headers, timeout=60)
 
@@ -358,17 +431,22 @@ def test_an_index_belongs_to_its_tenants(indexed):
     for tenant, index in (("acme", "globex-docs"), ("acme", "missing"), ("globex", "acme-docs")):
         refused = _retrieve(keyed, index, tenant)
         assert refused.status_code == 404, refused.text
-        assert refused.json()["error"] == {"message": f"retrieval index '{index}' not found", "type":
-                                           "not_found_error", "param": "ctxgate.retrieval.index",
-                                           "code": "index_not_found"}
+        assert refused.json()["error"] == {
+            "message": f"retrieval index '{index}' not found",
+            "type": "not_found_error",
+            "param": "ctxgate.retrieval.index",
+            "code": "index_not_found",
+        }
     # Open mode: every index, and the same 404 (without the index directory) for a missing one.
     assert _retrieve(open_url, "globex-docs").status_code == 200
     missing = _retrieve(open_url, "missing")
     assert missing.status_code == 404 and str(root) not in missing.text
 
 
-@pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b", "a\\b", "a.b", "-lead", "x" * 65, "docs\n", " docs",
-                                  "\u00e9t\u00e9"])
+@pytest.mark.parametrize(
+    "name",
+    ["..", ".", ".hidden", "a/b", "a\\b", "a.b", "-lead", "x" * 65, "docs\n", " docs", "\u00e9t\u00e9"],
+)
 def test_index_names_are_validated(indexed, name):
     keyed, open_url, root = indexed
     for url, tenant in ((keyed, "acme"), (open_url, None)):
@@ -395,9 +473,16 @@ def test_concurrent_key_writers_lose_nothing(tmp_path):
     add_key(path, "seed")
     count = 25
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    writers = [subprocess.Popen([sys.executable, "-c", _ADD_KEYS, str(path), tenant, str(count)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for tenant in ("left", "right")]
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ADD_KEYS, str(path), tenant, str(count)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for tenant in ("left", "right")
+    ]
     readings = 0
     while any(w.poll() is None for w in writers):
         assert isinstance(read_keys_file(path), KeysFile)  # never half a file
@@ -419,8 +504,13 @@ def test_keys_add_sets_the_allow_lists(tmp_path):
     keys = tmp_path / "keys.yaml"
 
     def add(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ctxgate", "keys", "add", "acme", "--keys", str(keys), *argv],
-                              capture_output=True, text=True, cwd=REPO, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "ctxgate", "keys", "add", "acme", "--keys", str(keys), *argv],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+        )
 
     first = add("--policy", "rag-strict", "--allow-policy", "passthrough", "--allow-index", "acme-docs")
     assert first.returncode == 0, first.stderr

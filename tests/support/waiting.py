@@ -9,8 +9,12 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def eventually(condition: Callable[[], T], timeout_s: float = 30.0, interval_s: float = 0.05,
-               message: str | Callable[[], str] = "condition not met") -> T:
+def eventually(
+    condition: Callable[[], T],
+    timeout_s: float = 30.0,
+    interval_s: float = 0.05,
+    message: str | Callable[[], str] = "condition not met",
+) -> T:
     """Poll `condition` until it returns something truthy and return that; AssertionError after
     `timeout_s`. An exception the condition raises ends the wait at once."""
     deadline = time.monotonic() + timeout_s
@@ -28,7 +32,12 @@ def wait_until_engine_idle(engine: Any, timeout_s: float = 60.0) -> None:
 
     def idle() -> bool:
         stats = engine.stats()
-        return (stats.num_running == 0 and stats.num_waiting == 0
-                and stats.num_kv_blocks_free == stats.num_kv_blocks_total)
+        return (
+            stats.num_running == 0
+            and stats.num_waiting == 0
+            and stats.num_kv_blocks_free == stats.num_kv_blocks_total
+        )
 
-    eventually(idle, timeout_s=timeout_s, message=lambda: f"engine not idle / KV blocks leaked: {engine.stats()}")
+    eventually(
+        idle, timeout_s=timeout_s, message=lambda: f"engine not idle / KV blocks leaked: {engine.stats()}"
+    )

@@ -11,7 +11,9 @@ from ctxgate.policies.schema import Policy
 SYSTEM = {"role": "system", "content": "Answer from the documents."}
 QUESTION = {"role": "user", "content": "Which river runs through Lyon?"}
 DOCUMENTS = [
-    Document(text=f"Passage {i} says the Rhone and the Saone meet in Lyon. It is a long river.", title=f"T{i}")
+    Document(
+        text=f"Passage {i} says the Rhone and the Saone meet in Lyon. It is a long river.", title=f"T{i}"
+    )
     for i in range(6)
 ]
 
@@ -37,9 +39,20 @@ def tool_exchange(turn: int) -> list[dict]:
     call_id = f"call_{turn}"
     return [
         # Content "" as the gateway passes it (m.text() of a null content).
-        {"role": "assistant", "content": "", "tool_calls": [{
-            "id": call_id, "type": "function",
-            "function": {"name": "river_length", "arguments": f'{{"river": "Rhone", "turn": {turn}}}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {
+                        "name": "river_length",
+                        "arguments": f'{{"river": "Rhone", "turn": {turn}}}',
+                    },
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": call_id, "content": f"The Rhone is 813 km long (lookup {turn})."},
     ]
 

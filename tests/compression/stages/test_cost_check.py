@@ -11,7 +11,9 @@ from tests.compression.stages.support import DOCUMENTS, QUESTION, SYSTEM, setup_
 
 
 async def test_cost_check_measures_and_sets_the_history_budget(tokenizer):
-    policy = Policy(name="p", max_input_tokens=600, documents={"max_tokens": 300}, history={"max_tokens": 5000})
+    policy = Policy(
+        name="p", max_input_tokens=600, documents={"max_tokens": 300}, history={"max_tokens": 5000}
+    )
     state, ctx = setup_state(tokenizer, policy, documents=DOCUMENTS)
     report = await CostCheckStage().run(state, ctx)
     assert report.details == {} and state.compressing

@@ -9,7 +9,9 @@ from tests.compression.stages.support import DOCUMENTS, setup_state
 
 
 async def test_extraction_by_passage_fits_the_documents_budget(tokenizer):
-    policy = Policy(name="p", max_input_tokens=2000, documents={"max_tokens": 70}, extraction={"unit": "passage"})
+    policy = Policy(
+        name="p", max_input_tokens=2000, documents={"max_tokens": 70}, extraction={"unit": "passage"}
+    )
     state, ctx = setup_state(tokenizer, policy, documents=DOCUMENTS)
     for rank, passage in enumerate(state.passages):
         passage.score = 1.0 - rank / 10

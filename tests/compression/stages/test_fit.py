@@ -58,6 +58,6 @@ async def test_fit_drops_a_tool_exchange_whole_and_never_leaves_a_reply_alone(to
     await CostCheckStage().run(state, ctx)
     await FitStage().run(state, ctx)
     assert state.sent.tokens == tokenizer.count_chat(state.sent.messages) <= 180
-    assert state.history == history[len(history) - len(state.history):]
+    assert state.history == history[len(history) - len(state.history) :]
     assert_no_broken_exchange(state.history)
     assert state.history[0]["role"] != "tool"

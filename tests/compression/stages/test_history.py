@@ -31,7 +31,7 @@ async def test_history_truncate_keeps_the_newest_turns_within_budget(tokenizer):
     state.history_budget = 150
     before = history_tokens(ctx.counter, state)
     report = await HistoryStage().run(state, ctx)
-    assert state.history == history[report.details["dropped_turns"]:]
+    assert state.history == history[report.details["dropped_turns"] :]
     assert 0 < history_tokens(ctx.counter, state) <= 150
     assert report.saved_tokens == before - history_tokens(ctx.counter, state)
 

