@@ -21,7 +21,7 @@ from tests.support.servers import ctxgate_process, free_port, wait_http
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"b": "cg-fair-b-secret", "c": "cg-fair-c-secret"}
-BIG_CHARS = 200_000
+BIG_CHARS = 600_000  # several seconds of compression on an idle 2-core machine, so c arrives while b runs
 SMALL_CHARS = 3_000
 
 pytestmark = pytest.mark.timeout(900)
@@ -97,7 +97,7 @@ def test_a_small_compress_is_not_queued_behind_another_tenants_huge_document(gat
 
     sender = threading.Thread(target=send_big)
     sender.start()
-    time.sleep(1.0)  # b's document is being compressed (the request itself lands in milliseconds)
+    time.sleep(0.5)  # b's document is being compressed (the request itself lands in milliseconds)
     behind = compress(gateway, "c", compress_body(unique_document(SMALL_CHARS, 20)))
     finished_first = not big_done.is_set()
     sender.join()
