@@ -18,7 +18,7 @@ repo=$PWD
 out=${1:-${OUT:-eval/reports/engine-gpu-$(date +%F)}}
 mkdir -p "$out"
 out=$(cd "$out" && pwd) || exit 1
-work=${GPU_CHECK_WORK:-/tmp/ctxgate-gpu-check}
+work=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/ctxgate-gpu-check}
 venv=$work/venv
 vllm_venv=$work/vllm-venv
 engine_gpu_mem=${ENGINE_GPU_MEM:-0.9}

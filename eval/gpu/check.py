@@ -14,6 +14,7 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -241,7 +242,12 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="report folder (gpu_check.json, gpu_check.md)")
-    parser.add_argument("--work", default="/tmp/ctxgate-gpu-check", help="where the models are written")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "ctxgate-gpu-check",
+        help="where the models are written (default: ctxgate-gpu-check in the system's temporary folder)",
+    )
     parser.add_argument("--shapes", default=",".join(ALL_SHAPES), help="comma-separated shapes")
     parser.add_argument("--quick", action="store_true", help="about 3 minutes instead of 8")
 

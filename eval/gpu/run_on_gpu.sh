@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 out=${1:?usage: run_on_gpu.sh OUT [--quick]}
 shift
 python=${PYTHON:-python3}
-work=${WORK:-/tmp/ctxgate-gpu-check}
+work=${WORK:-${TMPDIR:-/tmp}/ctxgate-gpu-check}
 site=$work/site
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$out" "$work"
