@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from ctxgate.eval.bench_cli import _rates
 from ctxgate.eval.bench_slo import PASSTHROUGH, arm_order, schedule_seed
-from ctxgate.eval.cli import _rates
 from ctxgate.eval.datasets import load_dataset
 from ctxgate.eval.slo_report import (
     SloSample,

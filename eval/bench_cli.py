@@ -1,0 +1,518 @@
+"""`ctxgate bench ...`: each benchmark's flags and the function that runs it (import-light: the work
+happens in the modules a command imports when it runs). `bench engine` belongs to the engine
+(eval/bench_engine*.py); `bench prefill`, `e2e`, `slo`, `prefix`, `route` and `gpu` to the eval harness."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from ctxgate.backend.settings.cli_actions import (
+    StoreWithDeprecatedAliases,
+    at_least_one,
+    nice_increment,
+    positive_number,
+)
+from ctxgate.eval.cli_common import add_gateway_args, quiet_http_logs, require_eval_extra
+
+
+def register_bench(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="performance benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    _register_bench_engine(bench_sub)
+    _register_bench_prefill(bench_sub)
+    _register_bench_e2e(bench_sub)
+    gpu = bench_sub.add_parser(
+        "gpu",
+        help="the offline GPU check in stages (eval/gpu/check.py): install, "
+        "random-weight models at real shapes, HF parity, W1-W3 vs HF and the roofline, e2e",
+    )
+    from ctxgate.eval.gpu.check import add_arguments
+
+    add_arguments(gpu)
+    gpu.set_defaults(func=_bench_gpu)
+    _register_bench_slo(bench_sub)
+    _register_bench_prefix(bench_sub)
+    _register_bench_route(bench_sub)
+
+
+def _register_bench_prefill(bench_sub: argparse._SubParsersAction) -> None:
+    prefill = bench_sub.add_parser(
+        "prefill", help="measured prefill/TTFT saved by a policy, and the cost model"
+    )
+    prefill.add_argument(
+        "--input",
+        "--dataset",
+        dest="dataset",
+        required=True,
+        action=StoreWithDeprecatedAliases,
+        deprecated=["--dataset"],
+        help="QA dataset JSONL, as for `eval run` (--dataset is deprecated)",
+    )
+    prefill.add_argument("--policy", required=True, help="the compressing policy")
+    prefill.add_argument(
+        "--full-policy", default="passthrough", help="the full-context arm (default passthrough)"
+    )
+    prefill.add_argument("--warmup", type=int, default=2, help="unmeasured warm-up requests (default 2)")
+    prefill.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    add_gateway_args(prefill)
+    prefill.set_defaults(func=_bench_prefill)
+
+
+def _bench_prefill(args: argparse.Namespace) -> int:
+    require_eval_extra("bench prefill", "openai")
+    quiet_http_logs()
+    from ctxgate.eval.bench_prefill import run_bench_prefill
+
+    result = run_bench_prefill(
+        dataset_path=args.dataset,
+        policy=args.policy,
+        out_dir=args.out,
+        url=args.url,
+        limit=args.limit,
+        full_policy=args.full_policy,
+        warmup=args.warmup,
+        model=args.model,
+        policy_dir=args.policy_dir,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+    )
+    print(open(f"{args.out}/bench_prefill.md").read())
+    for error in result["errors"][:10]:
+        print(f"error: {error}")
+    print(f"cost model: {args.out}/prefill_cost.json")
+    return 0
+
+
+def _register_bench_engine(bench_sub: argparse._SubParsersAction) -> None:
+    from ctxgate.backend.serving.cli import (
+        add_engine_arguments,  # argparse only: keeps `ctxgate --help` instant
+    )
+
+    engine = bench_sub.add_parser(
+        "engine",
+        help="workloads W1-W3 against the engine (or --url server) and the HF generate baseline",
+    )
+    engine.add_argument("--url", default=None, help="benchmark this OpenAI-compatible server instead")
+    engine.add_argument(
+        "--served-model-name",
+        "--model-name",
+        dest="served_model_name",
+        default=None,
+        action=StoreWithDeprecatedAliases,
+        deprecated=["--model-name"],
+        help="model id to request in --url mode (default: the server's first; --model-name is deprecated)",
+    )
+    engine.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer key for --url (a ctxgate gateway with a keys file); default $OPENAI_API_KEY",
+    )
+    engine.add_argument("--no-progress", action="store_true", help="no progress bars")
+    engine.add_argument(
+        "--server-pid",
+        type=int,
+        action="append",
+        default=[],
+        help="in --url mode, the server's pid: its CPU time is not counted as a neighbour's",
+    )
+    engine.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="another OpenAI-compatible server (vLLM, llama.cpp) run interleaved with the target on the "
+        "same prompts; repeatable. Pass its pid with --server-pid so its CPU is not a neighbour's",
+    )
+    engine.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset of W1,W2,W3")
+    engine.add_argument("--num-requests", type=int, default=None, help="scale every workload to N requests")
+    engine.add_argument("--prompt-tokens", type=int, default=None, help="override prompt length")
+    engine.add_argument("--output-tokens", type=int, default=None, help="override output length")
+    engine.add_argument("--concurrency", type=int, default=None, help="override concurrency")
+    engine.add_argument("--repeats", type=int, default=1, help="A/B repetitions per workload (interleaved)")
+    engine.add_argument("--no-baseline", action="store_true", help="skip the HF generate baseline")
+    engine.add_argument(
+        "--guided-arm",
+        action="store_true",
+        help="also measure decode at batch 16 with a JSON-schema grammar mask against unconstrained "
+        "(interleaved), and the mask's cost per token (in-process engine only)",
+    )
+    engine.add_argument(
+        "--busy-threshold",
+        type=float,
+        default=0.10,
+        help="repeat a run when other processes used more than this share of the machine's CPU",
+    )
+    engine.add_argument("--max-attempts", type=int, default=3, help="attempts per run with a busy neighbour")
+    engine.add_argument("--seed", type=int, default=0, help="prompt generation seed")
+    engine.add_argument("--out", default=None, help="directory for bench_engine.json")
+    add_engine_arguments(engine)
+    engine.set_defaults(func=_bench_engine)
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from ctxgate.eval.bench_engine_cli import bench_engine_command
+
+    return bench_engine_command(args)
+
+
+def _register_bench_e2e(bench_sub: argparse._SubParsersAction) -> None:
+    e2e = bench_sub.add_parser(
+        "e2e", help="full / compressed / ideal / engine-alone arms: do saved prompt tokens become saved time?"
+    )
+    e2e.add_argument(
+        "--input",
+        dest="dataset",
+        default="nq-multidoc-dev.jsonl",
+        help="QA JSONL (default nq-multidoc-dev.jsonl)",
+    )
+    e2e.add_argument("--limit", type=int, default=24, help="first N questions (default 24)")
+    e2e.add_argument("--concurrency", default="4", help="comma-separated levels, e.g. 1,4,16 (default 4)")
+    e2e.add_argument(
+        "--output-tokens", type=int, default=32, help="tokens generated per request (default 32)"
+    )
+    e2e.add_argument("--policy", default="rag-default", help="the compressing policy (default rag-default)")
+    e2e.add_argument(
+        "--full-policy", default="passthrough", help="the full-context policy (default passthrough)"
+    )
+    e2e.add_argument("--no-warm-pass", action="store_true", help="skip the second (warm-cache) pass")
+    e2e.add_argument(
+        "--rounds-per-chunk",
+        type=int,
+        default=2,
+        help="closed-loop rounds per interleaved chunk (chunk = concurrency x this; default 2)",
+    )
+    e2e.add_argument(
+        "--model", help="model directory for the gateway and the engine (default: the default model)"
+    )
+    e2e.add_argument("--policy-dir", help="extra policy directory for the gateway")
+    e2e.add_argument("--out", default="bench-out/e2e", help="output directory (default bench-out/e2e)")
+    e2e.add_argument("--no-progress", action="store_true", help="no per-chunk progress lines")
+    e2e.add_argument(
+        "--engine-server",
+        action="store_true",
+        help="engine-alone arm over HTTP (`ctxgate engine serve`) instead of the engine in this process",
+    )
+    e2e.add_argument(
+        "--embed-on",
+        choices=("engine", "process"),
+        default="engine",
+        help="the gateway's `serve --embed-on`: where its embedding model runs (default engine)",
+    )
+    e2e.add_argument(
+        "--compression-workers",
+        type=at_least_one,
+        default=None,
+        metavar="N",
+        help="the gateway's `serve --compression-workers` (default: its own, one per two cores)",
+    )
+    e2e.add_argument(
+        "--compression-nice",
+        type=nice_increment,
+        default=None,
+        metavar="N",
+        help="the gateway's `serve --compression-nice` (default: its own)",
+    )
+    e2e.add_argument(
+        "--max-num-batched-tokens",
+        type=at_least_one,
+        default=None,
+        metavar="N",
+        help="the engine's token budget per step, for the gateway's engine and the engine-alone arm "
+        "(default: the engine's own)",
+    )
+    e2e.add_argument(
+        "--arrival-rate",
+        type=positive_number,
+        default=None,
+        metavar="R",
+        help="open loop: requests arrive at R requests/s (Poisson, the same schedule for every arm) "
+        "instead of --concurrency clients that wait for their replies; one level, chunks of "
+        "4 x --rounds-per-chunk requests; req/s-based checks are left to closed-loop runs",
+    )
+    e2e.set_defaults(func=_bench_e2e)
+
+
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from ctxgate.eval.gpu.check import run_check
+
+    return run_check(args)
+
+
+def _bench_e2e(args: argparse.Namespace) -> int:
+    # Without matplotlib (the offline GPU check) the report is written without its plot.
+    quiet_http_logs()
+    from ctxgate.eval.bench_e2e import run_bench_e2e
+    from ctxgate.eval.e2e_report import render_markdown
+    from ctxgate.eval.e2e_samples import E2EOptions
+
+    levels = [int(value) for value in args.concurrency.split(",") if value.strip()]
+    if not levels or min(levels) <= 0 or args.output_tokens <= 0 or args.rounds_per_chunk <= 0:
+        raise ValueError("--concurrency, --output-tokens and --rounds-per-chunk must be positive")
+    options = E2EOptions(
+        dataset=args.dataset,
+        limit=args.limit,
+        concurrencies=levels,
+        output_tokens=args.output_tokens,
+        policy=args.policy,
+        full_policy=args.full_policy,
+        warm_pass=not args.no_warm_pass,
+        rounds_per_chunk=args.rounds_per_chunk,
+        model=args.model,
+        policy_dir=args.policy_dir,
+        progress=not args.no_progress,
+        engine_server=args.engine_server,
+        embed_on=args.embed_on,
+        compression_workers=args.compression_workers,
+        compression_nice=args.compression_nice,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        arrival_rate=args.arrival_rate,
+    )
+    from ctxgate.backend.platform.cpu_features import cpu_path
+
+    print(f"bench e2e: {cpu_path().summary()}")
+    report = run_bench_e2e(options, args.out, command="ctxgate " + shlex.join(sys.argv[1:]))
+    print(render_markdown(report))
+    print(f"report: {args.out}/bench_e2e.md")
+    return 0
+
+
+def _rates(text: str) -> list[float]:
+    """argparse type: comma-separated positive request rates, e.g. 0.3,0.6,1.0 (ascending, once each)."""
+    try:
+        rates = sorted({positive_number(value.strip()) for value in text.split(",") if value.strip()})
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"--rates: {exc}") from None
+    if not rates:
+        raise argparse.ArgumentTypeError("expected rates such as 0.3,0.6,1.0")
+    if len(rates) > 12:
+        raise argparse.ArgumentTypeError("at most 12 rates")
+    return rates
+
+
+QUICK_SLO = {"requests": 3, "rates": [0.5, 2.0], "output_tokens": 4, "chunk_size": 3}
+
+
+def _register_bench_slo(bench_sub: argparse._SubParsersAction) -> None:
+    slo = bench_sub.add_parser(
+        "slo",
+        help="goodput under a TTFT objective at several open-loop arrival rates: passthrough, fixed "
+        "policies and the adaptive one, interleaved on the same held-out questions",
+    )
+    slo.add_argument(
+        "--input",
+        dest="dataset",
+        default="nq-multidoc-dev.jsonl",
+        help="QA JSONL (default nq-multidoc-dev.jsonl)",
+    )
+    slo.add_argument(
+        "--split",
+        choices=["test", "tune", "all"],
+        default="test",
+        help="which half of the questions (eval/splits.py; default test: held out from tuning)",
+    )
+    slo.add_argument(
+        "--requests",
+        type=at_least_one,
+        default=24,
+        help="questions, so requests per arm and rate (default 24)",
+    )
+    slo.add_argument(
+        "--rates",
+        type=_rates,
+        default=[0.3, 0.6, 1.0],
+        metavar="R,R,...",
+        help="arrival rates in requests/s, below, at and above the knee (default 0.3,0.6,1.0)",
+    )
+    slo.add_argument(
+        "--knee",
+        type=positive_number,
+        default=0.6,
+        metavar="R",
+        help="the rate taken as the knee: the retention bar applies below it, the 1.3x goodput "
+        "bar above it (default 0.6)",
+    )
+    slo.add_argument(
+        "--policy",
+        action="append",
+        dest="policies",
+        default=None,
+        help="a fixed policy arm (repeat; default rag-default and rag-fast)",
+    )
+    slo.add_argument(
+        "--adaptive-policy", default="rag-adaptive", help="the adaptive arm (default rag-adaptive)"
+    )
+    slo.add_argument(
+        "--slo-s",
+        type=positive_number,
+        default=None,
+        metavar="S",
+        help="the TTFT objective in seconds (default: the adaptive policy's ttft_slo_s)",
+    )
+    slo.add_argument(
+        "--give-up-s",
+        type=positive_number,
+        default=None,
+        metavar="S",
+        help="abandon a request without a first token after S seconds (a miss; default 4 x the objective)",
+    )
+    slo.add_argument("--output-tokens", type=at_least_one, default=16, help="tokens per answer (default 16)")
+    slo.add_argument(
+        "--chunk-size", type=at_least_one, default=8, help="requests per interleaved chunk (default 8)"
+    )
+    slo.add_argument("--seed", type=int, default=0, help="arrival schedule seed (default 0)")
+    slo.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 3 requests per arm at 0.5 and 2 requests/s, 4 output tokens",
+    )
+    slo.add_argument("--model", help="model directory for the gateway (default: the default model)")
+    slo.add_argument("--policy-dir", help="extra policy directory for the gateway")
+    slo.add_argument(
+        "--max-num-batched-tokens",
+        type=at_least_one,
+        default=None,
+        metavar="N",
+        help="the engine's token budget per step (default: the engine's own)",
+    )
+    slo.add_argument("--out", default="bench-out/slo", help="output directory (default bench-out/slo)")
+    slo.add_argument("--no-progress", action="store_true", help="no per-chunk progress lines")
+    slo.set_defaults(func=_bench_slo)
+
+
+def _bench_slo(args: argparse.Namespace) -> int:
+    require_eval_extra("bench slo", "matplotlib", "pysbd")
+    quiet_http_logs()
+    from ctxgate.backend.platform.cpu_features import cpu_path
+    from ctxgate.eval.bench_slo import SloOptions, run_bench_slo
+    from ctxgate.eval.slo_report import render_markdown
+
+    options = SloOptions(
+        dataset=args.dataset,
+        split=args.split,
+        requests=args.requests,
+        rates=args.rates,
+        policies=args.policies or ["rag-default", "rag-fast"],
+        adaptive=args.adaptive_policy,
+        slo_s=args.slo_s,
+        knee=args.knee,
+        output_tokens=args.output_tokens,
+        chunk_size=args.chunk_size,
+        model=args.model,
+        policy_dir=args.policy_dir,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        progress=not args.no_progress,
+        seed=args.seed,
+        give_up_s=args.give_up_s,
+    )
+    if args.quick:
+        for name, value in QUICK_SLO.items():
+            setattr(options, name, value)
+    print(f"bench slo: {cpu_path().summary()}")
+    report = run_bench_slo(options, args.out, command="ctxgate " + shlex.join(sys.argv[1:]))
+    print(render_markdown(report))
+    print(f"report: {args.out}/bench_slo.md")
+    return 0
+
+
+def _register_bench_prefix(bench_sub: argparse._SubParsersAction) -> None:
+    prefix = bench_sub.add_parser(
+        "prefix",
+        help="prefix-cache hit rate across compressed prompts sharing passages: policy order vs stable",
+    )
+    prefix.add_argument(
+        "--input",
+        dest="dataset",
+        default="nq-multidoc-dev.jsonl",
+        help="QA JSONL (default nq-multidoc-dev.jsonl)",
+    )
+    prefix.add_argument(
+        "--policy", default="rag-default", help="packaged compressing policy (default rag-default)"
+    )
+    prefix.add_argument("--limit", type=int, default=24, help="requests per arm (default 24)")
+    prefix.add_argument("--retention-limit", type=int, default=100, help="questions for the retention check")
+    prefix.add_argument("--model", help="model directory for the gateway (default: the default model)")
+    prefix.add_argument(
+        "--out", default="bench-out/prefix", help="output directory (default bench-out/prefix)"
+    )
+    prefix.set_defaults(func=_bench_prefix_reuse)
+
+
+def _bench_prefix_reuse(args: argparse.Namespace) -> int:
+    quiet_http_logs()
+    from ctxgate.eval.bench_prefix import render_markdown, run_bench_prefix
+
+    if args.limit <= 0 or args.retention_limit <= 0:
+        raise ValueError("--limit and --retention-limit must be positive")
+    report = run_bench_prefix(
+        args.dataset, args.policy, args.limit, args.retention_limit, args.out, args.model
+    )
+    print(render_markdown(report))
+    return 0
+
+
+def _register_bench_route(bench_sub: argparse._SubParsersAction) -> None:
+    route = bench_sub.add_parser(
+        "route",
+        help="routing strategies of a model group over real engine processes: prefix-cache hits, TTFT, "
+        "requests/s; and a replica killed mid-way",
+    )
+    route.add_argument("--replicas", type=at_least_one, default=2, help="engine processes (default 2)")
+    route.add_argument(
+        "--conversations", type=at_least_one, default=8, help="multi-turn conversations (default 8)"
+    )
+    route.add_argument("--turns", type=at_least_one, default=4, help="turns per conversation (default 4)")
+    route.add_argument(
+        "--rag-requests",
+        type=at_least_one,
+        default=12,
+        help="requests of the shared-system-prompt RAG workload (default 12)",
+    )
+    route.add_argument("--max-tokens", type=at_least_one, default=8, help="answer length (default 8)")
+    route.add_argument(
+        "--kv-cache-memory-mb",
+        type=at_least_one,
+        default=64,
+        help="each replica's KV pool (default 64: too small to hold every conversation)",
+    )
+    route.add_argument("--model", help="model directory for the engines (default: the default model)")
+    route.add_argument("--no-kill", action="store_true", help="skip the run with one replica killed half-way")
+    route.add_argument(
+        "--load-factor",
+        type=float,
+        default=1.25,
+        help="cache affinity's bounded load: a replica takes a key while under this times its share of "
+        "the requests in flight (default 1.25, as model_list[].load_factor)",
+    )
+    route.add_argument(
+        "--via",
+        choices=("gateway", "in-process"),
+        default="gateway",
+        help="gateway (default): through a real `ctxgate serve` process whose model list fronts the "
+        "replicas, over HTTP; in-process: through a model group in the bench's own process",
+    )
+    route.add_argument("--out", default="bench-out/route", help="output directory (default bench-out/route)")
+    route.set_defaults(func=_bench_route)
+
+
+def _bench_route(args: argparse.Namespace) -> int:
+    quiet_http_logs()
+    from ctxgate.eval.bench_route import RouteBenchConfig, render_markdown, run_bench_route
+
+    config = RouteBenchConfig(
+        replicas=args.replicas,
+        conversations=args.conversations,
+        turns=args.turns,
+        rag_requests=args.rag_requests,
+        max_tokens=args.max_tokens,
+        kv_cache_memory_mb=args.kv_cache_memory_mb,
+        model=args.model,
+        kill=not args.no_kill,
+        via=args.via,
+        load_factor=args.load_factor,
+    )
+    if config.kill and config.replicas < 2:
+        raise ValueError("the kill run needs --replicas 2 or more (or --no-kill)")
+    print(render_markdown(run_bench_route(config, args.out)))
+    return 0
