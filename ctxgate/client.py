@@ -105,6 +105,8 @@ class CtxgateUsage:
     message_context: dict[str, Any] | None = None
     # Adaptive policies: the documents budget chosen for this request, and why.
     budget: dict[str, Any] | None = None
+    # Every limit the request met, after its reservation: used, remaining, when it resets (None: no limit).
+    quota: list[dict[str, Any]] | None = None
 
     @property
     def saved_tokens_total(self) -> int:
@@ -142,6 +144,7 @@ class CtxgateUsage:
             dropped_params=list(data.get("dropped_params") or []),
             message_context=data.get("message_context"),
             budget=data.get("budget"),
+            quota=list(data["quota"]) if data.get("quota") is not None else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,7 +157,7 @@ class CtxgateUsage:
         return {
             name: value
             for name, value in data.items()
-            if value is not None or name not in ("message_context", "budget", "tenant")
+            if value is not None or name not in ("message_context", "budget", "tenant", "quota")
         }
 
 

@@ -35,7 +35,19 @@ from ctxgate.policies.schema import Policy
 
 logger = logging.getLogger(__name__)
 # The refusals compress-to-fit can answer: a smaller prompt cannot help a request or spend limit.
-QUOTA_TOKEN_REASONS = frozenset({"tokens_per_minute", "tokens_per_day"})
+QUOTA_TOKEN_REASONS = frozenset(
+    {"tokens_per_minute", "tokens_per_day", "tokens_per_week", "tokens_per_month"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scopes:
+    """Whose limits a request meets: its tenant's, its key's (when the key has its own), for `model`."""
+
+    limits: QuotaLimits
+    key_id: str | None
+    key_limits: QuotaLimits | None
+    model: str | None
 
 
 def cost(policy: Policy, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -79,13 +91,19 @@ class Accounting:
         return base.tightened_by(quota_cap(home, policy))
 
     async def reserve(
-        self, tenant: Tenant, policy: Policy, prompt_tokens: int, max_tokens: int, slot_id: str | None = None
+        self,
+        tenant: Tenant,
+        policy: Policy,
+        prompt_tokens: int,
+        max_tokens: int,
+        slot_id: str | None = None,
+        model: str | None = None,
     ) -> Reservation:
-        """Reserve against the tenant's limits and its key's. `slot_id`: hold a parallel-request slot
-        until the request is settled (generation); without it a parallel limit is only checked."""
-        limits = self.limits_for(tenant, policy)
-        key = tenant.key
-        key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
+        """Reserve against the tenant's limits and its key's, and either's for `model`. `slot_id`: hold
+        a parallel-request slot until the request is settled (generation); without it a parallel limit
+        is only checked."""
+        scopes = self._scopes(tenant, policy, model)
+        limits, key_limits = scopes.limits, scopes.key_limits
         tokens = prompt_tokens + max_tokens
         spend_micros = int(round(cost(policy, prompt_tokens, max_tokens)["total"] * SPEND_SCALE))
         if limits.unlimited and key_limits is None:
@@ -96,9 +114,10 @@ class Accounting:
                 limits,
                 tokens,
                 spend_micros,
-                key_id=key.quota_id if key_limits else None,
+                key_id=scopes.key_id,
                 key_limits=key_limits,
                 slot_id=slot_id,
+                model=model,
             )
         except QuotaExceeded as exc:
             raise self._quota_refusal(tenant, exc) from None
@@ -127,6 +146,7 @@ class Accounting:
             error_type="rate_limit_error",
             headers={"Retry-After": str(exc.retry_after_s)}
             | (exc.rate_limits.headers() if exc.rate_limits is not None else {}),
+            details={"quota": exc.usage.report()} if exc.usage is not None else None,
         )
 
     async def check_quota_first(
@@ -138,13 +158,13 @@ class Accounting:
 
         Under `fit.quota: compress`, a request the tokens left cannot hold is fitted into them
         instead (the returned `Fit`, for `Fit.apply`), unless that leaves the prompt under the floor."""
-        limits, key_id, key_limits = self._scopes(tenant, policy)
-        if limits.unlimited and key_limits is None:
+        scopes = self._scopes(tenant, policy, body.model)
+        if scopes.limits.unlimited and scopes.key_limits is None:
             return None
         prompt = prompt_token_bound(body, policy)
         output = output_token_bound(body, policy, choices)
         try:
-            await self._check(tenant, limits, policy, prompt, output, key_id, key_limits)
+            await self._check(tenant, scopes, policy, prompt, output)
             return None
         except QuotaExceeded as exc:
             if exc.reason not in QUOTA_TOKEN_REASONS:
@@ -157,29 +177,32 @@ class Accounting:
             return None
         return await self.fit_quota(tenant, policy, body, choices, refused)
 
-    def _scopes(self, tenant: Tenant, policy: Policy) -> tuple[QuotaLimits, str | None, QuotaLimits | None]:
+    def _scopes(self, tenant: Tenant, policy: Policy, model: str | None) -> Scopes:
         """The tenant's limits, and its key's id and limits when the key has limits of its own."""
+        limits = self.limits_for(tenant, policy)
         key = tenant.key
-        key_limits = QuotaLimits.from_mapping(key.limits) if key is not None and key.limits else None
-        return (
-            self.limits_for(tenant, policy),
-            key.quota_id if key is not None and key_limits else None,
-            key_limits,
-        )
+        if key is None or not key.limits:
+            return Scopes(limits, None, None, model)
+        # A key's window shape and zone are its tenant's unless it sets its own.
+        return Scopes(limits, key.quota_id, QuotaLimits.from_mapping(key.limits, inherit=limits), model)
 
     async def _check(
         self,
         tenant: Tenant,
-        limits: QuotaLimits,
+        scopes: Scopes,
         policy: Policy,
         prompt: int,
         output: int,
-        key_id: str | None,
-        key_limits: QuotaLimits | None,
     ) -> None:
         spend_micros = int(round(cost(policy, prompt, output)["total"] * SPEND_SCALE))
         await self.store.check(
-            tenant.name, limits, prompt + output, spend_micros, key_id=key_id, key_limits=key_limits
+            tenant.name,
+            scopes.limits,
+            prompt + output,
+            spend_micros,
+            key_id=scopes.key_id,
+            key_limits=scopes.key_limits,
+            model=scopes.model,
         )
 
     async def fit_quota(
@@ -188,19 +211,23 @@ class Accounting:
         """The request fitted into the tokens its tenant has left now (None: it fits as it is), checked
         again at its fitted size so a request or spend limit refuses before the compression runs.
         `refused`: the token quota's refusal (reason, Retry-After), answered under the floor."""
-        limits, key_id, key_limits = self._scopes(tenant, policy)
+        scopes = self._scopes(tenant, policy, body.model)
         prompt = prompt_token_bound(body, policy)
         output = output_token_bound(body, policy, choices)
         reason, retry_after_s = refused
         try:
-            room = await self.store.tokens_left(tenant.name, limits, key_id=key_id, key_limits=key_limits)
+            room = await self.store.tokens_left(
+                tenant.name,
+                scopes.limits,
+                key_id=scopes.key_id,
+                key_limits=scopes.key_limits,
+                model=scopes.model,
+            )
             fit = fit_into(policy.fit, "quota", room or 0, prompt, output, choices)
             if fit is None:
                 return None
             fit = dataclasses.replace(fit, reason=reason, retry_after_s=retry_after_s)
-            await self._check(
-                tenant, limits, policy, fit.budget, fit.output_tokens * choices, key_id, key_limits
-            )
+            await self._check(tenant, scopes, policy, fit.budget, fit.output_tokens * choices)
         except FitRefused as exc:
             self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
             self.metrics.quota_rejections.labels(tenant.name, reason).inc()
@@ -274,6 +301,15 @@ class Accounting:
                 "cost_detail": charged if priced(policy) else None,
                 "dropped_params": list(prepared.dropped_params),
             }
+            | _quota_usage(prepared.reservation)
             | ({"budget": budget} if budget is not None else {})
             | ({"fit": prepared.fit.report()} if prepared.fit is not None else {}),
         )
+
+
+def _quota_usage(reservation: Reservation | None) -> dict[str, Any]:
+    """`usage.ctxgate.quota`: every limit the request met, as its reservation left it (used, what
+    remains, when it resets), or nothing for a request no limit counted."""
+    if reservation is None or not reservation.usage:
+        return {}
+    return {"quota": [usage.report() for usage in reservation.usage]}

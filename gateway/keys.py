@@ -15,10 +15,12 @@ Only hashes are stored, so a leaked keys file does not leak credentials. File la
             expires_at: "2026-06-30T00:00:00Z"        # optional; afterwards the key gets 401
             revoked_at: "2026-02-01T10:00:00Z"        # set by `ctxgate keys revoke`
             limits: {requests_per_minute: 60, max_parallel_requests: 4, budget: 20, budget_period: monthly}
+            # limits may hold `models: {big: {tokens_per_minute: 1000}}`: limits for one model, on top
             models: [smollm2-135m]                    # optional allow-list of served model names
             labels: {team: search, env: prod}
 
-A key's limits apply on top of its tenant's (both must have room). The key's id is the first 12
+A key's limits apply on top of its tenant's (both must have room), and the limits either holds for
+the requested model (`models: {NAME: {...}}`, names the key may use) on top of those. The key's id is the first 12
 hex digits of its hash; `quota_id` keeps a rotated key on its predecessor's counters.
 
 Quotas and prices belong to the tenant, whatever policy a request names: the tenant's limits are its
@@ -43,9 +45,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ctxgate.compression.store.index_names import INDEX_NAME_PATTERN
+from ctxgate.policies.schema import TimeZone
 
 ANONYMOUS_TENANT = "anonymous"
 KEY_PREFIX = "cg-"
@@ -58,16 +61,22 @@ class _Strict(BaseModel):
 KEY_ID_LENGTH = 12
 
 
-class Limits(_Strict):
-    """Limits of a tenant (overriding its policy's quota) or of one key (on top of the tenant's)."""
-
+class _Counts(_Strict):
     requests_per_minute: int | None = Field(
-        default=None, ge=1, description="requests per minute; beyond: 429"
+        default=None,
+        ge=1,
+        description="requests per minute (any 60 seconds, unless window: fixed); beyond: 429",
     )
     tokens_per_minute: int | None = Field(
         default=None, ge=1, description="prompt + completion tokens per minute"
     )
     tokens_per_day: int | None = Field(default=None, ge=1, description="prompt + completion tokens per day")
+    tokens_per_week: int | None = Field(
+        default=None, ge=1, description="prompt + completion tokens per calendar week (from Monday)"
+    )
+    tokens_per_month: int | None = Field(
+        default=None, ge=1, description="prompt + completion tokens per calendar month"
+    )
     spend_per_day: float | None = Field(
         default=None, gt=0, description="spend per day, at the home policy's prices"
     )
@@ -76,7 +85,32 @@ class Limits(_Strict):
         default=None, gt=0, description="spend allowed per budget_period (policy cost units)"
     )
     budget_period: Literal["daily", "weekly", "monthly"] | None = Field(
-        default=None, description="when the budget starts again (calendar days, weeks and months, UTC)"
+        default=None,
+        description="when the budget starts again (calendar days, weeks from Monday and months, in time_zone)",
+    )
+
+
+class ModelLimits(_Counts):
+    """Limits for one served model, on top of the key's or tenant's own (window and zone are theirs)."""
+
+
+class Limits(_Counts):
+    """Limits of a tenant (overriding its policy's quota) or of one key (on top of the tenant's)."""
+
+    window: Literal["sliding", "fixed"] | None = Field(
+        default=None,
+        description="the per-minute limits: sliding (any 60 seconds) or fixed (calendar minutes); "
+        "null: the tenant's (a key's), the policy's (a tenant's)",
+    )
+    time_zone: TimeZone | None = Field(
+        default=None,
+        description="IANA zone where days, weeks and months begin; null: the tenant's (a key's), the "
+        "policy's (a tenant's)",
+    )
+    models: dict[str, ModelLimits] | None = Field(
+        default=None,
+        description="limits per served model name, enforced on top of these; a key may name only "
+        "models it may use",
     )
 
 
@@ -114,6 +148,19 @@ class KeyEntry(_Strict):
         "limits: a rotated key keeps its predecessor's, and so its counters",
     )
 
+    @model_validator(mode="after")
+    def _limits_name_usable_models(self) -> KeyEntry:
+        # A limit for a model the key may not use would never apply: a typo, said at load time.
+        if self.models is None:  # every model may be used
+            return self
+        unusable = sorted(set(self.limits.models or {}) - set(self.models))
+        if unusable:
+            raise ValueError(
+                f"limits.models names {', '.join(unusable)}, which this key may not use (models: "
+                f"{', '.join(self.models)})"
+            )
+        return self
+
     @property
     def key_id(self) -> str:
         return self.sha256[:KEY_ID_LENGTH]
@@ -147,6 +194,20 @@ class TenantEntry(_Strict):
         "field by field (the smaller limit wins)",
     )
     keys: list[KeyEntry] = Field(default_factory=list, description="the tenant's API keys, as their hashes")
+
+    @model_validator(mode="after")
+    def _quota_names_usable_models(self) -> TenantEntry:
+        # Where every key has an allow-list, a model none of them may use can never be limited.
+        named = set(self.quota.models or {})
+        if not named or not self.keys or any(key.models is None for key in self.keys):
+            return self
+        usable = {model for key in self.keys for model in key.models or ()}
+        if named - usable:
+            raise ValueError(
+                f"quota.models names {', '.join(sorted(named - usable))}, which none of the tenant's keys "
+                f"may use (their models: {', '.join(sorted(usable))})"
+            )
+        return self
 
 
 class KeysFile(_Strict):

@@ -101,7 +101,7 @@ def register_keys(subparsers: argparse._SubParsersAction) -> None:
         "--budget-period",
         choices=["daily", "weekly", "monthly"],
         default=None,
-        help="window of --budget, aligned to UTC day / ISO week / calendar month (default monthly)",
+        help="window of --budget: calendar day / week from Monday / month in the tenant's time_zone (default monthly)",
     )
     add.set_defaults(func=_keys_add)
 
@@ -119,6 +119,7 @@ def register_keys(subparsers: argparse._SubParsersAction) -> None:
     )
     listing.add_argument("--all", action="store_true", help="include revoked and expired keys")
     listing.add_argument("--json", action="store_true", help="one JSON object per key instead of a table")
+    _add_usage_flags(listing, switch=True)
     listing.set_defaults(func=_keys_list)
 
     revoke = keys_sub.add_parser(
@@ -129,6 +130,16 @@ def register_keys(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_keys_file_flag(revoke)
     revoke.set_defaults(func=_keys_revoke)
+
+    show = keys_sub.add_parser(
+        "show",
+        help="one key: its tenant, status and limits, and what it has used of each and when each resets",
+    )
+    show.add_argument("key_id", metavar="KEY_ID", help="key id from `keys list` (or the key itself)")
+    _add_keys_file_flag(show)
+    _add_usage_flags(show)
+    show.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    show.set_defaults(func=_keys_show)
 
     rotate = keys_sub.add_parser(
         "rotate", help="replace a key with a new one (same tenant, limits and counters)"
@@ -142,6 +153,25 @@ def register_keys(subparsers: argparse._SubParsersAction) -> None:
         help="keep the old key valid this long (e.g. 1h) instead of revoking it now",
     )
     rotate.set_defaults(func=_keys_rotate)
+
+
+def _add_usage_flags(parser: argparse.ArgumentParser, switch: bool = False) -> None:
+    """--redis-url and --config (to read what each limit has used); `switch`: --usage turns it on."""
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        metavar="URL",
+        help="the Redis the gateways share their quota ledger in (default $REDIS_URL): read what each "
+        "limit has used; an in-process ledger lives in its gateway and cannot be read from here",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="the `serve --config` file: the tenant's home policy (its quota) as it serves it",
+    )
+    if switch:
+        parser.add_argument("--usage", action="store_true", help="add what each limit has used (needs Redis)")
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -236,10 +266,13 @@ def _keys_list(args: argparse.Namespace) -> int:
     from datetime import UTC, datetime
 
     from ctxgate.gateway.keys import read_keys_file
+    from ctxgate.gateway.keys_usage import usage_text
 
     if not os.path.exists(args.keys_file):
         raise FileNotFoundError(f"keys file not found: {args.keys_file}")
     wanted, _ = _parse_labels(args.label)
+    if args.usage and not (args.redis_url or os.environ.get("REDIS_URL")):
+        raise ValueError("--usage reads the shared ledger: give --redis-url (or set REDIS_URL)")
     now = datetime.now(UTC)
     rows = []
     for tenant, entry in read_keys_file(args.keys_file).tenants.items():
@@ -265,15 +298,19 @@ def _keys_list(args: argparse.Namespace) -> int:
                     "note": key.label,
                 }
             )
+            if args.usage:
+                rows[-1]["usage"] = _ledger_usage(args, tenant, entry, key)
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
     print(f"{'ID':<13} {'TENANT':<16} {'STATUS':<8} {'EXPIRES':<26} {'MODELS':<20} LIMITS / LABELS")
     for row in rows:
-        extras = [f"{k}={v}" for k, v in row["limits"].items()] + [
-            f"{k}={v}" for k, v in row["labels"].items()
-        ]
+        extras = (
+            [f"{k}={v}" for k, v in row["limits"].items()]
+            + [f"{k}={v}" for k, v in row["labels"].items()]
+            + [usage_text(usage) for usage in row.get("usage") or ()]
+        )
         print(
             f"{row['id']:<13} {row['tenant']:<16} {row['status']:<8} {row['expires_at'] or '-':<26} "
             f"{','.join(row['models'] or ['*']):<20} {' '.join(extras) or '-'}"
@@ -301,4 +338,52 @@ def _keys_rotate(args: argparse.Namespace) -> int:
         f"new key for tenant '{tenant}' stored in {args.keys_file}; the old key {old.key_id} {ending}",
         file=sys.stderr,
     )
+    return 0
+
+
+def _ledger_usage(args: argparse.Namespace, tenant: str, entry, key) -> list[dict] | None:
+    """Each limit the key meets, read from the shared ledger; None without a Redis URL."""
+    from ctxgate.gateway.keys_usage import read_key_usage
+
+    url = args.redis_url or os.environ.get("REDIS_URL")
+    return read_key_usage(url, args.config, tenant, entry, key) if url else None
+
+
+def _keys_show(args: argparse.Namespace) -> int:
+    import json
+    from datetime import UTC, datetime
+
+    from ctxgate.gateway.key_admin import find_key
+    from ctxgate.gateway.keys import read_keys_file
+
+    if not os.path.exists(args.keys_file):
+        raise FileNotFoundError(f"keys file not found: {args.keys_file}")
+    keys_file = read_keys_file(args.keys_file)
+    tenant, key = find_key(keys_file, args.key_id)
+    entry = keys_file.tenants[tenant]
+    usage = _ledger_usage(args, tenant, entry, key)
+    record = {
+        "id": key.key_id,
+        "tenant": tenant,
+        "status": key.status(datetime.now(UTC)),
+        "models": key.models,
+        "tenant_quota": entry.quota.model_dump(exclude_none=True),
+        "limits": key.limits.model_dump(exclude_none=True),
+        "usage": usage,
+    }
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(f"key {key.key_id}  tenant {tenant}  {record['status']}  models {','.join(key.models or ['*'])}")
+    print(f"tenant quota: {record['tenant_quota'] or '-'}")
+    print(f"key limits:   {record['limits'] or '-'}")
+    if usage is None:
+        print("usage: give --redis-url (or set REDIS_URL) to read the shared ledger")
+        return 0
+    print(f"{'SCOPE':<7} {'LIMIT':<22} {'MODEL':<16} {'USED':>14} {'MAX':>14} {'RESET IN':>9}  RESETS AT")
+    for row in usage:
+        print(
+            f"{row['scope']:<7} {row['limit']:<22} {row['model'] or '-':<16} {row['used']:>14g} "
+            f"{row['max']:>14g} {row['reset_s']:>8}s  {row['resets_at']}"
+        )
     return 0

@@ -165,7 +165,7 @@ class Preparation:
         )
         # Metered like a request that generates nothing: one request, its prompt tokens.
         reservation = await self._reserve_fitted(
-            fit, policy, self.accounting.reserve(tenant, policy, result.prompt_tokens, 0)
+            fit, policy, self.accounting.reserve(tenant, policy, result.prompt_tokens, 0, model=body.model)
         )
         return Compressed(policy, result, reservation.rate_limits, fit)
 
@@ -245,6 +245,7 @@ class Preparation:
                 result.prompt_tokens,
                 sampling.max_tokens * request.choices,
                 slot_id=request.request_id,
+                model=body.model,
             ),
         )
         return prepared
@@ -312,6 +313,11 @@ class Preparation:
             received_at=arrived,
         )
         prepared.reservation = await self.accounting.reserve(
-            tenant, policy, len(token_ids), sampling.max_tokens * choices, slot_id=prepared.request_id
+            tenant,
+            policy,
+            len(token_ids),
+            sampling.max_tokens * choices,
+            slot_id=prepared.request_id,
+            model=body.model,
         )
         return prepared

@@ -6,9 +6,10 @@ The gateway owns the top-level fields, quota, cost and adaptive; the compression
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 # First-sight embedding allowance defaults (DocumentsPolicy; tuned in compression/prefilter.py).
 DEFAULT_EMBED_BUDGET_MULTIPLE = 0.4
@@ -18,6 +19,21 @@ DEFAULT_EMBED_MIN_SHARE = 0.1
 class _Section(BaseModel):
     # Unknown keys are typos in an operator's YAML: reject them with the field's name.
     model_config = ConfigDict(extra="forbid")
+
+
+def check_time_zone(name: str) -> str:
+    """`name` if it is an IANA time zone zoneinfo knows; ValueError naming it otherwise."""
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        raise ValueError(
+            f"unknown time zone '{name}' (use an IANA name such as Europe/Berlin, or UTC)"
+        ) from None
+    return name
+
+
+# Where quota days, weeks and months begin: an IANA name, checked when the file is loaded.
+TimeZone = Annotated[str, AfterValidator(check_time_zone)]
 
 
 class HistoryPolicy(_Section):
@@ -168,6 +184,12 @@ class QuotaPolicy(_Section):
     tokens_per_day: int | None = Field(
         default=None, ge=1, description="a tenant's tokens per day; null: no limit"
     )
+    tokens_per_week: int | None = Field(
+        default=None, ge=1, description="a tenant's tokens per calendar week (from Monday); null: no limit"
+    )
+    tokens_per_month: int | None = Field(
+        default=None, ge=1, description="a tenant's tokens per calendar month; null: no limit"
+    )
     spend_per_day: float | None = Field(
         default=None,
         gt=0,
@@ -176,6 +198,16 @@ class QuotaPolicy(_Section):
     on_store_error: Literal["allow", "deny"] = Field(
         default="allow",
         description="when the quota ledger (Redis) cannot be reached: serve the request or refuse it",
+    )
+    window: Literal["sliding", "fixed"] = Field(
+        default="sliding",
+        description="the per-minute limits: sliding (no 60 seconds ever hold more than the limit) or "
+        "fixed (calendar minutes: up to twice the limit across a minute's end)",
+    )
+    time_zone: TimeZone = Field(
+        default="UTC",
+        description="where the day, week and month limits begin (an IANA name such as Europe/Berlin; "
+        "local midnight, DST-safe)",
     )
 
 

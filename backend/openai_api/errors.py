@@ -60,8 +60,11 @@ class APIError(Exception):
         code: str | None = None,
         error_type: str | None = None,
         headers: dict[str, str] | None = None,
+        details: dict[str, Any] | None = None,
     ):
         super().__init__(message)
+        # Fields beside OpenAI's four in the `error` object (clients that do not know them ignore them).
+        self.details = details or {}
         self.status_code = status_code
         self.message = message
         self.param = param
@@ -71,7 +74,9 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         detail = ErrorDetail(message=self.message, type=self.error_type, param=self.param, code=self.code)
-        return ErrorBody(error=detail).model_dump()
+        body = ErrorBody(error=detail).model_dump()
+        body["error"].update(self.details)
+        return body
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)

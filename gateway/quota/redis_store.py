@@ -1,11 +1,12 @@
 """The Redis ledger, shared by every gateway replica pointing at the same Redis.
 
-Each reservation and each reconcile is one Lua script, so it is atomic against every replica's.
-The time comes from the calling gateway's clock (passed as an argument), never from Redis: it
-picks the window keys and the parallel-slot deadlines. Redis's own TTLs only collect windows that
-have ended. A counter is created with a TTL and a late reconcile never recreates an expired one.
-Any Redis or socket error surfaces as `StoreUnavailable`; the client reconnects by itself on the
-next command, which is how a gateway recovers without a restart.
+Each reservation and each reconcile is one Lua script (`ctxgate.gateway.quota.redis_lua`), so it is
+atomic against every replica's. The time comes from the calling gateway's clock (passed as an
+argument), never from Redis: it picks the window keys, the sliding window's buckets and the
+parallel-slot deadlines. Redis's own TTLs only collect windows that have ended. A counter is created
+with a TTL and a late reconcile never recreates an expired one. Any Redis or socket error surfaces
+as `StoreUnavailable`; the client reconnects by itself on the next command, which is how a gateway
+recovers without a restart.
 """
 
 from __future__ import annotations
@@ -14,106 +15,62 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from ctxgate.gateway.quota import redis_lua
+from ctxgate.gateway.quota.meters import build_meters, plan_reservation
 from ctxgate.gateway.quota.model import (
+    SLIDING,
     SLOT_HOLD,
-    USAGE_NAMES,
+    LimitUsage,
+    Meter,
     QuotaLimits,
+    Reading,
     Reservation,
     StoreUnavailable,
-    exceeded,
-    plan_reservation,
     reconcile_deltas,
-    usage_keys,
+    usage_of,
 )
 from ctxgate.gateway.quota.rate_limits import rate_limit_state
+from ctxgate.gateway.quota.refusal import exceeded
 from ctxgate.gateway.quota.room import room_left, token_meters
+from ctxgate.gateway.quota.sliding import oldest_counted, seconds_to_empty, wait_for_room
 from ctxgate.gateway.quota.store import Clock
 
 T = TypeVar("T")
 
-# Check every meter first, then apply every one: all-or-nothing in one atomic script.
-# ARGV: now, slot id, then per key: kind, limit, amount, ttl. Returns {admitted (1/0), index of the
-# refusing meter (0 when admitted), then each meter's level}: its counter or the live slots held,
-# after the reservation when admitted, as read when refused. The levels come from the same atomic
-# script, so the rate-limit headers built from them are exact.
-RESERVE_LUA = """
-local now = tonumber(ARGV[1])
-local result = {1, 0}
-for i = 1, #KEYS do
-  local base = 2 + (i - 1) * 4
-  if tonumber(ARGV[base + 1]) == 0 then
-    result[i + 2] = tonumber(redis.call('GET', KEYS[i]) or '0')
-  else
-    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
-    result[i + 2] = redis.call('ZCARD', KEYS[i])
-  end
-end
-for i = 1, #KEYS do
-  local base = 2 + (i - 1) * 4
-  local kind, limit, amount = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  local over
-  if kind == 0 then over = limit >= 0 and result[i + 2] + amount > limit else over = result[i + 2] + 1 > limit end
-  if over then
-    result[1], result[2] = 0, i
-    return result
-  end
-end
-for i = 1, #KEYS do
-  local base = 2 + (i - 1) * 4
-  local kind, amount, ttl = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
-  if kind == 0 then
-    result[i + 2] = redis.call('INCRBY', KEYS[i], amount)
-    if redis.call('TTL', KEYS[i]) < 0 then redis.call('EXPIRE', KEYS[i], ttl) end
-  elseif kind == 2 then
-    redis.call('ZADD', KEYS[i], now + ttl, ARGV[2])
-    redis.call('EXPIRE', KEYS[i], ttl)
-    result[i + 2] = redis.call('ZCARD', KEYS[i])
-  end
-end
-return result
-"""
 
-# `reserve`'s checks alone, read-only (a slot set's live members are those whose deadline is after
-# now); the same reply, with the levels as read.
-CHECK_LUA = """
-local now = tonumber(ARGV[1])
-local result = {1, 0}
-for i = 1, #KEYS do
-  local base = 2 + (i - 1) * 4
-  if tonumber(ARGV[base + 1]) == 0 then
-    result[i + 2] = tonumber(redis.call('GET', KEYS[i]) or '0')
-  else
-    result[i + 2] = redis.call('ZCOUNT', KEYS[i], '(' .. ARGV[1], '+inf')
-  end
-end
-for i = 1, #KEYS do
-  local base = 2 + (i - 1) * 4
-  local kind, limit, amount = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  local over
-  if kind == 0 then over = limit >= 0 and result[i + 2] + amount > limit else over = result[i + 2] + 1 > limit end
-  if over and result[1] == 1 then result[1], result[2] = 0, i end
-end
-return result
-"""
+class _Reply:
+    """A RESERVE or CHECK reply, read: whether it fitted, which meter refused, each meter's reading."""
 
-# Counters: add the delta only to keys that still exist (an expired window must not be resurrected
-# by a late delta). Slot sets: remove this request's slot. ARGV: slot id, then one delta per key
-# ('slot' for a slot set).
-RECONCILE_LUA = """
-for i = 1, #KEYS do
-  local arg = ARGV[i + 1]
-  if arg == 'slot' then
-    redis.call('ZREM', KEYS[i], ARGV[1])
-  else
-    local delta = tonumber(arg)
-    if delta ~= 0 and redis.call('EXISTS', KEYS[i]) == 1 then
-      local value = redis.call('INCRBY', KEYS[i], delta)
-      if value < 0 then redis.call('SET', KEYS[i], 0, 'KEEPTTL') end
-    end
-  end
-end
-return 1
-"""
+    def __init__(self, meters: list[Meter], raw: list[Any], now: float):
+        n = len(meters)
+        self.fits = int(raw[0]) == 1
+        self.index = int(raw[1]) - 1
+        levels = [int(value) for value in raw[2 : 2 + n]]
+        newest = [int(value) for value in raw[2 + n : 2 + 2 * n]]
+        self.readings = [
+            Reading(level, seconds_to_empty({top: 1} if top >= 0 else {}, now))
+            if meter.kind == SLIDING
+            else Reading(level, meter.retry_after_s)
+            for meter, level, top in zip(meters, levels, newest, strict=True)
+        ]
+        pairs = raw[2 + 2 * n :]
+        self.refused_buckets = {int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
+
+    def raise_if_refused(self, meters: list[Meter], now: float) -> None:
+        if self.fits:
+            return
+        meter, reading = meters[self.index], self.readings[self.index]
+        wait = meter.retry_after_s
+        if meter.kind == SLIDING:
+            wait = wait_for_room(self.refused_buckets, now, meter.amount, meter.limit)
+        raise exceeded(meter, reading, wait, now, rate_limit_state(meters, self.readings))
+
+
+def _args(meters: list[Meter], now: float, slot_id: str | None) -> list[Any]:
+    args: list[Any] = [repr(now), slot_id or "", oldest_counted(now)]
+    for meter in meters:
+        args += [meter.kind, meter.limit, meter.amount, meter.ttl_s, meter.bucket]
+    return args
 
 
 class RedisQuotaStore:
@@ -137,9 +94,9 @@ class RedisQuotaStore:
             retry=Retry(NoBackoff(), 1),
             decode_responses=True,
         )
-        self._reserve = self._client.register_script(RESERVE_LUA)
-        self._reconcile = self._client.register_script(RECONCILE_LUA)
-        self._check = self._client.register_script(CHECK_LUA)
+        self._reserve = self._client.register_script(redis_lua.RESERVE)
+        self._reconcile = self._client.register_script(redis_lua.RECONCILE)
+        self._check = self._client.register_script(redis_lua.CHECK)
 
     async def _call(self, coro_factory: Callable[[], Awaitable[T]]) -> T:
         from redis.exceptions import RedisError
@@ -150,6 +107,12 @@ class RedisQuotaStore:
             raise StoreUnavailable(
                 f"quota store (redis) unavailable: {exc.__class__.__name__}: {exc}"
             ) from exc
+
+    async def _read(self, meters: list[Meter], now: float) -> _Reply:
+        """The CHECK script's reply for `meters` (read-only)."""
+        keys = [meter.key for meter in meters]
+        raw = await self._call(lambda: self._check(keys=keys, args=_args(meters, now, None)))
+        return _Reply(meters, raw, now)
 
     async def reserve(
         self,
@@ -162,19 +125,25 @@ class RedisQuotaStore:
         key_id: str | None = None,
         key_limits: QuotaLimits | None = None,
         slot_id: str | None = None,
+        model: str | None = None,
     ) -> Reservation:
         now = self.clock() if now is None else now
-        meters = plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, slot_id)
+        meters = plan_reservation(
+            tenant, limits, tokens, spend_micros, now, key_id, key_limits, slot_id, model
+        )
         keys = [meter.key for meter in meters]
-        args: list[Any] = [repr(now), slot_id or ""]
-        for meter in meters:
-            args += [meter.kind, meter.limit, meter.amount, meter.ttl_s]
-        admitted, index, *raw_levels = await self._call(lambda: self._reserve(keys=keys, args=args))
-        levels = [int(level) for level in raw_levels]
-        state = rate_limit_state(meters, levels)
-        if int(admitted) != 1:
-            raise exceeded(meters[int(index) - 1], levels[int(index) - 1], state)
-        return Reservation(tenant, tokens, spend_micros, tuple(meters), slot_id=slot_id, rate_limits=state)
+        raw = await self._call(lambda: self._reserve(keys=keys, args=_args(meters, now, slot_id)))
+        reply = _Reply(meters, raw, now)
+        reply.raise_if_refused(meters, now)
+        return Reservation(
+            tenant,
+            tokens,
+            spend_micros,
+            tuple(meters),
+            slot_id=slot_id,
+            rate_limits=rate_limit_state(meters, reply.readings),
+            usage=usage_of(meters, reply.readings, now),
+        )
 
     async def check(
         self,
@@ -186,20 +155,12 @@ class RedisQuotaStore:
         *,
         key_id: str | None = None,
         key_limits: QuotaLimits | None = None,
+        model: str | None = None,
     ) -> None:
         now = self.clock() if now is None else now
-        meters = plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, None)
-        if not meters:
-            return
-        args: list[Any] = [repr(now), ""]
-        for meter in meters:
-            args += [meter.kind, meter.limit, meter.amount, meter.ttl_s]
-        fits, index, *raw_levels = await self._call(
-            lambda: self._check(keys=[meter.key for meter in meters], args=args)
-        )
-        if int(fits) != 1:
-            levels = [int(level) for level in raw_levels]
-            raise exceeded(meters[int(index) - 1], levels[int(index) - 1], rate_limit_state(meters, levels))
+        meters = plan_reservation(tenant, limits, tokens, spend_micros, now, key_id, key_limits, None, model)
+        if meters:
+            (await self._read(meters, now)).raise_if_refused(meters, now)
 
     async def tokens_left(
         self,
@@ -209,13 +170,14 @@ class RedisQuotaStore:
         *,
         key_id: str | None = None,
         key_limits: QuotaLimits | None = None,
+        model: str | None = None,
     ) -> int | None:
         now = self.clock() if now is None else now
-        meters = token_meters(tenant, limits, now, key_id, key_limits)
+        meters = token_meters(tenant, limits, now, key_id, key_limits, model)
         if not meters:
             return None
-        values = await self._call(lambda: self._client.mget([meter.key for meter in meters]))
-        return room_left(meters, [int(value or 0) for value in values])
+        reply = await self._read(meters, now)
+        return room_left(meters, [reading.level for reading in reply.readings])
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         deltas = [
@@ -226,15 +188,26 @@ class RedisQuotaStore:
         if not deltas:
             return
         keys = [meter.key for meter, _ in deltas]
-        args = [reservation.slot_id or ""] + [
-            "slot" if meter.kind == SLOT_HOLD else delta for meter, delta in deltas
-        ]
+        args: list[Any] = [reservation.slot_id or ""]
+        for meter, delta in deltas:
+            args += [meter.kind, meter.bucket, delta]
         await self._call(lambda: self._reconcile(keys=keys, args=args))
 
-    async def usage(self, tenant: str, now: float | None = None) -> dict[str, int]:
+    async def usage(
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
+        model: str | None = None,
+    ) -> tuple[LimitUsage, ...]:
         now = self.clock() if now is None else now
-        values = await self._call(lambda: self._client.mget(usage_keys(tenant, now)))
-        return {name: int(value or 0) for name, value in zip(USAGE_NAMES, values, strict=True)}
+        meters = build_meters(tenant, limits, 0, 0, now, key_id, key_limits, model=model)
+        if not meters:
+            return ()
+        return usage_of(meters, (await self._read(meters, now)).readings, now)
 
     async def ping(self) -> bool:
         try:

@@ -2,22 +2,28 @@
 (`ctxgate.gateway.fit`) fits a request into.
 
 The room is the smallest of (limit - used) over every token counter a reservation would touch (the
-tenant's per-minute and per-day windows, and its API key's when the key has limits of its own).
-Reading it reserves nothing: the exact reservation afterwards is still the atomic decision, so two
-requests fitted into the same room cannot both be admitted.
+tenant's per-minute, day, week and month windows, its limits for the model, and its API key's when
+the key has limits of its own). Reading it reserves nothing: the exact reservation afterwards is
+still the atomic decision, so two requests fitted into the same room cannot both be admitted.
 """
 
 from __future__ import annotations
 
-from ctxgate.gateway.quota.model import COUNTER, NO_LIMIT, Meter, QuotaLimits, build_meters
+from ctxgate.gateway.quota.meters import build_meters
+from ctxgate.gateway.quota.model import COUNTER, NO_LIMIT, SLIDING, Meter, QuotaLimits
 
 
 def token_meters(
-    tenant: str, limits: QuotaLimits, now: float, key_id: str | None, key_limits: QuotaLimits | None
+    tenant: str,
+    limits: QuotaLimits,
+    now: float,
+    key_id: str | None,
+    key_limits: QuotaLimits | None,
+    model: str | None = None,
 ) -> list[Meter]:
     """The limited token counters a reservation at `now` would be checked against."""
-    meters = build_meters(tenant, limits, 0, 0, now, key_id, key_limits)
-    return [m for m in meters if m.kind == COUNTER and m.unit == "tokens" and m.limit != NO_LIMIT]
+    meters = build_meters(tenant, limits, 0, 0, now, key_id, key_limits, model=model)
+    return [m for m in meters if m.kind in (COUNTER, SLIDING) and m.unit == "tokens" and m.limit != NO_LIMIT]
 
 
 def room_left(meters: list[Meter], used: list[int]) -> int | None:

@@ -104,7 +104,8 @@ def _chat(server, body: dict) -> httpx.Response:
 
 
 def _tokens_this_minute(server) -> int:
-    return asyncio.run(server.ledger().usage("anonymous"))["tokens_this_minute"]
+    (minute,) = asyncio.run(server.ledger().usage("anonymous", QuotaLimits(tokens_per_minute=TPM)))
+    return minute.used
 
 
 def _room(server) -> int:
@@ -124,7 +125,7 @@ def _fit_metric(server, policy: str, outcome: str) -> float:
 
 
 def test_a_burst_is_fitted_into_the_quota_until_the_floor(server, clock, examples):
-    clock.advance(60)  # a fresh minute
+    clock.advance(61)  # every second of the sliding minute has left it
     responses = []
     for example in examples:
         responses.append(_chat(server, _request(example, "fitq")))
@@ -154,7 +155,7 @@ def test_a_burst_is_fitted_into_the_quota_until_the_floor(server, clock, example
 
 
 def test_with_reject_the_quota_refuses_as_before(server, clock, examples):
-    clock.advance(60)
+    clock.advance(61)
     responses = []
     for example in examples:
         responses.append(_chat(server, _request(example, "rejectq")))
@@ -193,12 +194,12 @@ def _concurrent_burst(server, examples) -> None:
 
 
 def test_a_concurrent_burst_never_overdraws_the_window_by_more_than_one_reservation(server, clock, examples):
-    clock.advance(60)
+    clock.advance(61)
     _concurrent_burst(server, examples)
 
 
 def test_the_same_burst_on_the_redis_ledger(engine, policy_dir, clock, examples, redis_server):
-    clock.advance(60)
+    clock.advance(61)
     with _serving(engine, policy_dir, clock, redis_server.url) as server:
         assert server.store.name == "redis"
         _concurrent_burst(server, examples)
@@ -243,7 +244,7 @@ def test_a_prompt_over_the_models_window_is_fitted_into_it(server, examples):
 
 
 def test_output_alone_over_the_remainder_is_capped_so_the_prompt_keeps_the_floor(server, clock, examples):
-    clock.advance(60)
+    clock.advance(61)
     body = _request(examples[2], "fitcap", max_tokens=256) | {"ignore_eos": True}
     response = _chat(server, body)
     assert response.status_code == 200, response.text
@@ -263,7 +264,7 @@ def test_output_alone_over_the_remainder_is_capped_so_the_prompt_keeps_the_floor
 def test_a_fit_the_system_prompt_alone_does_not_fit_is_the_quota_refusal_saying_what_was_needed(
     server, clock, examples
 ):
-    clock.advance(60)
+    clock.advance(61)
     body = _request(examples[3], "fitpin")
     body["messages"][0]["content"] = SYSTEM + " Cite the passage you used." * 90  # ~620 tokens, never cut
     response = _chat(server, body)

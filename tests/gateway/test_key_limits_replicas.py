@@ -107,8 +107,10 @@ def setup(redis_module, upstream, prompt_tokens, tmp_path_factory):
     )
     past = (datetime.now(UTC) - timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
     entries = {
-        "rpm": {"limits": {"requests_per_minute": 3}, "labels": {"team": "search"}},
-        "rpm-again": {"limits": {"requests_per_minute": 3}},  # for a burst a minute boundary cut through
+        "rpm": {"limits": {"requests_per_minute": 3, "window": "fixed"}, "labels": {"team": "search"}},
+        "rpm-again": {
+            "limits": {"requests_per_minute": 3, "window": "fixed"}
+        },  # for a burst a minute boundary cut through
         # Room for two compressions (prompt tokens at 1.0 per 1k) and half of a third, per day.
         "budget": {"limits": {"budget": prompt_tokens * 2.5 / 1000, "budget_period": "daily"}},
         "revoke": {},
@@ -159,10 +161,11 @@ def test_key_requests_per_minute_is_shared_by_both_replicas(setup):
         error = response.json()["error"]
         assert error["code"] == "requests_per_minute"
         retry = response.headers["retry-after"]
-        assert error["message"] == (
+        assert error["message"].startswith(
             f"API key '{hash_key(KEYS[key])[:12]}' is over its requests_per_minute quota: "
-            f"3 of 3 requests a minute used, this request needs 1; the limit resets in {retry}s"
+            f"3 of 3 requests a minute used, this request needs 1; the limit resets in {retry}s ("
         )
+        assert error["quota"]["reset_s"] == int(retry) and error["quota"]["scope"] == "key"
         assert (
             response.headers["x-ratelimit-limit-requests"],
             response.headers["x-ratelimit-remaining-requests"],

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from ctxgate.gateway.app import create_app
+from ctxgate.gateway.quota import QuotaLimits
 from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.clock import FakeClock
 from tests.support.servers import ServerThread, write_policy
@@ -28,7 +29,7 @@ def server(engine, tmp_path_factory, clock):
         policy_dir,
         "rpm",
         "name: rpm\nmax_input_tokens: 128\nreserve_output_tokens: 2\n"
-        "documents: {max_tokens: 64}\nquota: {requests_per_minute: 2}\n",
+        "documents: {max_tokens: 64}\nquota: {requests_per_minute: 2, window: fixed}\n",
     )
     write_policy(
         policy_dir,
@@ -41,7 +42,7 @@ def server(engine, tmp_path_factory, clock):
         policy_dir,
         "limited",
         "name: limited\nmax_input_tokens: 128\nreserve_output_tokens: 2\n"
-        "documents: {max_tokens: 64}\nquota: {requests_per_minute: 3, tokens_per_minute: 100000}\n",
+        "documents: {max_tokens: 64}\nquota: {requests_per_minute: 3, tokens_per_minute: 100000, window: fixed}\n",
     )
     write_policy(
         policy_dir,
@@ -86,15 +87,21 @@ def test_requests_per_minute_gives_429_with_retry_after(server, clock):
     assert [_compress(server, "rpm").status_code for _ in range(3)] == [200, 200, 429]
 
 
+def _today(server) -> dict[str, int]:
+    """The "priced" policy's day counters (spend in micro-units)."""
+    limits = QuotaLimits(tokens_per_day=1_000_000, spend_per_day=0.05)
+    return {u.name: u.used for u in asyncio.run(server.store.usage("anonymous", limits))}
+
+
 def test_reservation_is_reconciled_to_the_real_count_and_spend(server):
-    before = asyncio.run(server.store.usage("anonymous"))
+    before = _today(server)
     response = httpx.post(f"{server.url}/v1/chat/completions", json=_chat("priced", max_tokens=8), timeout=60)
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
-    after = asyncio.run(server.store.usage("anonymous"))
+    after = _today(server)
     # Reserved prompt + 8 tokens; the ledger keeps what was really used.
-    assert after["tokens_today"] - before["tokens_today"] == usage["total_tokens"]
-    spent_micros = after["spend_micros_today"] - before["spend_micros_today"]
+    assert after["tokens_per_day"] - before["tokens_per_day"] == usage["total_tokens"]
+    spent_micros = after["spend_per_day"] - before["spend_per_day"]
     assert spent_micros == round(usage["ctxgate"]["cost"] * 1_000_000)
     assert usage["ctxgate"]["cost"] == pytest.approx(
         usage["prompt_tokens"] / 1000 * 1.0 + usage["completion_tokens"] / 1000 * 2.0

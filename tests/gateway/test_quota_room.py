@@ -26,8 +26,9 @@ async def test_room_is_the_tightest_token_limit_left(store):
     assert await store.tokens_left("t", limits, now=NOW) == 300
     await store.reconcile(reservation, 900, 0)  # used more than reserved: the room shrinks again
     assert await store.tokens_left("t", limits, now=NOW) == 100
-    # The next minute starts empty, but the day has only 600 left.
-    assert await store.tokens_left("t", limits, now=NOW + 60) == 600
+    # Once the reservation's second has left the sliding minute (61 s on), the day has only 600 left.
+    assert await store.tokens_left("t", limits, now=NOW + 60) == 100
+    assert await store.tokens_left("t", limits, now=NOW + 61) == 600
 
 
 async def test_a_keys_own_limit_bounds_the_room(store):
@@ -42,4 +43,4 @@ async def test_no_token_limit_is_no_room_figure_and_reading_reserves_nothing(sto
     limits = QuotaLimits(tokens_per_minute=100)
     for _ in range(3):
         assert await store.tokens_left("t", limits, now=NOW) == 100
-    assert (await store.usage("t", now=NOW))["tokens_this_minute"] == 0
+    assert [(u.name, u.used) for u in await store.usage("t", limits, now=NOW)] == [("tokens_per_minute", 0)]

@@ -21,6 +21,11 @@ from tests.gateway.clock import FakeClock
 NOW = 1_699_999_990.0  # 10 s into a minute (and an hour, and a day is far)
 
 
+async def used(store, tenant: str, limits: QuotaLimits, now: float | None = None) -> dict[str, int]:
+    """The tenant's own limits, by name: what each has used."""
+    return {u.name: u.used for u in await store.usage(tenant, limits, now) if u.owner == "tenant"}
+
+
 @pytest.fixture(params=["memory", "redis"])
 async def store(request):
     if request.param == "memory":
@@ -33,7 +38,7 @@ async def store(request):
 
 
 async def test_tokens_per_minute_reserve_and_reconcile(store):
-    limits = QuotaLimits(tokens_per_minute=100)
+    limits = QuotaLimits(tokens_per_minute=100, requests_per_minute=10, window="fixed")
     first = await store.reserve("t", limits, 60, 0, now=NOW)
     with pytest.raises(QuotaExceeded) as info:
         await store.reserve("t", limits, 60, 0, now=NOW + 1)
@@ -41,8 +46,8 @@ async def test_tokens_per_minute_reserve_and_reconcile(store):
     assert info.value.retry_after_s == 49
     await store.reconcile(first, 30, 0)  # the request used less than it reserved
     await store.reserve("t", limits, 60, 0, now=NOW + 2)
-    usage = await store.usage("t", now=NOW + 2)
-    assert usage["tokens_this_minute"] == 90 and usage["requests_this_minute"] == 2
+    usage = await used(store, "t", limits, now=NOW + 2)
+    assert usage["tokens_per_minute"] == 90 and usage["requests_per_minute"] == 2
     await store.reserve("t", limits, 100, 0, now=NOW + 60)  # the next minute starts empty
 
 
@@ -52,21 +57,21 @@ async def test_without_a_time_the_store_reads_its_clock(kind, request):
     store = create_store(
         request.getfixturevalue("redis_server").url if kind == "redis" else None, clock=clock
     )
-    limits = QuotaLimits(tokens_per_minute=100, max_parallel_requests=1)
+    limits = QuotaLimits(tokens_per_minute=100, max_parallel_requests=1, window="fixed")
     await store.reserve("t", limits, 60, 0, slot_id="r1")
     clock.advance(5)
     with pytest.raises(QuotaExceeded) as info:
         await store.reserve("t", limits, 60, 0)
     assert (info.value.reason, info.value.retry_after_s) == ("tokens_per_minute", 45)
-    assert (await store.usage("t"))["tokens_this_minute"] == 60
+    assert (await used(store, "t", limits))["tokens_per_minute"] == 60
     clock.advance(DEFAULT_SLOT_TTL_S)  # a later minute, and r1's slot (never settled) has expired
-    assert (await store.usage("t"))["tokens_this_minute"] == 0
+    assert (await used(store, "t", limits))["tokens_per_minute"] == 0
     await store.reserve("t", limits, 100, 0, slot_id="r2")
     await store.close()
 
 
 async def test_requests_per_minute_and_day_and_spend(store):
-    limits = QuotaLimits(requests_per_minute=2, tokens_per_day=1000, spend_per_day=0.01)
+    limits = QuotaLimits(requests_per_minute=2, tokens_per_day=1000, spend_per_day=0.01, window="fixed")
     await store.reserve("a", limits, 10, 4000, now=NOW)
     await store.reserve("a", limits, 10, 4000, now=NOW)
     with pytest.raises(QuotaExceeded) as info:
@@ -85,13 +90,7 @@ async def test_rejected_reservation_changes_nothing(store):
     await store.reserve("t", limits, 40, 0, now=NOW)
     with pytest.raises(QuotaExceeded):
         await store.reserve("t", limits, 20, 0, now=NOW)
-    usage = await store.usage("t", now=NOW)
-    assert usage == {
-        "requests_this_minute": 1,
-        "tokens_this_minute": 40,
-        "tokens_today": 40,
-        "spend_micros_today": 0,
-    }
+    assert await used(store, "t", limits, now=NOW) == {"requests_per_minute": 1, "tokens_per_minute": 40}
 
 
 async def test_redis_reservations_are_atomic_across_clients(redis_server):
@@ -107,7 +106,7 @@ async def test_redis_reservations_are_atomic_across_clients(redis_server):
 
     admitted = sum(await asyncio.gather(*(attempt(stores[i % 4]) for i in range(200))))
     assert admitted == 1000 // 30
-    assert (await stores[0].usage("shared", now=NOW))["tokens_this_minute"] == admitted * 30
+    assert (await used(stores[0], "shared", limits, now=NOW))["tokens_per_minute"] == admitted * 30
     for store in stores:
         await store.close()
 
@@ -133,10 +132,12 @@ async def test_key_limits_apply_on_top_of_the_tenants(store):
         await store.reserve("t", tenant, 10, 0, now=NOW, key_id="aaaaaaaaaaaa", key_limits=key)
     with pytest.raises(QuotaExceeded, match="API key 'aaaaaaaaaaaa' is over its requests_per_minute") as info:
         await store.reserve("t", tenant, 10, 0, now=NOW, key_id="aaaaaaaaaaaa", key_limits=key)
-    assert info.value.retry_after_s == 50
+    assert info.value.retry_after_s == 61  # sliding: second 0 leaves the window at 61
     # Another key of the same tenant has its own counter but shares the tenant's.
     await store.reserve("t", tenant, 10, 0, now=NOW, key_id="bbbbbbbbbbbb", key_limits=key)
-    assert (await store.usage("t", now=NOW))["tokens_this_minute"] == 30  # the refused one added nothing
+    assert (await used(store, "t", tenant, now=NOW))[
+        "tokens_per_minute"
+    ] == 30  # the refused one added nothing
     with pytest.raises(QuotaExceeded, match="tenant 't' is over its tokens_per_minute"):
         await store.reserve("t", tenant, 980, 0, now=NOW, key_id="bbbbbbbbbbbb", key_limits=key)
 
@@ -184,7 +185,7 @@ async def test_check_refuses_as_reserve_would_and_applies_nothing(store):
     limits = QuotaLimits(tokens_per_minute=100, max_parallel_requests=1)
     key_limits = QuotaLimits(requests_per_minute=5)
     await store.check("c", limits, 100, 0, now=NOW, key_id="k1", key_limits=key_limits)
-    assert (await store.usage("c", now=NOW)) == {name: 0 for name in await store.usage("c", now=NOW)}
+    assert await used(store, "c", limits, now=NOW) == {"tokens_per_minute": 0, "max_parallel_requests": 0}
     held = await store.reserve("c", limits, 60, 0, now=NOW, slot_id="r1")
     with pytest.raises(QuotaExceeded) as info:  # the one parallel slot is held
         await store.check("c", limits, 1, 0, now=NOW + 1)
@@ -193,16 +194,20 @@ async def test_check_refuses_as_reserve_would_and_applies_nothing(store):
     await store.check("c", limits, 40, 0, now=NOW + 1)  # exactly the room left
     with pytest.raises(QuotaExceeded) as info:
         await store.check("c", limits, 41, 0, now=NOW + 1)
-    assert (info.value.reason, info.value.retry_after_s) == ("tokens_per_minute", 49)
-    assert (await store.usage("c", now=NOW + 1))["tokens_this_minute"] == 60
+    assert (info.value.reason, info.value.retry_after_s) == ("tokens_per_minute", 60)  # second 0 leaves at 61
+    assert (await used(store, "c", limits, now=NOW + 1))["tokens_per_minute"] == 60
     await store.reserve("c", limits, 40, 0, now=NOW + 2)  # the checks took nothing
 
 
 async def test_reserve_reports_what_the_binding_limits_leave(store):
     tenant = QuotaLimits(
-        requests_per_minute=3, tokens_per_minute=100, tokens_per_day=1000, max_parallel_requests=2
+        requests_per_minute=3,
+        tokens_per_minute=100,
+        tokens_per_day=1000,
+        max_parallel_requests=2,
+        window="fixed",
     )
-    key = QuotaLimits(tokens_per_minute=70)
+    key = QuotaLimits(tokens_per_minute=70, window="fixed")
     first = await store.reserve("h", tenant, 40, 0, now=NOW, key_id="k", key_limits=key, slot_id="r1")
     state = first.rate_limits
     assert state is not None
@@ -233,7 +238,13 @@ async def test_reserve_reports_what_the_binding_limits_leave(store):
 
 async def test_only_the_limited_units_are_reported(store):
     spend_only = await store.reserve("s", QuotaLimits(spend_per_day=1.0), 10, 5, now=NOW)
-    assert spend_only.rate_limits is None  # spend has no x-ratelimit header
+    assert spend_only.rate_limits.headers() == {  # ctxgate's spend trio, in the currency's units
+        "x-ratelimit-limit-spend": "1",
+        "x-ratelimit-remaining-spend": "0.999995",
+        "x-ratelimit-reset-spend": "1h46m50s",
+    }
+    unlimited = await store.reserve("u", QuotaLimits(max_parallel_requests=5), 10, 5, now=NOW)
+    assert unlimited.rate_limits is None  # parallel slots have no header
     daily = await store.reserve("d", QuotaLimits(tokens_per_day=500), 10, 0, now=NOW)
     assert daily.rate_limits.requests is None
     assert daily.rate_limits.headers()["x-ratelimit-remaining-tokens"] == "490"
@@ -241,7 +252,7 @@ async def test_only_the_limited_units_are_reported(store):
 
 
 def test_resets_are_written_as_openai_writes_them():
-    from ctxgate.gateway.quota.model import go_duration
+    from ctxgate.gateway.quota.refusal import go_duration
 
     assert [go_duration(s) for s in (0, 1, 59, 60, 360, 3661, 86400)] == [
         "0s",

@@ -65,7 +65,11 @@ def gateways(redis_module, prompt_tokens, tmp_path_factory):
     # that a minute boundary cut through.
     burst = {
         "policy": "shared-allow",
-        "quota": {"tokens_per_minute": prompt_tokens * 10 + prompt_tokens // 2, "requests_per_minute": 100},
+        "quota": {
+            "tokens_per_minute": prompt_tokens * 10 + prompt_tokens // 2,
+            "requests_per_minute": 100,
+            "window": "fixed",  # epoch minutes: `_ledger` reads the minute's counter itself
+        },
     }
     tenants = {
         "burst": {**burst, "keys": [{"sha256": hash_key(KEYS["burst"])}]},

@@ -125,13 +125,19 @@ def _until_refused(
     return responses
 
 
-def _assert_held_to_quota(responses: list[httpx.Response], usage: dict[str, int], quota: int) -> None:
+def _minute_used(store, tenant: str, quota: int) -> int:
+    """What the tenant's tokens-per-minute limit holds now (the sliding minute)."""
+    (minute,) = asyncio.run(store.usage(tenant, QuotaLimits(tokens_per_minute=quota)))
+    return minute.used
+
+
+def _assert_held_to_quota(responses: list[httpx.Response], used: int, quota: int) -> None:
     statuses = [r.status_code for r in responses]
     assert statuses[-1] == 429, (statuses, responses[-1].text)
     assert statuses[:2] == [200, 200] and set(statuses[:-1]) == {200}
     assert responses[-1].json()["error"]["code"] == "tokens_per_minute"
     # The ledger is the tenant's, whatever policy a request named: this minute stays within the quota.
-    assert 0 < usage["tokens_this_minute"] <= quota
+    assert 0 < used <= quota
 
 
 def _assert_policy_refused(response: httpx.Response, policy: str, tenant: str = "globex") -> None:
@@ -209,8 +215,8 @@ async def test_the_ledger_is_the_tenants_whatever_the_policy(store_kind, request
         with pytest.raises(QuotaExceeded, match="tenant 'acme' is over its tokens_per_minute quota"):
             await store.reserve("acme", base.tightened_by(quota_cap(home, passthrough)), 60, 0, now + 1)
         await store.reserve("acme", base.tightened_by(quota_cap(home, passthrough)), 40, 0, now + 2)
-        assert (await store.usage("acme", now))["tokens_this_minute"] == 100
-        await store.reserve("acme", base, 60, 0, now + 60)  # the next minute has room again
+        assert [u.used for u in await store.usage("acme", base, now + 2)] == [100]
+        await store.reserve("acme", base, 60, 0, now + 61)  # the sliding minute has room again
     finally:
         await store.close()
 
@@ -231,8 +237,8 @@ def gateway(engine, files):  # noqa: F811 (the engine fixture)
 
 def test_naming_a_looser_policy_does_not_escape_the_quota(gateway, quota_tokens):
     responses = _until_refused([gateway.url], "acme", _chat("passthrough"))
-    usage = asyncio.run(gateway.store.usage("acme"))
-    _assert_held_to_quota(responses, usage, quota_tokens[1])
+    used = _minute_used(gateway.store, "acme", quota_tokens[1])
+    _assert_held_to_quota(responses, used, quota_tokens[1])
     assert responses[0].json()["usage"]["ctxgate"]["policy"] == "passthrough"
 
 
@@ -327,8 +333,8 @@ def test_upstream_mode_holds_the_quota(backend, files, quota_tokens):
     app = create_app(settings, clock=FakeClock(START))
     with ServerThread(app) as front:
         responses = _until_refused([front.url], "acme", _chat("passthrough", model="front"))
-        usage = asyncio.run(app.state.gateway.store.usage("acme"))
-        _assert_held_to_quota(responses, usage, quota_tokens[1])
+        used = _minute_used(app.state.gateway.store, "acme", quota_tokens[1])
+        _assert_held_to_quota(responses, used, quota_tokens[1])
         _assert_policy_refused(_post(front.url, "globex", _chat("passthrough", model="front")), "passthrough")
 
 
@@ -363,14 +369,15 @@ def replicas(backend, files, tmp_path_factory):
 def test_two_replicas_on_redis_hold_the_quota(replicas, quota_tokens):
     urls, redis = replicas
 
-    async def usage(tenant: str, minute: int) -> dict[str, int]:
+    async def usage(tenant: str, minute: int) -> int:
         store = RedisQuotaStore(redis.url)
-        try:
-            return await store.usage(tenant, now=minute * 60)
+        try:  # the sliding minute just after the burst: all of it
+            (tokens,) = await store.usage(tenant, QuotaLimits(tokens_per_minute=quota_tokens[1]))
+            return tokens.used
         finally:
             await store.close()
 
-    def attempt(tenant: str, minute: int) -> tuple[list[httpx.Response], dict[str, int]]:
+    def attempt(tenant: str, minute: int) -> tuple[list[httpx.Response], int]:
         responses = _until_refused(urls, tenant, _chat("passthrough", model="front"))
         return responses, asyncio.run(usage(tenant, minute))
 
