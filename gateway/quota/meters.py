@@ -81,6 +81,7 @@ def _minute_meter(
             reason=reason,
             unit=unit,
             retry_after_s=math.ceil(MINUTE_S - now % MINUTE_S),
+            ends_at=float((minute + 1) * MINUTE_S),
         )
     return _meter(
         scope,
@@ -112,6 +113,7 @@ def _calendar_meter(
         unit="spend" if reason in ("spend_per_day", "budget") else "tokens",
         retry_after_s=window.seconds_left(now),
         period=period,
+        ends_at=window.end,
     )
 
 

@@ -141,6 +141,7 @@ class Meter:
     model: str | None = None  # a limit per model: its served name
     period: str = "minute"  # minute | day | week | month | slots
     bucket: int = 0  # SLIDING: this reservation's bucket (its reconcile credits that one)
+    ends_at: float | None = None  # a fixed or calendar window: its end (epoch s); else now + the reset
     time_zone: str = "UTC"
 
 
@@ -176,7 +177,7 @@ class LimitUsage:
             meter.limit,
             reading.level,
             reading.reset_s,
-            iso_time(now + reading.reset_s, meter.time_zone),
+            iso_time(_reset_moment(meter, reading, now), meter.time_zone),
         )
 
     def report(self) -> dict[str, Any]:
@@ -275,3 +276,11 @@ def usage_of(meters: list[Meter], readings: list[Reading], now: float) -> tuple[
         for meter, reading in zip(meters, readings, strict=True)
         if meter.limit != NO_LIMIT
     )
+
+
+def _reset_moment(meter: Meter, reading: Reading, now: float) -> float:
+    """When the reading's reset falls: a window's exact end where the reset is that end (the seconds
+    are rounded up), else `now` plus the reset."""
+    if meter.ends_at is not None and reading.reset_s == meter.retry_after_s:
+        return meter.ends_at
+    return now + reading.reset_s

@@ -7,12 +7,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from ctxgate.backend.serving.server import create_app as create_engine_app
 from ctxgate.gateway.app import create_app
 from ctxgate.gateway.key_admin import add_key
 from ctxgate.gateway.keys import Limits, ModelLimits
 from ctxgate.gateway.settings import GatewaySettings
 from tests.gateway.clock import FakeClock
-from tests.support.servers import ServerThread, serve_engine
+from tests.support.servers import ServerThread
 
 START = 1_700_000_040.0 + 5
 
@@ -28,10 +29,12 @@ def gateway(engine, tmp_path_factory):
     )
     unlimited = add_key(keys, "acme", models=["small", "big"])
     clock = FakeClock(START)
-    with serve_engine(engine) as upstream:
+    # The same engine behind its own OpenAI server as the second model (not managing the engine: the
+    # session's other tests still use it).
+    with ServerThread(create_engine_app(engine, served_model_name="big", manage_engine=False)) as upstream:
         model_list = [
             {"model_name": "small", "deployments": [{"engine": "builtin"}]},
-            {"model_name": "big", "deployments": [{"url": f"{upstream}/v1"}]},
+            {"model_name": "big", "deployments": [{"url": f"{upstream.url}/v1"}]},
         ]
         settings = GatewaySettings(model_list=model_list, keys_file=keys, default_policy="passthrough")
         with ServerThread(create_app(settings, engine=engine, clock=clock)) as running:
