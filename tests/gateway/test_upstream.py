@@ -12,7 +12,9 @@ from openai import OpenAI
 from ctxgate.backend.engine.api import EngineClient, GenerationRequest, SamplingParams
 from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig, UpstreamUnavailable
 from ctxgate.gateway.app import create_app
+from ctxgate.gateway.quota import QuotaLimits
 from ctxgate.gateway.settings import GatewaySettings
+from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 from tests.gateway.conftest import RecordingEngine
 from tests.support.servers import ServerThread, free_port
 from tests.support.waiting import eventually
@@ -163,8 +165,9 @@ def test_gateway_reports_upstream_errors_as_json(tmp_path):
             streamed.status_code == 502 and "the model backend failed" in streamed.json()["error"]["message"]
         )
         # Requests the backend never served give their reserved tokens back.
-        ledger = asyncio.run(app.state.gateway.store.usage("anonymous"))
-        assert ledger["tokens_today"] == 0 and ledger["spend_micros_today"] == 0
+        limits = QuotaLimits.from_policy(load_policy_file(packaged_policy_dir() / "rag-default.yaml").quota)
+        ledger = asyncio.run(app.state.gateway.store.usage("anonymous", limits))
+        assert {u.name: u.used for u in ledger} == {"requests_per_minute": 2, "tokens_per_minute": 0}
 
 
 def test_non_streamed_client_disconnect_aborts_generation(backend_server):
