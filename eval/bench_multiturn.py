@@ -21,17 +21,12 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-import yaml
+if TYPE_CHECKING:  # the command's flags are registered with the CLI's: the rest loads when it runs
+    import httpx
 
-from ctxgate.eval.bench_prefix import prefix_counters
-from ctxgate.eval.client import SYSTEM_PROMPT
-from ctxgate.eval.datasets import EvalExample
-from ctxgate.eval.evidence import messages_text
-from ctxgate.eval.metrics import answer_in_text
-from ctxgate.eval.stats import percentile
+    from ctxgate.eval.datasets import EvalExample
 
 ARMS = ("today", "memory")
 
@@ -81,6 +76,8 @@ def build_conversations(
 
 def arm_policies(policy: str, max_input_tokens: int) -> dict[str, dict[str, Any]]:
     """The packaged policy, the same budget in both arms; the memory arm remembers conversations."""
+    import yaml
+
     from ctxgate.policies.loader import packaged_policy_dir
 
     base = yaml.safe_load((packaged_policy_dir() / f"{policy}.yaml").read_text())
@@ -120,6 +117,8 @@ async def stream_chat(
 
 
 def system_message(arm: str) -> dict[str, str]:
+    from ctxgate.eval.client import SYSTEM_PROMPT
+
     return {"role": "system", "content": f"[app {arm}] {SYSTEM_PROMPT}"}
 
 
@@ -127,6 +126,10 @@ async def run_chats(
     url: str, model: str, conversations: list[list[Turn]], policies: dict[str, str], max_tokens: int
 ) -> tuple[dict[str, list[ArmTurn]], dict[str, list[list[str]]]]:
     """The turn rounds, arms interleaved; returns per arm the turns' measurements and the replies."""
+    import httpx
+
+    from ctxgate.eval.bench_prefix import prefix_counters
+
     turns = max(len(c) for c in conversations)
     rows = {arm: [ArmTurn() for _ in range(turns)] for arm in policies}
     histories = {arm: [[system_message(arm)] for _ in conversations] for arm in policies}
@@ -184,6 +187,12 @@ async def replay_retention(
     """The same conversations (the arms' own replies as history) through /v1/ctxgate/compress, under
     a system prompt of their own (a conversation of its own in the memory arm): is each turn's gold
     answer in what would be sent?"""
+    import httpx
+
+    from ctxgate.eval.client import SYSTEM_PROMPT
+    from ctxgate.eval.evidence import messages_text
+    from ctxgate.eval.metrics import answer_in_text
+
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for arm, policy in policies.items():
             for c, conversation in enumerate(conversations):
@@ -210,6 +219,8 @@ async def replay_retention(
 
 
 def summarise(rows: dict[str, list[ArmTurn]]) -> dict[str, list[dict[str, Any]]]:
+    from ctxgate.eval.stats import percentile
+
     def mean(values: list[float] | list[int]) -> float | None:
         return round(sum(values) / len(values), 1) if values else None
 
@@ -264,6 +275,9 @@ def run_bench_multiturn(
     out_dir: str | Path,
     model: str | None = None,
 ) -> dict[str, Any]:
+    import httpx
+    import yaml
+
     from ctxgate.eval.datasets import load_dataset, resolve_dataset_path
     from ctxgate.eval.report import cpu_path_line
     from ctxgate.eval.server import GatewayProcess

@@ -36,7 +36,7 @@ TURNS = [
 ]
 
 
-def policy(enabled: bool = True, max_input_tokens: int = 1200, **history) -> Policy:
+def policy(enabled: bool = True, max_input_tokens: int = 2000, **history) -> Policy:
     return Policy(
         name="conv",
         max_input_tokens=max_input_tokens,
@@ -79,7 +79,7 @@ async def test_earlier_turns_are_sent_byte_identical(make_pipeline):
     assert_each_prompt_extends_the_last(results)
     assert [stage(r, "conversation")["matched_turns"] for r in results] == [0, 1, 3, 5, 7]
     for result in results:
-        assert result.prompt_tokens <= 1200
+        assert result.prompt_tokens <= 2000
     # Without memory the first turn's passages are gone from the second prompt: no shared prefix
     # beyond the system prompt and the first question's text.
     today = await converse([make_pipeline()], policy(enabled=False))
@@ -112,7 +112,7 @@ async def test_a_passage_already_sent_is_not_sent_again(make_pipeline):
 
 async def test_the_summary_rolls_forward_append_only(make_pipeline):
     # Room for about two carried turns: the oldest roll into the summary, two messages at a time.
-    rules = policy(max_input_tokens=420, summary_max_tokens=96)
+    rules = policy(max_input_tokens=420, max_tokens=150, summary_max_tokens=96)
     results = await converse([make_pipeline()], rules)
     summaries = [
         next((m["content"] for m in r.messages if m["content"].startswith("Summary")), "") for r in results
