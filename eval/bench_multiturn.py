@@ -234,6 +234,10 @@ def summarise(rows: dict[str, list[ArmTurn]]) -> dict[str, list[dict[str, Any]]]
                 "ttft_p50_ms": round(percentile(row.ttft_ms, 50), 1) if row.ttft_ms else None,
                 "ttft_p95_ms": round(percentile(row.ttft_ms, 95), 1) if row.ttft_ms else None,
                 "prompt_tokens_mean": mean(row.prompt_tokens),
+                # What the engine had to prefill: the prompt tokens its prefix cache did not hold.
+                "uncached_tokens_mean": round((row.queries - row.hits) / len(row.prompt_tokens), 1)
+                if row.prompt_tokens
+                else None,
                 "retention": round(sum(row.retained) / len(row.retained), 4) if row.retained else None,
                 "sentences_not_resent": row.sentences_dropped,
                 "errors": row.errors,
@@ -257,6 +261,11 @@ def totals(per_turn: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any
             "ttft_p95_ms_turns_2_plus": max((t["ttft_p95_ms"] or 0 for t in later), default=None),
             "prompt_tokens_mean_turns_2_plus": round(
                 sum(t["prompt_tokens_mean"] or 0 for t in later) / len(later), 1
+            )
+            if later
+            else None,
+            "uncached_tokens_mean_turns_2_plus": round(
+                sum(t["uncached_tokens_mean"] or 0 for t in later) / len(later), 1
             )
             if later
             else None,
@@ -327,25 +336,26 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{report['max_tokens']} output tokens; arms interleaved per turn round",
         f"- CPU path: {report['cpu_path']}",
         "",
-        "| arm | turn | prefix hit tokens | looked up | TTFT P50 ms | TTFT P95 ms | prompt tokens | retention | sentences not resent |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| arm | turn | prefix hit tokens | looked up | TTFT P50 ms | TTFT P95 ms | prompt tokens | not cached | retention | sentences not resent |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm, turns in report["per_turn"].items():
         for t in turns:
             lines.append(
                 f"| {arm} | {t['turn']} | {t['prefix_hit_tokens']:.0f} | {t['prefix_lookup_tokens']:.0f} | "
-                f"{t['ttft_p50_ms']} | {t['ttft_p95_ms']} | {t['prompt_tokens_mean']} | {t['retention']} | "
+                f"{t['ttft_p50_ms']} | {t['ttft_p95_ms']} | {t['prompt_tokens_mean']} | {t['uncached_tokens_mean']} | {t['retention']} | "
                 f"{t['sentences_not_resent']} |"
             )
     lines += [
         "",
-        "| arm | hit tokens | looked up | worst TTFT P95, turns >= 2 | prompt tokens, turns >= 2 | retention |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| arm | hit tokens | looked up | worst TTFT P95, turns >= 2 | prompt tokens, turns >= 2 | not cached, turns >= 2 | retention |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm, row in report["totals"].items():
         lines.append(
             f"| {arm} | {row['prefix_hit_tokens']:.0f} | {row['prefix_lookup_tokens']:.0f} | "
-            f"{row['ttft_p95_ms_turns_2_plus']} | {row['prompt_tokens_mean_turns_2_plus']} | {row['retention']} |"
+            f"{row['ttft_p95_ms_turns_2_plus']} | {row['prompt_tokens_mean_turns_2_plus']} | "
+            f"{row['uncached_tokens_mean_turns_2_plus']} | {row['retention']} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -55,6 +55,7 @@ def test_report_per_turn_and_totals():
     assert per_turn["memory"][1]["sentences_not_resent"] == 7
     assert per_turn["today"][0]["retention"] == 0.5
     assert per_turn["today"][0]["ttft_p50_ms"] == 200.0
+    assert per_turn["memory"][1]["uncached_tokens_mean"] == 776.0
     summary = totals(per_turn)
     assert summary["memory"]["prefix_hit_tokens"] == 1040
     assert summary["today"]["ttft_p95_ms_turns_2_plus"] == 200.0
