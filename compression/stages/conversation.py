@@ -65,8 +65,10 @@ class ConversationStage(Stage):
             record.turns[i] if record is not None and i < matched else SentTurn(turn_digest(message))
             for i, message in enumerate(state.history)
         ]
+        # The summary stands for turns this history still begins with; a history that branched off
+        # before the summary's end starts over, every turn carried as written.
         start, summary = 0, None
-        if record is not None and record.start <= matched:  # a branch before the summary's end: start over
+        if record is not None and record.start <= matched:
             start, summary = record.start, record.summary
         original = state.history
         rendered = [as_sent(message, turn) for message, turn in zip(original, turns, strict=True)]
