@@ -202,3 +202,37 @@ async def test_passages_outside_the_question_turn_are_not_carried(make_pipeline,
     )
     results = await converse([make_pipeline()], rules, turns=TURNS[:2])
     assert all(report.name != "conversation" for result in results for report in result.stages)
+
+
+async def test_an_edited_turn_is_carried_up_to_the_edit(make_pipeline):
+    pipeline = make_pipeline()
+    results = await converse([pipeline], policy(), turns=TURNS[:2])
+    # The client edits its second question and asks a third: the first turn is still carried as
+    # sent, the edited one is sent as written.
+    edited = {"role": "user", "content": "Which river runs through Cirra, really?"}
+    request = CompressionInput(
+        messages=[
+            SYSTEM,
+            {"role": "user", "content": TURNS[0][0]},
+            {"role": "assistant", "content": "Answer 0."},
+            edited,
+            {"role": "assistant", "content": "Answer 1."},
+            {"role": "user", "content": TURNS[2][0]},
+        ],
+        documents=[TOWNS["Dovel"]],
+        tenant="acme",
+        conversation="chat-1",
+    )
+    third = await pipeline.run(request, policy())
+    assert stage(third, "conversation")["matched_turns"] == 2
+    assert third.messages[:3] == results[1].messages[:3]
+    assert third.messages[3] == edited
+
+
+async def test_a_conversation_over_max_turns_is_compressed_without_memory(make_pipeline):
+    rules = policy().model_copy(
+        update={"conversation": policy().conversation.model_copy(update={"max_turns": 2})}
+    )
+    results = await converse([make_pipeline()], rules, turns=TURNS[:3])
+    assert stage(results[2], "conversation") == {"skipped": "over max_turns 2"}
+    assert TOWNS["Arlen"].text not in results[2].messages[1]["content"]  # the first turn as written
