@@ -29,6 +29,7 @@ from ctxgate.compression.rendering import render_context
 from ctxgate.compression.services import PrefillCostEstimator, Services
 from ctxgate.compression.stages import STAGES
 from ctxgate.compression.stages.base import Stage, StageContext, run_timed
+from ctxgate.compression.stages.conversation import remember
 from ctxgate.compression.state import PipelineState, split_messages
 from ctxgate.compression.store.cache import BytesCache, LRUBytesCache
 from ctxgate.compression.types import CompressionInput, CompressionResult, Document, StageReport
@@ -207,6 +208,8 @@ class CompressionPipeline:
                 yield_turn()
         finally:
             ENGINE_TIME.reset(token)
+        if state.carried is not None:
+            remember(state, ctx)  # what the fit let through is what the next turn sends again
         if state.compressing:
             self.cost_estimator.observe_compression((time.perf_counter() - started) * 1000)
         report_kept(state, reports, counter)

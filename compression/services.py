@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ctxgate.compression.conversation import ConversationMemory
 from ctxgate.compression.counting import CachedCounter, ChatTokenizer
 from ctxgate.compression.history import HistorySummarizer, SummaryEngine
 from ctxgate.compression.store.cache import BytesCache
@@ -69,6 +70,7 @@ class Services:
         self.splitter = default_splitter()
         self.index_store = IndexStore(index_dir)
         self.summarizer = HistorySummarizer(counter.count, self.splitter.split, cache, engine, tokenizer)
+        self.conversations = ConversationMemory(cache)  # in the same store as the summaries
         self._embedder: Embedder | None = None
         # (window ms, OpenMP threads) of the embedding micro-batcher; None: encode in the caller.
         self.embed_batching: tuple[float, int] | None = None

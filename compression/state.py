@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ctxgate.compression.types import CompressionInput, Document, RetrievalSpec
+
+if TYPE_CHECKING:
+    from ctxgate.compression.conversation import CarriedTurns
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -115,6 +118,9 @@ class PipelineState:
     # Set by the fit stage: exactly what is sent.
     sent: RenderedPrompt | None = None
     trimmed_units: int = 0  # units the fit dropped after the stages' estimates
+    conversation: str | None = None  # CompressionInput.conversation
+    # Set by the conversation stage: the history as the conversation's memory carried it.
+    carried: CarriedTurns | None = None
 
     @property
     def compressing(self) -> bool:
@@ -145,4 +151,5 @@ def split_messages(request: CompressionInput, budget_tokens: int) -> PipelineSta
         budget_tokens=budget_tokens,
         retrieval=request.retrieval,
         neutralise=request.neutralise,
+        conversation=request.conversation,
     )

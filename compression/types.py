@@ -31,6 +31,9 @@ class CompressionInput:
     # Applied to retrieved passages' text, title and sentences (the gateway's sanitiser: an index
     # is as untrusted as the client's documents). None: taken as they are.
     neutralise: Callable[[str], str] | None = None
+    # The conversation this request continues (the gateway's key: the tenant's salt with the system
+    # prompt and first user turn, or the client's conversation id). None: no conversation memory.
+    conversation: str | None = None
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """`ctxgate bench ...`: each benchmark's flags and the function that runs it (import-light: the work
 happens in the modules a command imports when it runs). `bench engine` belongs to the engine
-(eval/bench_engine*.py); `bench prefill`, `e2e`, `slo`, `prefix`, `route` and `gpu` to the eval harness."""
+(eval/bench_engine*.py); `bench prefill`, `e2e`, `slo`, `prefix`, `multiturn`, `route` and `gpu` to the eval
+harness (`multiturn` registers its own flags: eval/bench_multiturn.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     gpu.set_defaults(func=_bench_gpu)
     _register_bench_slo(bench_sub)
     _register_bench_prefix(bench_sub)
+    from ctxgate.eval.bench_multiturn import register as register_multiturn
+
+    register_multiturn(bench_sub)
     _register_bench_route(bench_sub)
 
 

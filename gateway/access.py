@@ -53,11 +53,20 @@ class Access:
         return self.models.get(model or "", self.engine)
 
     def route_key(
-        self, model: str, tenant: Tenant, messages: list[dict[str, Any]] | None, prompt_text: str | None
+        self,
+        model: str,
+        tenant: Tenant,
+        messages: list[dict[str, Any]] | None,
+        prompt_text: str | None,
+        conversation: str | None = None,
     ) -> str | None:
-        """The cache-affinity key of a request for a model-list model (None otherwise)."""
+        """The cache-affinity key of a request for a model-list model (None otherwise): its
+        conversation's key where the policy remembers conversations (gateway/conversation.py), so
+        every turn, RAG or not, goes where the earlier turns' prefix is cached."""
         if model not in self._prefix_chars:
             return None
+        if conversation is not None:
+            return conversation
         return affinity_key(self.cache_salt(tenant.name), messages, prompt_text, self._prefix_chars[model])
 
     @property

@@ -233,7 +233,9 @@ class Preparation:
             asks=asks,
             budget=request.budget,
             fit=fit,
-            route_key=self.access.route_key(body.model, tenant, result.messages, None),
+            route_key=self.access.route_key(
+                body.model, tenant, result.messages, None, self.prompts.conversation_key(body, tenant, policy)
+            ),
             received_at=request.arrived,
         )
         prepared.reservation = await self._reserve_fitted(

@@ -26,6 +26,7 @@ from ctxgate.compression.types import (
     RetrievalSpec,
 )
 from ctxgate.gateway.access import Access, index_not_found
+from ctxgate.gateway.conversation import conversation_key
 from ctxgate.gateway.forwarding import forwarded_prompt_tokens
 from ctxgate.gateway.keys import Tenant
 from ctxgate.gateway.metrics import GatewayMetrics
@@ -101,6 +102,7 @@ class PromptBuilder:
             retrieval=retrieval,
             tenant=tenant.name,
             neutralise=tokens.neutraliser.document,
+            conversation=self.conversation_key(body, tenant, policy),
         )
         try:
             result = await self.pipeline.run(
@@ -130,6 +132,18 @@ class PromptBuilder:
         if policy.compression_enabled:
             self.metrics.compression_wait_seconds.observe(result.wait_ms / 1000)
         return result
+
+    def conversation_key(self, body: ChatCompletionRequest, tenant: Tenant, policy: Policy) -> str | None:
+        """The conversation the request continues, where its policy remembers conversations."""
+        if not policy.conversation.enabled:
+            return None
+        conversation_id = body.ctxgate.conversation_id if body.ctxgate else None
+        opening: list[dict[str, Any]] = []
+        for message in body.messages:  # a long history's later turns are not read
+            opening.append({"role": message.role, "content": message.text()})
+            if message.role == "user":
+                break
+        return conversation_key(self.access.cache_salt(tenant.name), opening, conversation_id)
 
     def encode_checked(
         self,

@@ -17,6 +17,10 @@ class _Strict(BaseModel):
 # text by the second hop): beyond these lengths a request is refused, naming the field.
 MAX_DOCUMENT_ID_CHARS = 256
 MAX_DOCUMENT_TITLE_CHARS = 1000
+# A conversation id names a memory entry (compression/conversation.py): short, and only characters
+# that need no escaping in a log line or a Redis key.
+MAX_CONVERSATION_ID_CHARS = 128
+CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
 
 
 class CtxgateDocument(_Strict):
@@ -68,6 +72,14 @@ class CtxgateExtras(_Strict):
     )
     overrides: dict[str, Any] | None = Field(
         default=None, description="dotted policy fields to override, only those the policy allows"
+    )
+    conversation_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_CONVERSATION_ID_CHARS,
+        pattern=CONVERSATION_ID_PATTERN,
+        description="the conversation this request continues, for the policy's conversation memory; "
+        "default: recognised by its system prompt and first user turn",
     )
 
 

@@ -1,7 +1,7 @@
 """The policy schema: one YAML file per policy, validated by these pydantic models.
 
 The gateway owns the top-level fields, quota, cost and adaptive; the compression pipeline reads the
-`history`, `documents`, `dedup`, `rerank`, `extraction` and `assembly` sections.
+`history`, `documents`, `dedup`, `rerank`, `extraction`, `assembly` and `conversation` sections.
 """
 
 from __future__ import annotations
@@ -163,6 +163,39 @@ class AssemblyPolicy(_Section):
     placement: Literal["system", "user"] = Field(
         default="user",
         description="the passages in a system message before the conversation, or in the last user turn",
+    )
+
+
+class ConversationPolicy(_Section):
+    """Conversation memory (compression/conversation.py): how each turn was sent is remembered, so
+    later turns send it again byte-identical (the engine's prefix cache keeps it) and passages
+    already sent are not sent again. Off by default: a remembered turn keeps its passages in the
+    history, which changes what the model sees from the second turn on and takes prompt room; an
+    operator turns it on for a policy after measuring it (`ctxgate bench multiturn`)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="remember how each turn was sent: earlier turns go out byte-identical and "
+        "passages already sent are not sent again",
+    )
+    ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="a conversation is forgotten this many seconds after its last turn",
+    )
+    max_turns: int = Field(
+        default=32,
+        ge=1,
+        le=256,
+        description="user turns remembered per conversation; a longer one is compressed as without memory",
+    )
+    roll_step_turns: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="when the carried turns outgrow their room, the oldest leave (into the "
+        "summary) this many messages at a time",
     )
 
 
@@ -339,6 +372,9 @@ class Policy(_Section):
     )
     assembly: AssemblyPolicy = Field(
         default=AssemblyPolicy(), description="how the kept passages are put in the prompt"
+    )
+    conversation: ConversationPolicy = Field(
+        default=ConversationPolicy(), description="memory of how a conversation's earlier turns were sent"
     )
     quota: QuotaPolicy = Field(default=QuotaPolicy(), description="the tenant's rate and spend limits")
     cost: CostPolicy = Field(

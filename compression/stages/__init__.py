@@ -1,6 +1,6 @@
 """The pipeline's stages, in the one ordered list `STAGES` that `CompressionPipeline` runs.
 
-    retrieval -> message-context -> cost-check -> history -> dedup -> rerank -> extraction -> assembly -> fit
+    retrieval -> message-context -> cost-check -> conversation -> history -> dedup -> rerank -> extraction -> assembly -> fit
 
 One module per stage, each stating its rule; `base` holds what a stage is (`Stage`,
 `StageContext`), `budget` the token accounting the stages share, `prepare` the per-request work
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ctxgate.compression.stages.assembly import AssemblyStage
 from ctxgate.compression.stages.base import Stage
+from ctxgate.compression.stages.conversation import ConversationStage
 from ctxgate.compression.stages.cost_check import CostCheckStage
 from ctxgate.compression.stages.dedup import DedupStage
 from ctxgate.compression.stages.extraction import ExtractionStage
@@ -26,11 +27,13 @@ from ctxgate.compression.stages.retrieval import RetrievalStage
 
 # The pipeline, in order. Retrieval and the context found inside messages come first because the
 # original prompt (and the cost check) must include those passages; history runs before the documents stages because the
-# documents get what the system prompt, question and kept history leave.
+# documents get what the system prompt, question and kept history leave. The conversation stage
+# carries a remembered conversation's turns as they were sent (the history stage then stands aside).
 STAGES: tuple[Stage, ...] = (
     RetrievalStage(),
     MessageContextStage(),
     CostCheckStage(),
+    ConversationStage(),
     HistoryStage(),
     DedupStage(),
     RerankStage(),

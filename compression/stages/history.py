@@ -31,7 +31,8 @@ class HistoryStage(Stage):
     name = "history"
 
     def enabled(self, state: PipelineState, policy: Policy) -> bool:
-        return state.compressing and policy.history.enabled
+        # A conversation the conversation stage carried has its history fitted there.
+        return state.compressing and policy.history.enabled and state.carried is None
 
     async def run(self, state: PipelineState, ctx: StageContext) -> StageReport:
         before = history_tokens(ctx.counter, state)

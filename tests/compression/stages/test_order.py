@@ -13,6 +13,7 @@ def test_stage_order_is_the_algorithm():
         "retrieval",
         "message-context",
         "cost-check",
+        "conversation",
         "history",
         "dedup",
         "rerank",
