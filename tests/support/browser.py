@@ -17,10 +17,12 @@ def _under_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def chromium_paths() -> tuple[str, str] | None:
+def chromium_paths(
+    names: tuple[str, ...] = CHROMIUM_NAMES, chromedriver: str = CHROMEDRIVER
+) -> tuple[str, str] | None:
     """(browser, driver), or None on a machine without them (an error under CI, where they must be)."""
-    browser = next((path for name in CHROMIUM_NAMES if (path := shutil.which(name))), None)
-    driver = CHROMEDRIVER if Path(CHROMEDRIVER).is_file() else None
+    browser = next((path for name in names if (path := shutil.which(name))), None)
+    driver = chromedriver if Path(chromedriver).is_file() else None
     try:
         import selenium  # noqa: F401
     except ImportError:

@@ -46,6 +46,7 @@ def _by_css(driver, selector: str):
 
 
 def _log_in(driver, url: str, key: str) -> None:
+    driver.delete_all_cookies()  # a fresh login, whatever the test before left
     driver.get(f"{url}/console")
     _by_css(driver, "#admin_key").send_keys(key)
     _by_css(driver, "#login").click()
@@ -105,3 +106,12 @@ def test_a_bad_policy_edit_shows_its_error_and_changes_nothing(browser, server):
     ).json()
     (policy,) = [item for item in listed["policies"] if item["name"] == "console-test"]
     assert policy["effective"]["max_input_tokens"] == 220
+
+
+def test_without_chromium_the_browser_tests_skip_here_and_fail_under_ci(monkeypatch, tmp_path):
+    missing = {"names": ("no-such-chromium",), "chromedriver": str(tmp_path / "chromedriver")}
+    monkeypatch.delenv("CI", raising=False)
+    assert chromium_paths(**missing) is None
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(RuntimeError, match="chromium-driver"):
+        chromium_paths(**missing)
