@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: gpu-wheels gpu-rehearsal install model large-model serve engine-serve test lint docs bench eval soak soak-hostile memory-soak clean
+.PHONY: gpu-wheels gpu-rehearsal install model large-model serve engine-serve test lint docs bench eval soak soak-hostile memory-soak console-screenshots clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ lint: install
 # The reference pages are generated from the code during the build (docs/gen_reference.py).
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The docs' screenshots of the operator console (docs/assets/console/), taken with the headless Chromium the
+# browser tests use (apt: chromium chromium-driver).
+console-screenshots: model
+	$(PY) -m tests.gateway.console.screenshots docs/assets/console
 
 bench: model
 	$(VENV)/bin/ctxgate bench engine --out bench-out

@@ -16,6 +16,7 @@ from ctxgate.backend.engine.api import EngineClient
 from ctxgate.backend.openai_api.errors import APIError
 from ctxgate.compression.store.index_names import InvalidIndexName, check_index_name
 from ctxgate.gateway.affinity import affinity_key
+from ctxgate.gateway.console.admin_key import AdminKey
 from ctxgate.gateway.keys import KeyRejected, KeyStore, Tenant
 from ctxgate.gateway.request_id import note_tenant
 from ctxgate.gateway.settings import GatewaySettings
@@ -30,10 +31,17 @@ def index_not_found(name: str) -> APIError:
 class Access:
     """Keys, served models and what each tenant may name."""
 
-    def __init__(self, settings: GatewaySettings, engine: EngineClient, keys: KeyStore):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        engine: EngineClient,
+        keys: KeyStore,
+        admin_key: AdminKey | None = None,
+    ):
         self.settings = settings
         self.engine = engine
         self.keys = keys
+        self.admin_key = admin_key  # the console's: never a credential here
         # A model list: each served name's own group (its context length, whether it forwards fields).
         self.models: dict[str, EngineClient] = dict(engine.groups)
         self._prefix_chars = {model.model_name: model.affinity_prefix_chars for model in settings.model_list}
@@ -83,6 +91,13 @@ class Access:
         if authorization:
             scheme, _, credentials = authorization.partition(" ")
             key = credentials.strip() if scheme.lower() == "bearer" else None
+        if self.admin_key is not None and self.admin_key.matches(key):
+            raise APIError(
+                401,
+                "the admin key opens the console only; API routes take tenant keys",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         try:
             tenant = self.keys.authenticate(key)
         except KeyRejected as exc:

@@ -22,6 +22,8 @@ from ctxgate.backend.openai_api.http import (
     document_request_bodies,
 )
 from ctxgate.gateway.admission import AdmissionCollector, AdmissionControl, AdmissionController, KeyOf
+from ctxgate.gateway.console.admin_key import load_admin_key
+from ctxgate.gateway.console.install import install_console
 from ctxgate.gateway.keys import KeyStore
 from ctxgate.gateway.lifecycle import lifespan
 from ctxgate.gateway.metrics import GatewayMetrics
@@ -190,6 +192,7 @@ def create_app(
         if pipeline is not None
         else default_pipeline(tokenizer, engine, settings.index_dir, settings)
     )
+    admin_key = load_admin_key(settings.admin_key_file) if settings.admin_key_file is not None else None
     gateway = Gateway(
         settings=settings,
         engine=engine,
@@ -199,6 +202,7 @@ def create_app(
         keys=KeyStore(settings.keys_file),
         store=create_store(settings.redis_url, clock=clock),
         metrics=metrics,
+        admin_key=admin_key,
     )
     app = FastAPI(title="ctxgate", version=package_version("ctxgate"), lifespan=lifespan)
     app.state.gateway = gateway
@@ -226,4 +230,11 @@ def create_app(
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(RequestId, access_log=settings.access_log)  # outermost: every answer carries the id
     metrics.registry.register(AdmissionCollector(app.state.admission))
+    # The console exists only with an admin key: otherwise none of its routes does (404). Mounted
+    # last, so its security headers wrap every /console answer, the middlewares' own included.
+    app.state.console = (
+        install_console(app, admin_key, metrics, clock, settings.metrics_key)
+        if admin_key is not None
+        else None
+    )
     return app

@@ -45,6 +45,9 @@ def banner_lines(gateway: Gateway) -> list[str]:
         f"  metrics:  /metrics {'needs the metrics key' if settings.metrics_key else 'open (no metrics key)'}"
     )
     lines.append(f"  access log: {'on' if settings.access_log else 'off'}")
+    lines.append(
+        f"  console:  {'/console (admin key)' if settings.admin_key_file else 'off (no --admin-key-file)'}"
+    )
     return lines
 
 

@@ -257,6 +257,11 @@ class BudgetController:
                 low, high = _CALIBRATION_RANGE
                 self._calibration.add(min(high, max(low, outcome.ttft_s / predicted)))
 
+    def budgets_in_force(self) -> dict[str, int]:
+        """Each adaptive policy's documents budget as last decided (the one the next request starts from)."""
+        with self._lock:
+            return {policy: trend.budget for policy, trend in sorted(self._trends.items())}
+
     def forget(self, request_id: str) -> None:
         """A decided request that ended without an outcome (refused, failed)."""
         self.first_token(request_id)

@@ -63,7 +63,13 @@ DEPRECATED_KEYS = {
 }
 _OLD_SECTIONS = ("upstreams", "redis", "metrics")  # emptied by the renames above
 # Fields holding paths: resolved against the config file's directory when relative.
-_PATH_KEYS = ("server.keys_file", "server.policy_dir", "server.index_dir", "engine.model")
+_PATH_KEYS = (
+    "server.keys_file",
+    "server.admin_key_file",
+    "server.policy_dir",
+    "server.index_dir",
+    "engine.model",
+)
 
 
 class ConfigError(ValueError):

@@ -194,3 +194,13 @@ def rotate_key(path: str | Path, key_or_id: str, grace_s: float = 0.0) -> tuple[
         keys_file.tenants[tenant].keys.append(new)
         write_keys_file(path, keys_file)
     return tenant, api_key, old
+
+
+def set_key_limits(path: str | Path, key_or_id: str, limits: Limits) -> tuple[str, KeyEntry]:
+    """Replace a key's own limits (those of its tenant are unchanged); gateways apply them after their
+    next reload. Returns (tenant, the updated entry)."""
+    with locked_keys_file(path) as keys_file:
+        tenant, entry = find_key(keys_file, key_or_id)
+        entry.limits = limits
+        write_keys_file(path, keys_file)
+    return tenant, entry

@@ -37,12 +37,20 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             logger.exception("starting the grammar workers failed")
     log_banner(gateway)
     watcher = asyncio.create_task(watch_files(gateway), name="ctxgate-reload")
+    console = app.state.console
+    sampler = (
+        asyncio.create_task(console.sample_forever(), name="ctxgate-console-sampler")
+        if console is not None
+        else None
+    )
     embedder_load = app.state.embedder_load = EmbedderLoad(gateway)
     warm_up = asyncio.create_task(embedder_load.run(), name="ctxgate-embedder-load")
     try:
         yield
     finally:
         warm_up.cancel()
+        if sampler is not None:
+            sampler.cancel()
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ctxgate.backend.engine.config import EngineConfig
+from ctxgate.gateway.console.admin_key import admin_key_problems
 from ctxgate.gateway.keys import read_keys_file
 from ctxgate.gateway.model_list_config import builtin_needed
 from ctxgate.gateway.settings import GatewaySettings
@@ -78,6 +79,7 @@ def model_problems(model: str | None) -> list[str]:
 def preflight_problems(settings: GatewaySettings, engine: EngineConfig) -> list[str]:
     """Every problem with the files this configuration names, one line each (empty: fine)."""
     problems = keys_file_problems(settings.keys_file) + policy_problems(settings)
+    problems += admin_key_problems(settings.admin_key_file)
     if builtin_needed(settings.model_list, settings.upstreams):
         problems += model_problems(engine.model)
     return problems

@@ -24,6 +24,7 @@ from ctxgate.gateway.access import Access
 from ctxgate.gateway.accounting import Accounting
 from ctxgate.gateway.adaptive_budget import AdaptiveBudget
 from ctxgate.gateway.budget_control import BudgetController
+from ctxgate.gateway.console.admin_key import AdminKey
 from ctxgate.gateway.engine_errors import engine_error
 from ctxgate.gateway.engine_load import reader_for
 from ctxgate.gateway.generation import GenerationServices
@@ -50,6 +51,7 @@ class Gateway:
         keys: KeyStore,
         store: QuotaStore,
         metrics: GatewayMetrics,
+        admin_key: AdminKey | None = None,
     ):
         self.settings = settings
         self.engine = engine
@@ -64,7 +66,7 @@ class Gateway:
         self.tokens = load_model_tokenizers(tokenizer, engine.forwards_fields, list(settings.model_list))
         self.neutraliser = self.tokens.default.neutraliser
         self.budgets = BudgetController(reader_for(engine))
-        self.access = Access(settings, engine, keys)
+        self.access = Access(settings, engine, keys, admin_key)
         self.resolver = PolicyResolver(policies, self.access)
         self.adaptive = AdaptiveBudget(self.budgets, metrics)
         self.accounting = Accounting(store, metrics, self.resolver, self.adaptive, pipeline.observe_prefill)

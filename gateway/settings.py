@@ -82,6 +82,7 @@ class GatewaySettings(BaseModel):
             "access_log",
             "allow_unauthenticated",
             "metrics_key",
+            "admin_key_file",
             "vllm_metric_names",
         ),
         "tenants and policies": (
@@ -304,6 +305,11 @@ class GatewaySettings(BaseModel):
         repr=False,
         description="Bearer token /metrics requires (tenant names and spend are there); default "
         "$CTXGATE_METRICS_KEY, unset: /metrics is open",
+    )
+    admin_key_file: Path | None = Field(
+        default=None,
+        description="file holding the operator console's admin key (one line, 32+ characters; e.g. "
+        "`openssl rand -hex 32`); it serves /console (docs/console.md). Unset: every /console route is 404",
     )
     body_read_timeout_s: Annotated[
         float, BeforeValidator(_positive_body_timeout), Cli(old=("--body-read-timeout",))

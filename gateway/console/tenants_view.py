@@ -1,0 +1,161 @@
+"""Tenants and their keys as the console lists them: masked key ids, status, expiry, what each may
+use, and the tenant's usage in its current quota windows against its limits, with when each resets.
+
+An adapter over today's interfaces: the keys file (`ctxgate.gateway.keys`), the tenant's limits as
+the gateway computes them (`Accounting.limits_for`) and the ledger's `usage` (`QuotaStore`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ctxgate.gateway.keys import KeyEntry, KeysFile, Tenant, TenantEntry, read_keys_file, utc_text
+from ctxgate.gateway.quota import SPEND_SCALE, QuotaLimits, StoreUnavailable, Windows
+from ctxgate.gateway.service import Gateway
+
+MASK_DIGITS = 8  # of the 12-digit key id: enough to tell keys apart on a screen
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    key_id: str  # the 12-digit id the forms post (a hash prefix, not the secret)
+    masked_id: str
+    status: str
+    created: str | None
+    expires_at: str | None
+    models: tuple[str, ...] | None
+    limits: dict[str, Any]
+    labels: dict[str, str]
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    name: str
+    used: float
+    limit: float | None
+    resets_in_s: int
+
+
+@dataclass(frozen=True)
+class TenantRow:
+    name: str
+    policy: str
+    policies: tuple[str, ...]
+    indexes: tuple[str, ...]
+    keys: list[KeyRow]
+    usage: list[UsageRow]
+    budget: str | None  # "20 per monthly period, resets in ..."; None: no budget
+    problem: str | None  # why usage is missing (home policy not loaded, ledger unreachable)
+
+
+@dataclass(frozen=True)
+class TenantsView:
+    configured: bool  # a keys file is set
+    tenants: list[TenantRow]
+    reload_error: str | None
+
+
+def mask(key_id: str) -> str:
+    return key_id[:MASK_DIGITS] + "…"
+
+
+def key_row(entry: KeyEntry, now: datetime) -> KeyRow:
+    return KeyRow(
+        key_id=entry.key_id,
+        masked_id=mask(entry.key_id),
+        status=entry.status(now),
+        created=entry.created,
+        expires_at=utc_text(entry.expires_at) if entry.expires_at else None,
+        models=tuple(entry.models) if entry.models else None,
+        limits=entry.limits.model_dump(exclude_none=True),
+        labels=dict(entry.labels),
+    )
+
+
+def tenant_of(name: str, entry: TenantEntry) -> Tenant:
+    """The tenant as the gateway resolves it for one of its keys (limits and allow-lists)."""
+    return Tenant(
+        name=name,
+        policy=entry.policy,
+        quota_override=entry.quota.model_dump(exclude_none=True) or None,
+        policies=tuple(entry.policies or ()),
+        indexes=tuple(entry.indexes or ()),
+    )
+
+
+def usage_rows(usage: dict[str, int], limits: QuotaLimits, windows: Windows) -> list[UsageRow]:
+    return [
+        UsageRow(
+            "requests this minute",
+            usage.get("requests_this_minute", 0),
+            limits.requests_per_minute,
+            windows.seconds_to_minute_end,
+        ),
+        UsageRow(
+            "tokens this minute",
+            usage.get("tokens_this_minute", 0),
+            limits.tokens_per_minute,
+            windows.seconds_to_minute_end,
+        ),
+        UsageRow(
+            "tokens today", usage.get("tokens_today", 0), limits.tokens_per_day, windows.seconds_to_day_end
+        ),
+        UsageRow(
+            "spend today",
+            usage.get("spend_micros_today", 0) / SPEND_SCALE,
+            limits.spend_per_day,
+            windows.seconds_to_day_end,
+        ),
+    ]
+
+
+def budget_text(limits: QuotaLimits, windows: Windows) -> str | None:
+    if limits.budget is None:
+        return None
+    _, remaining = windows.budget_window(limits.budget_period)
+    return f"{limits.budget:g} per {limits.budget_period} period, resets in {remaining} s"
+
+
+async def tenant_row(gateway: Gateway, name: str, entry: TenantEntry, now: datetime) -> TenantRow:
+    tenant = tenant_of(name, entry)
+    home_name = gateway.access.home_policy_name(tenant)
+    keys = [key_row(key, now) for key in entry.keys]
+    windows = Windows.at(now.timestamp())
+    common: dict[str, Any] = {
+        "name": name,
+        "policy": home_name,
+        "policies": tuple(gateway.access.allowed_policies(tenant) or ()),
+        "indexes": tenant.indexes or (),
+        "keys": keys,
+    }
+    home = gateway.policies.get(home_name)
+    if home is None:
+        return TenantRow(**common, usage=[], budget=None, problem=f"home policy '{home_name}' is not loaded")
+    limits = gateway.accounting.limits_for(tenant, home)
+    try:
+        usage = await gateway.store.usage(name, now.timestamp())
+    except StoreUnavailable:
+        return TenantRow(
+            **common, usage=[], budget=budget_text(limits, windows), problem="the quota ledger is unreachable"
+        )
+    return TenantRow(
+        **common, usage=usage_rows(usage, limits, windows), budget=budget_text(limits, windows), problem=None
+    )
+
+
+async def tenants_view(gateway: Gateway, keys_file: Path | None, now: datetime) -> TenantsView:
+    if keys_file is None:
+        return TenantsView(False, [], None)
+    try:
+        parsed = await asyncio.to_thread(read_keys_file, keys_file)
+    except ValueError as exc:
+        return TenantsView(True, [], str(exc))
+    return TenantsView(True, await _rows(gateway, parsed, now), gateway.keys.last_error)
+
+
+async def _rows(gateway: Gateway, parsed: KeysFile, now: datetime) -> list[TenantRow]:
+    return [await tenant_row(gateway, name, entry, now) for name, entry in sorted(parsed.tenants.items())]
