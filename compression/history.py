@@ -4,7 +4,10 @@ Rolling: the summary covering turns[:k] is cached (per tenant) under a hash of t
 request looks for the longest cached prefix and only summarizes the turns after it, so each turn
 goes through the LLM once per conversation. The LLM call runs at background priority with a timeout;
 on timeout, a refused call, a saturated engine or no engine, an extractive summary (the sentences
-most related to the question, within the summary budget) takes its place.
+most related to the question, within the summary budget) takes its place. A tenant has at most one
+LLM summary in flight: the engine work a tenant can start without paying for it is one background
+sequence, however many requests with fresh histories it sends at once; the others get the extractive
+summary at once.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -119,6 +123,8 @@ class HistorySummarizer:
         self.engine = engine
         self.tokenizer = tokenizer
         self.engine_calls = 0
+        self._summarizing: set[str] = set()  # tenants with an LLM summary in flight
+        self._summarizing_lock = threading.Lock()  # compression workers call from their own threads
 
     async def summarize(
         self,
@@ -135,7 +141,7 @@ class HistorySummarizer:
         if cached is not None:
             return SummaryOutcome(self._fit(cached.decode(), max_tokens), "cache", covered_turns=len(turns))
         engine = self._ready_engine() if use_engine else None
-        if engine is not None:
+        if engine is not None and self._claim(tenant):
             try:
                 text, calls = await asyncio.wait_for(
                     self._rolling_summary(engine, tenant, turns, max_tokens), timeout=timeout_s
@@ -145,7 +151,21 @@ class HistorySummarizer:
                 logger.info("history summary timed out after %.2fs; extractive fallback", timeout_s)
             except Exception as exc:  # engine refused (saturated, too long...): never fail the request
                 logger.warning("history summary failed (%s); extractive fallback", exc)
+            finally:
+                self._release(tenant)
         return SummaryOutcome(self.extractive(turns, question, max_tokens), "extractive", 0, len(turns))
+
+    def _claim(self, tenant: str) -> bool:
+        """The tenant's one LLM summary slot; False while another of its summaries is in flight."""
+        with self._summarizing_lock:
+            if tenant in self._summarizing:
+                return False
+            self._summarizing.add(tenant)
+            return True
+
+    def _release(self, tenant: str) -> None:
+        with self._summarizing_lock:
+            self._summarizing.discard(tenant)
 
     def _ready_engine(self) -> SummaryEngine | None:
         """The engine, when there is one and it is ready (a failing readiness probe is not)."""

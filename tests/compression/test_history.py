@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from ctxgate.compression.types import CompressionInput
@@ -29,9 +31,11 @@ class CountingEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.generate_calls = 0
+        self.salts: list[str | None] = []  # each call's cache salt: whose summary it was
 
     def generate(self, request):
         self.generate_calls += 1
+        self.salts.append(request.cache_salt)
         return self._engine.generate(request)
 
     async def abort(self, request_id):
@@ -179,3 +183,29 @@ async def test_a_compression_worker_summarizes_through_the_engine_on_the_callers
         pipeline.close()
     assert history_report(result).details["summary_source"] == "engine"
     assert counting.generate_calls == 1
+
+
+async def test_a_tenant_has_one_engine_summary_in_flight(make_pipeline, engine):
+    """Requests with fresh histories sent at once: one of the tenant's summaries goes to the engine,
+    the rest get the extractive summary without waiting for it; another tenant still gets its own
+    engine call, and the slot is given back when the summary ends (however it ends)."""
+    from ctxgate.compression.history import HistorySummarizer
+
+    counting = CountingEngine(engine)
+    pipeline = make_pipeline(engine=counting)
+    policy = summary_policy(timeout_s=5.0)
+
+    def fresh(tenant: str, n: int) -> CompressionInput:
+        opening = {"role": "user", "content": f"Trip number {n}: we land in Lisbon on a Tuesday."}
+        return CompressionInput(messages=[opening, *CONVERSATION, QUESTION], tenant=tenant)
+
+    def calls_of(tenant: str) -> int:
+        return counting.salts.count(HistorySummarizer.salt(tenant))
+
+    flood = [pipeline.run(fresh("mallory", n), policy) for n in range(4)]
+    results = await asyncio.gather(*flood, pipeline.run(fresh("alice", 0), policy))
+    sources = [history_report(result).details["summary_source"] for result in results]
+    assert calls_of("mallory") == 1 and calls_of("alice") == 1
+    assert sources[:4].count("extractive") >= 3
+    await pipeline.run(fresh("mallory", 9), policy)
+    assert calls_of("mallory") == 2
