@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxgate.gateway.keys import KeyEntry, KeysFile, Tenant, TenantEntry, read_keys_file, utc_text
-from ctxgate.gateway.quota import SPEND_SCALE, QuotaLimits, StoreUnavailable, Windows
+from ctxgate.gateway.quota import LimitUsage, StoreUnavailable
 from ctxgate.gateway.service import Gateway
 
 MASK_DIGITS = 8  # of the 12-digit key id: enough to tell keys apart on a screen
@@ -38,6 +38,7 @@ class UsageRow:
     used: float
     limit: float | None
     resets_in_s: int
+    resets_at: str  # ISO 8601 in the limit's time zone
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,6 @@ class TenantRow:
     indexes: tuple[str, ...]
     keys: list[KeyRow]
     usage: list[UsageRow]
-    budget: str | None  # "20 per monthly period, resets in ..."; None: no budget
     problem: str | None  # why usage is missing (home policy not loaded, ledger unreachable)
 
 
@@ -87,44 +87,22 @@ def tenant_of(name: str, entry: TenantEntry) -> Tenant:
     )
 
 
-def usage_rows(usage: dict[str, int], limits: QuotaLimits, windows: Windows) -> list[UsageRow]:
-    return [
-        UsageRow(
-            "requests this minute",
-            usage.get("requests_this_minute", 0),
-            limits.requests_per_minute,
-            windows.seconds_to_minute_end,
-        ),
-        UsageRow(
-            "tokens this minute",
-            usage.get("tokens_this_minute", 0),
-            limits.tokens_per_minute,
-            windows.seconds_to_minute_end,
-        ),
-        UsageRow(
-            "tokens today", usage.get("tokens_today", 0), limits.tokens_per_day, windows.seconds_to_day_end
-        ),
-        UsageRow(
-            "spend today",
-            usage.get("spend_micros_today", 0) / SPEND_SCALE,
-            limits.spend_per_day,
-            windows.seconds_to_day_end,
-        ),
-    ]
-
-
-def budget_text(limits: QuotaLimits, windows: Windows) -> str | None:
-    if limits.budget is None:
-        return None
-    _, remaining = windows.budget_window(limits.budget_period)
-    return f"{limits.budget:g} per {limits.budget_period} period, resets in {remaining} s"
+def usage_rows(usage: tuple[LimitUsage, ...]) -> list[UsageRow]:
+    """One row per limit the ledger checks for the tenant (every window and budget, per model too)."""
+    rows = []
+    for limit in usage:
+        shown = limit.report()
+        name = limit.name.replace("_", " ")
+        if limit.model:
+            name += f" ({limit.model})"
+        rows.append(UsageRow(name, shown["used"], shown["max"], limit.reset_s, limit.resets_at))
+    return rows
 
 
 async def tenant_row(gateway: Gateway, name: str, entry: TenantEntry, now: datetime) -> TenantRow:
     tenant = tenant_of(name, entry)
     home_name = gateway.access.home_policy_name(tenant)
     keys = [key_row(key, now) for key in entry.keys]
-    windows = Windows.at(now.timestamp())
     common: dict[str, Any] = {
         "name": name,
         "policy": home_name,
@@ -134,17 +112,13 @@ async def tenant_row(gateway: Gateway, name: str, entry: TenantEntry, now: datet
     }
     home = gateway.policies.get(home_name)
     if home is None:
-        return TenantRow(**common, usage=[], budget=None, problem=f"home policy '{home_name}' is not loaded")
+        return TenantRow(**common, usage=[], problem=f"home policy '{home_name}' is not loaded")
     limits = gateway.accounting.limits_for(tenant, home)
     try:
-        usage = await gateway.store.usage(name, now.timestamp())
+        usage = await gateway.store.usage(name, limits, now.timestamp())
     except StoreUnavailable:
-        return TenantRow(
-            **common, usage=[], budget=budget_text(limits, windows), problem="the quota ledger is unreachable"
-        )
-    return TenantRow(
-        **common, usage=usage_rows(usage, limits, windows), budget=budget_text(limits, windows), problem=None
-    )
+        return TenantRow(**common, usage=[], problem="the quota ledger is unreachable")
+    return TenantRow(**common, usage=usage_rows(usage), problem=None)
 
 
 async def tenants_view(gateway: Gateway, keys_file: Path | None, now: datetime) -> TenantsView:

@@ -288,7 +288,7 @@ def test_pages_render_for_the_admin(server, files):
     assert chat(server.url, files.tenant_key).status_code == 200
     tenants = client.get("/console").text
     assert "acme" in tenants and hash_key(files.tenant_key)[:8] in tenants and files.tenant_key not in tenants
-    assert "requests this minute" in tenants
+    assert "requests per minute" in tenants and "resets" in tenants.lower()
     assert "console-test" in client.get("/console/policies").text
     engine = client.get("/console/engine").text
     assert 'id="running"' in engine and "TTFT" in engine
