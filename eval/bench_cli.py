@@ -1,6 +1,7 @@
 """`ctxgate bench ...`: each benchmark's flags and the function that runs it (import-light: the work
 happens in the modules a command imports when it runs). `bench engine` belongs to the engine
-(eval/bench_engine*.py); `bench prefill`, `e2e`, `slo`, `prefix`, `route` and `gpu` to the eval harness."""
+(eval/bench_engine*.py); `bench prefill`, `e2e`, `slo`, `prefix`, `route`, `gpu` and `fairness`
+(its flags in eval/bench_fairness_cli.py) to the eval harness."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ctxgate.backend.settings.cli_actions import (
     nice_increment,
     positive_number,
 )
+from ctxgate.eval.bench_fairness_cli import register_bench_fairness
 from ctxgate.eval.cli_common import add_gateway_args, quiet_http_logs, require_eval_extra
 
 
@@ -35,6 +37,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     _register_bench_slo(bench_sub)
     _register_bench_prefix(bench_sub)
     _register_bench_route(bench_sub)
+    register_bench_fairness(bench_sub)
 
 
 def _register_bench_prefill(bench_sub: argparse._SubParsersAction) -> None:
