@@ -13,6 +13,7 @@ A's goodput with fair queuing on and off, and the prefill-token shares each tena
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import re
@@ -24,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from ctxgate.eval.loadgen import poisson_offsets, uniform_offsets
+from ctxgate.eval.loadgen import poisson_offsets
 from ctxgate.eval.server import GatewayProcess
 from ctxgate.eval.streaming import stream_chat
 
@@ -139,6 +140,14 @@ class Tenants:
     quiet: httpx.AsyncClient
 
 
+@dataclass
+class Segment:
+    """One arm's run: its requests and how long A's load lasted (the goodput's denominator)."""
+
+    outcomes: list[Outcome]
+    duration_s: float
+
+
 async def _segment(
     url: str,
     tenants: Tenants,
@@ -147,8 +156,10 @@ async def _segment(
     options: FairnessOptions,
     rate: float,
     prompts: Prompts,
-) -> list[Outcome]:
-    """One arm's segment: B's arrivals (the same in each arm of a round) and, unless alone, A's."""
+) -> Segment:
+    """One arm: B's arrivals over `segment_s` (the same in each arm of a round) and, unless alone, A's
+    steady load for as long as any B request is unanswered (at least `segment_s`), so B meets the
+    noise until its last request and A's goodput is measured over the whole arm."""
     quiet_offsets = [
         at
         for at in poisson_offsets(
@@ -158,28 +169,31 @@ async def _segment(
         )
         if at < options.segment_s
     ] or [0.0]
-    noisy_offsets = [] if arm == "alone" else uniform_offsets(max(1, int(rate * options.segment_s)), rate)
     started = time.perf_counter()
+    outcomes: list[Outcome] = []
 
-    def request(client: httpx.AsyncClient, tenant: str, offset: float, text: str):
+    def launch(client: httpx.AsyncClient, tenant: str, offset: float, text: str) -> asyncio.Task[Outcome]:
         outcome = Outcome(tenant, arm, round_index, offset, "cut")
-        return lambda: _send(client, url, text, options, outcome), outcome
+        outcomes.append(outcome)
+        return asyncio.create_task(_at(offset, started, lambda: _send(client, url, text, options, outcome)))
 
-    quiet, noisy, outcomes = [], [], []
-    for offset in quiet_offsets:
-        factory, outcome = request(tenants.quiet, QUIET, offset, prompts.quiet())
-        quiet.append(asyncio.create_task(_at(offset, started, factory)))
-        outcomes.append(outcome)
-    for offset in noisy_offsets:
-        factory, outcome = request(tenants.noisy, NOISY, offset, prompts.noisy())
-        noisy.append(asyncio.create_task(_at(offset, started, factory)))
-        outcomes.append(outcome)
+    quiet = [launch(tenants.quiet, QUIET, offset, prompts.quiet()) for offset in quiet_offsets]
+    noisy: list[asyncio.Task[Outcome]] = []
+    if arm != "alone":
+        for index in itertools.count():
+            offset = index / rate
+            quiet_done = all(task.done() for task in quiet)
+            if offset >= options.segment_s and quiet_done:
+                break
+            await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
+            noisy.append(launch(tenants.noisy, NOISY, offset, prompts.noisy()))
     await asyncio.gather(*quiet)  # every B request is answered: its TTFT is the measurement
     await asyncio.sleep(max(0.0, started + options.segment_s - time.perf_counter()))
+    duration_s = time.perf_counter() - started
     for task in noisy:
         task.cancel()  # A's requests still open are cut: closing the stream aborts them upstream
     await asyncio.gather(*noisy, return_exceptions=True)
-    return outcomes
+    return Segment(outcomes, duration_s)
 
 
 async def _wait_idle(url: str, timeout_s: float = 120.0) -> None:
@@ -235,26 +249,34 @@ async def _run(
         capacity = await _capacity(urls["fair"], tenants.noisy, options, prompts)
         rate = options.noisy_rate or options.overload * capacity
         outcomes: list[Outcome] = []
+        durations = {arm: 0.0 for arm in ARMS}
         for round_index in range(options.rounds):
             for arm in ARMS:
                 url = urls["fifo" if arm == "fifo" else "fair"]
                 segment = await _segment(url, tenants, arm, round_index, options, rate, prompts)
-                outcomes.extend(segment)
+                outcomes.extend(segment.outcomes)
+                durations[arm] += segment.duration_s
                 await _wait_idle(url)
                 if options.progress:
                     print(f"round {round_index + 1}/{options.rounds} {arm}: {_progress(segment)}", flush=True)
     finally:
         await tenants.noisy.aclose()
         await tenants.quiet.aclose()
-    return {"capacity_rps": capacity, "noisy_rate": rate, "outcomes": [asdict(o) for o in outcomes]}
+    return {
+        "capacity_rps": capacity,
+        "noisy_rate": rate,
+        "arm_seconds": durations,
+        "outcomes": [asdict(o) for o in outcomes],
+    }
 
 
-def _progress(segment: list[Outcome]) -> str:
+def _progress(segment: Segment) -> str:
     counts: dict[str, int] = {}
-    for outcome in segment:
+    for outcome in segment.outcomes:
         name = f"{outcome.tenant}:{outcome.status}"
         counts[name] = counts.get(name, 0) + 1
-    return ", ".join(f"{name} {count}" for name, count in sorted(counts.items()))
+    listed = ", ".join(f"{name} {count}" for name, count in sorted(counts.items()))
+    return f"{listed} in {segment.duration_s:.0f} s"
 
 
 def run_bench_fairness(options: FairnessOptions, out_dir: str | Path, command: str = "") -> dict[str, Any]:

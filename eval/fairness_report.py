@@ -14,23 +14,20 @@ QUIET_P95_BAR = 1.5
 NOISY_GOODPUT_BAR = 0.9
 
 
-def _arm(outcomes: list[dict[str, Any]], arm: str, options: FairnessOptions) -> dict[str, Any]:
+def _arm(outcomes: list[dict[str, Any]], arm: str, served_s: float) -> dict[str, Any]:
     rows = [row for row in outcomes if row["arm"] == arm]
-    served_s = options.segment_s * options.rounds
     quiet = [row for row in rows if row["tenant"] == QUIET]
     noisy = [row for row in rows if row["tenant"] == NOISY]
-    # Goodput: A's requests answered in full within their segment (cut ones and late ones do not count).
-    noisy_done = [row for row in noisy if row["status"] == "ok" and row["finished_s"] <= options.segment_s]
+    # Goodput: A's requests answered in full while the arm ran (those cut at its end do not count),
+    # per second of the arm: A's load lasts until B's last answer, so each arm's length differs.
+    noisy_done = [row for row in noisy if row["status"] == "ok"]
     prefill = {
-        tenant: sum(
-            row["prompt_tokens"]
-            for row in rows
-            if row["tenant"] == tenant and row["status"] == "ok" and row["finished_s"] <= options.segment_s
-        )
+        tenant: sum(row["prompt_tokens"] for row in rows if row["tenant"] == tenant and row["status"] == "ok")
         for tenant in (NOISY, QUIET)
     }
     total = sum(prefill.values())
     return {
+        "seconds": round(served_s, 1),
         "quiet_requests": len(quiet),
         "quiet_ok": sum(row["status"] == "ok" for row in quiet),
         "quiet_ttft_s": percentiles([row["ttft_s"] for row in quiet if row["status"] == "ok"]),
@@ -60,7 +57,7 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def summarize(raw: dict[str, Any], options: FairnessOptions) -> dict[str, Any]:
     outcomes = raw["outcomes"]
-    arms = {arm: _arm(outcomes, arm, options) for arm in ARMS}
+    arms = {arm: _arm(outcomes, arm, raw["arm_seconds"][arm]) for arm in ARMS}
 
     def quiet_ttfts(arm: str) -> list[float]:
         return [
@@ -112,18 +109,19 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"A ({NOISY}): {options['noisy_prompt_tokens']}-token prompts at {report['noisy_rate_rps']} req/s "
         f"({options['overload']}x the measured capacity of {report['capacity_rps']} req/s unless set); "
         f"B ({QUIET}): short prompts at {options['quiet_rate']} req/s (Poisson); {options['output_tokens']} "
-        f"output tokens each. {options['rounds']} rounds of {options['segment_s']:g} s per arm, interleaved.",
+        f"output tokens each. {options['rounds']} rounds of each arm, interleaved: B's arrivals over "
+        f"{options['segment_s']:g} s, A's load until B's last answer.",
         "",
-        "| arm | B requests (ok) | B TTFT P50 s | B TTFT P95 s | A goodput req/s | A prefill tok/s "
+        "| arm | s | B requests (ok) | B TTFT P50 s | B TTFT P95 s | A goodput req/s | A prefill tok/s "
         "| prefill share A / B | A statuses |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in ARMS:
         row = report["arms"][arm]
         share = row["prefill_share"]
         statuses = ", ".join(f"{status} {count}" for status, count in row["noisy_statuses"].items()) or "-"
         lines.append(
-            f"| {arm} | {row['quiet_requests']} ({row['quiet_ok']}) | {_cell(row['quiet_ttft_s']['p50'])} "
+            f"| {arm} | {row['seconds']} | {row['quiet_requests']} ({row['quiet_ok']}) | {_cell(row['quiet_ttft_s']['p50'])} "
             f"| {_cell(row['quiet_ttft_s']['p95'])} | {row['noisy_goodput_rps']} "
             f"| {row['noisy_prefill_tokens_per_s']} | {_cell(share[NOISY])} / {_cell(share[QUIET])} | {statuses} |"
         )
