@@ -57,10 +57,6 @@ class FairQueue:
             self._finish.clear()
             self._prune_at = _PRUNE_FLOOR
 
-    def next_start(self, tenant: str | None) -> float:
-        """Where the tenant's next request would start in virtual time."""
-        return max(self.virtual_time, self._finish.get(tenant, 0.0))
-
     @property
     def num_tenants(self) -> int:
         """Tenants whose finish is still remembered (bounded: see `_prune`)."""
