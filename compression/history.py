@@ -245,6 +245,7 @@ class HistorySummarizer:
             messages=messages,
             # Per tenant: tenants never share (or time) each other's cached summary prompts.
             cache_salt=self.salt(tenant),
+            tenant=tenant,  # the summary is the tenant's prefill: it spends the tenant's fair share
         )
         self.engine_calls += 1
         pieces: list[str] = []

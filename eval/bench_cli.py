@@ -1,7 +1,8 @@
 """`ctxgate bench ...`: each benchmark's flags and the function that runs it (import-light: the work
 happens in the modules a command imports when it runs). `bench engine` belongs to the engine
-(eval/bench_engine*.py); `bench prefill`, `e2e`, `slo`, `prefix`, `multiturn`, `route` and `gpu` to the eval
-harness (`multiturn` registers its own flags: eval/bench_multiturn.py)."""
+(eval/bench_engine*.py); `bench prefill`, `e2e`, `slo`, `prefix`, `multiturn`, `route`, `gpu` and
+`fairness` to the eval harness (`multiturn` and `fairness` register their own flags:
+eval/bench_multiturn.py, eval/bench_fairness_cli.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ctxgate.backend.settings.cli_actions import (
     nice_increment,
     positive_number,
 )
+from ctxgate.eval.bench_fairness_cli import register_bench_fairness
 from ctxgate.eval.cli_common import add_gateway_args, quiet_http_logs, require_eval_extra
 
 
@@ -39,6 +41,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
 
     register_multiturn(bench_sub)
     _register_bench_route(bench_sub)
+    register_bench_fairness(bench_sub)
 
 
 def _register_bench_prefill(bench_sub: argparse._SubParsersAction) -> None:

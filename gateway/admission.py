@@ -16,7 +16,15 @@ The places are shared by every tenant, so one key must not be able to take them 
   `max_queued_per_key` of them waiting; beyond either it gets 429 `too_many_open_requests` /
   `too_many_queued_requests`, its own refusal, while other keys are admitted as before.
 
-Without keys (open mode) there is no key to count by: the global bounds alone apply.
+Under overload the places go by the tenants' weights (the keys file's `weight`, the same shares the
+engine's fair queue uses; `admission_shares.py`). A tenant's load is its requests running and queued
+per unit of weight: a freed slot goes to the waiter whose tenant's load is lowest, and when the queue
+is full a newcomer whose tenant's load would stay below the most-loaded waiting tenant's takes the
+place of that tenant's newest waiter, which gets the 503 instead. A tenant over its weighted share is
+shed first; a quiet one still gets in.
+
+Without keys (open mode) there is no key to count by: the global bounds alone apply, first come,
+first served.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import ClientDisconnect
 
 from ctxgate.backend.openai_api.errors import APIError
+from ctxgate.gateway.admission_shares import Admittee, TenantShares
 
 # Paths whose requests reach the model; everything else (health, metrics, models) is never queued.
 ADMITTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/ctxgate/compress")
@@ -58,8 +67,15 @@ class KeyOverLimit(Overloaded):
         self.code = code
 
 
+@dataclass(eq=False)
+class _Waiter:
+    future: asyncio.Future[None]
+    who: Admittee | None
+
+
 class AdmissionController:
-    """Counts requests in flight; a bounded FIFO of waiters gets freed slots in arrival order."""
+    """Counts requests in flight; a bounded queue of waiters gets freed slots by tenant share, then
+    in arrival order."""
 
     def __init__(
         self,
@@ -81,9 +97,11 @@ class AdmissionController:
         self.admitted = 0
         self.rejected = 0
         self.draining = False
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: list[_Waiter] = []
         self.max_queued_per_key = max_queued_per_key
         self._queued_by_key: dict[str, int] = {}
+        self.shares = TenantShares()
+        self.shed = 0  # waiters refused to make room for a tenant under its share
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(self.in_flight, len(self._waiters), self.admitted, self.rejected, self.draining)
@@ -92,26 +110,20 @@ class AdmissionController:
         """Refuse new requests from now on; requests already admitted run to the end."""
         self.draining = True
         for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_exception(Overloaded("the gateway is shutting down", self.retry_after_s))
+            if not waiter.future.done():
+                waiter.future.set_exception(Overloaded("the gateway is shutting down", self.retry_after_s))
         self._waiters.clear()
 
-    async def acquire(self, key: str | None = None) -> None:
-        """A slot, waiting for one in the queue if need be. `key`: the API key's id, whose waiting
-        requests are capped at `max_queued_per_key`."""
+    async def acquire(self, who: Admittee | None = None) -> None:
+        """A slot, waiting for one in the queue if need be. `who`: the API key (whose waiting requests
+        are capped at `max_queued_per_key`) and its tenant's share; None in open mode."""
         if self.draining:
             self.rejected += 1
             raise Overloaded("the gateway is shutting down; retry on another replica", self.retry_after_s)
         if self.max_in_flight is None or (self.in_flight < self.max_in_flight and not self._waiters):
-            self._admit()
+            self._admit(who)
             return
-        if len(self._waiters) >= self.max_queued:
-            self.rejected += 1
-            raise Overloaded(
-                f"the gateway is at capacity ({self.in_flight} requests running, {len(self._waiters)} queued); "
-                "retry later",
-                self.retry_after_s,
-            )
+        key = who.key if who is not None else None
         queued = self._queued_by_key.get(key, 0) if key is not None else 0
         if key is not None and self.max_queued_per_key is not None and queued >= self.max_queued_per_key:
             self.rejected += 1
@@ -121,12 +133,14 @@ class AdmissionController:
                 self.retry_after_s,
                 "too_many_queued_requests",
             )
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if len(self._waiters) >= self.max_queued:
+            self._shed_for(who)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), who)
         self._waiters.append(waiter)
         if key is not None:
             self._queued_by_key[key] = queued + 1
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_s)
+            await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout_s)
         except TimeoutError:
             self._drop_waiter(waiter)
             self.rejected += 1
@@ -142,22 +156,49 @@ class AdmissionController:
         # `release` handed its slot to this waiter: in_flight already counts it.
         self.admitted += 1
 
-    def _admit(self) -> None:
+    def _shed_for(self, who: Admittee | None) -> None:
+        """The queue is full: make room for `who` by refusing the newest waiter of the tenant most over
+        its weighted share, or refuse `who` when no waiting tenant holds more than it would."""
+        victim = self.shares.victim([waiter.who for waiter in self._waiters], who)
+        if victim is None:
+            self.rejected += 1
+            raise Overloaded(
+                f"the gateway is at capacity ({self.in_flight} requests running, {len(self._waiters)} queued); "
+                "retry later",
+                self.retry_after_s,
+            )
+        waiter = self._waiters.pop(victim)
+        self.shed += 1
+        self.rejected += 1
+        waiter.future.set_exception(
+            Overloaded(
+                "the gateway is at capacity and this tenant holds more than its weighted share of it; "
+                "retry later",
+                self.retry_after_s,
+            )
+        )
+
+    def _admit(self, who: Admittee | None) -> None:
         self.in_flight += 1
         self.admitted += 1
+        self.shares.started(who)
 
-    def _drop_waiter(self, waiter: asyncio.Future[None]) -> None:
+    def _drop_waiter(self, waiter: _Waiter) -> None:
         if waiter in self._waiters:
             self._waiters.remove(waiter)
-        elif waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+        elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
             # The slot was handed over just as the waiter gave up: give it back.
-            self.release()
+            self.release(waiter.who)
 
-    def release(self) -> None:
+    def release(self, who: Admittee | None = None) -> None:
+        """`who`'s request is done: its slot passes to the waiter whose tenant's load is lowest (the
+        oldest of those), or is freed."""
+        self.shares.finished(who)
         while self._waiters:
-            waiter = self._waiters.pop(0)
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes straight to the next waiter
+            waiter = self._waiters.pop(self.shares.next_in_line([waiter.who for waiter in self._waiters]))
+            if not waiter.future.done():
+                waiter.future.set_result(None)  # the slot passes straight to this waiter
+                self.shares.started(waiter.who)
                 return
         self.in_flight -= 1
 
@@ -175,9 +216,9 @@ def overloaded_response(exc: Overloaded) -> APIError:
     return APIError(503, str(exc), code="overloaded", error_type="overloaded_error", headers=headers)
 
 
-# The API key's id from a request's headers (None in open mode); raises APIError (401) for a missing
-# or invalid key.
-KeyOf = Callable[[dict[bytes, bytes]], str | None]
+# Who sends a request, from its headers: its API key's id and its tenant's share (None in open mode);
+# raises APIError (401) for a missing or invalid key.
+KeyOf = Callable[[dict[bytes, bytes]], Admittee | None]
 
 
 class AdmissionControl:
@@ -206,22 +247,22 @@ class AdmissionControl:
         ):
             return await self.app(scope, receive, send)
         try:
-            key = self.key_of(dict(scope.get("headers") or [])) if self.key_of is not None else None
-            self._open(key)
+            who = self.key_of(dict(scope.get("headers") or [])) if self.key_of is not None else None
+            self._open(who)
         except APIError as exc:
             return await exc.response()(scope, receive, send)
         except Overloaded as exc:
             return await overloaded_response(exc).response()(scope, receive, send)
         try:
-            return await self._admit(scope, receive, send, key)
+            return await self._admit(scope, receive, send, who)
         finally:
-            if key is not None:
-                _decrement(self._open_by_key, key)
+            if who is not None:
+                _decrement(self._open_by_key, who.key)
 
-    def _open(self, key: str | None) -> None:
-        if key is None:
+    def _open(self, who: Admittee | None) -> None:
+        if who is None:
             return
-        count = self._open_by_key.get(key, 0)
+        count = self._open_by_key.get(who.key, 0)
         if self.max_open_per_key is not None and count >= self.max_open_per_key:
             self.controller.rejected += 1
             raise KeyOverLimit(
@@ -229,9 +270,9 @@ class AdmissionControl:
                 self.controller.retry_after_s,
                 "too_many_open_requests",
             )
-        self._open_by_key[key] = count + 1
+        self._open_by_key[who.key] = count + 1
 
-    async def _admit(self, scope, receive, send, key: str | None) -> None:
+    async def _admit(self, scope, receive, send, who: Admittee | None) -> None:
         try:
             body = await _read_body(receive)
         except APIError as exc:  # over the size limit, or not received in time
@@ -240,7 +281,7 @@ class AdmissionControl:
             return None  # the client left while sending its body: nobody to answer
         started = time.perf_counter()
         try:
-            await self.controller.acquire(key)
+            await self.controller.acquire(who)
         except Overloaded as exc:
             return await overloaded_response(exc).response()(scope, receive, send)
         scope.setdefault("state", {})["admission_wait_s"] = time.perf_counter() - started
@@ -249,7 +290,7 @@ class AdmissionControl:
         except ClientDisconnect:
             return None  # the client left while queued or running: nobody to answer
         finally:
-            self.controller.release()
+            self.controller.release(who)
 
 
 async def _read_body(receive: Callable[[], Awaitable[dict]]) -> bytes | None:
@@ -298,4 +339,9 @@ class AdmissionCollector:
         yield CounterMetricFamily("ctxgate:admission_admitted", "requests given a slot", stats.admitted)
         yield CounterMetricFamily(
             "ctxgate:admission_rejected", "requests refused with 503 (full or draining)", stats.rejected
+        )
+        yield CounterMetricFamily(
+            "ctxgate:admission_shed",
+            "queued requests refused with 503 to make room for a tenant under its weighted share",
+            self.controller.shed,
         )

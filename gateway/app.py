@@ -22,6 +22,7 @@ from ctxgate.backend.openai_api.http import (
     document_request_bodies,
 )
 from ctxgate.gateway.admission import AdmissionCollector, AdmissionControl, AdmissionController, KeyOf
+from ctxgate.gateway.admission_shares import Admittee
 from ctxgate.gateway.console.admin_key import load_admin_key
 from ctxgate.gateway.console.install import install_console
 from ctxgate.gateway.keys import KeyStore
@@ -159,15 +160,18 @@ def _policy_registry(settings: GatewaySettings, metrics: GatewayMetrics) -> Poli
 
 
 def _key_of(gateway: Gateway) -> KeyOf:
-    """The request's API key id from its headers, as the routes authenticate it (401 for a bad key)."""
+    """The request's API key id and tenant share from its headers, as the routes authenticate it (401
+    for a bad key)."""
 
-    def key_of(headers: dict[bytes, bytes]) -> str | None:
+    def key_of(headers: dict[bytes, bytes]) -> Admittee | None:
         def header(name: bytes) -> str | None:
             value = headers.get(name)
             return None if value is None else value.decode("latin-1")
 
         tenant = gateway.access.authenticate(header(b"authorization"), header(b"x-api-key"))
-        return tenant.key.key_id if tenant.key is not None else None
+        if tenant.key is None:
+            return None
+        return Admittee(key=tenant.key.key_id, tenant=tenant.name, weight=tenant.weight)
 
     return key_of
 

@@ -9,6 +9,8 @@ Only hashes are stored, so a leaked keys file does not leak credentials. File la
                                          # the home policy always counts; default: the home policy only
         indexes: [acme-docs]           # optional: retrieval indexes it may search; default: none
         quota: {tokens_per_minute: 5000} # optional; overrides the home policy's quota fields
+        weight: 2                      # optional: its share of the engine's prefill and of admission
+                                       # under overload, against other tenants' weights (default 1)
         keys:
           - sha256: 3f2a...
             created: "2026-01-01T00:00:00Z"
@@ -47,6 +49,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ctxgate.backend.engine.api import MAX_TENANT_WEIGHT
 from ctxgate.compression.store.index_names import INDEX_NAME_PATTERN
 from ctxgate.policies.schema import TimeZone
 
@@ -193,6 +196,13 @@ class TenantEntry(_Strict):
         description="the tenant's limits, overriding its policy's quota "
         "field by field (the smaller limit wins)",
     )
+    weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=MAX_TENANT_WEIGHT,
+        description="the tenant's share against other tenants' weights: of the built-in engine's prefill "
+        "tokens (fair queuing) and of the admission queue when the gateway sheds load",
+    )
     keys: list[KeyEntry] = Field(default_factory=list, description="the tenant's API keys, as their hashes")
 
     @model_validator(mode="after")
@@ -237,6 +247,7 @@ class Tenant:
     # is added by the gateway, which knows the default; an empty tuple means the home policy only).
     policies: tuple[str, ...] | None = None
     indexes: tuple[str, ...] | None = None
+    weight: float = 1.0  # the keys file's: its fair share of the engine and of admission
 
     @property
     def bounded(self) -> bool:
@@ -336,6 +347,7 @@ class KeyStore:
                     key=info,
                     policies=tuple(entry.policies or ()),
                     indexes=tuple(entry.indexes or ()),
+                    weight=entry.weight,
                 )
                 entries[key.sha256] = key
         with self._lock:

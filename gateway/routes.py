@@ -191,6 +191,8 @@ async def _answer(
         model=body.model,
         route_key=prepared.route_key,
         allowed_models=frozenset(gateway.access.allowed_models(prepared.tenant)),
+        tenant=prepared.tenant.name,
+        weight=prepared.tenant.weight,
     )
     writer = ResponseWriter(
         prepared.request_id,

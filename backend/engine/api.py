@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # type-only: this module stays free of the tokenizer and metr
 MAX_N = 16  # choices per request
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's limit
 MAX_LOGIT_BIAS = 300  # biased tokens per request
+MAX_TENANT_WEIGHT = 1000.0  # a tenant's fair-queuing weight; 1 is the default share
 
 
 class Priority(enum.IntEnum):
@@ -91,6 +92,11 @@ class GenerationRequest:
     route_key: str | None = None
     # The served model names the caller's key may use (None: any): fallbacks outside it are skipped.
     allowed_models: frozenset[str] | None = None
+    # Fair queuing (ctxgate.backend.engine.fair_queue): whose share of the engine's prefill tokens this
+    # request spends (None: the unnamed tenant every such request shares) and that tenant's weight,
+    # in (0, MAX_TENANT_WEIGHT].
+    tenant: str | None = None
+    weight: float = 1.0
 
 
 @dataclass
@@ -147,6 +153,17 @@ class EngineError(Exception):
         # What an upstream server said was wrong, kept so the client still learns which field.
         self.param = param
         self.code = code
+
+
+def check_weight(weight: float) -> None:
+    """Raise EngineError (400, naming `weight`) unless `weight` is a finite number in (0, MAX_TENANT_WEIGHT]."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= MAX_TENANT_WEIGHT:
+        raise EngineError(
+            f"weight must be a number above 0 and at most {MAX_TENANT_WEIGHT:g}",
+            400,
+            param="weight",
+            code="invalid_value",
+        )
 
 
 class SideWorkRunner(Protocol):

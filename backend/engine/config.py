@@ -91,6 +91,11 @@ class EngineConfig(BaseModel):
     ttft_target_ms: float = Field(
         default=1500.0, gt=0, description="time-to-first-token target the scheduler plans prefill for"
     )
+    fair_queuing: bool = Field(
+        default=True,
+        description="order waiting requests by weighted fair queuing between tenants on prefill tokens "
+        "(each tenant's keys-file weight), inside each priority class; false: first come, first served",
+    )
     num_threads: Annotated[int | None, Cli(old=("--threads",))] = Field(
         default=None, ge=1, description="torch CPU threads; default: every core"
     )

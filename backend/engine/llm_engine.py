@@ -13,7 +13,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ctxgate.backend.engine.api import EngineError, GenerationDelta, GenerationRequest, SamplingParams
+from ctxgate.backend.engine.api import (
+    EngineError,
+    GenerationDelta,
+    GenerationRequest,
+    SamplingParams,
+    check_weight,
+)
 from ctxgate.backend.engine.block_manager import BlockManager
 from ctxgate.backend.engine.config import EngineConfig
 from ctxgate.backend.engine.isolated_step import run_step
@@ -104,7 +110,11 @@ class LLMEngine:
         self.kv_cache = KVCache(spec, num_blocks + (1 if graphs or traced else 0), self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, config.ttft_target_ms
+            self.block_manager,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.ttft_target_ms,
+            fair_queuing=config.fair_queuing,
         )
         decode_graphs = None
         if graphs or traced:
@@ -154,6 +164,7 @@ class LLMEngine:
             )
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise EngineError(f"prompt token ids must be in [0, {self.vocab_size})", 400)
+        check_weight(request.weight)
         try:
             sampling = admitted(request.sampling, self.vocab_size, self.config.max_num_seqs)
         except SamplingParamError as exc:
@@ -176,6 +187,8 @@ class LLMEngine:
             arrival_order=next(self._arrival_counter),
             priority=request.priority,
             cache_salt=request.cache_salt,
+            tenant=request.tenant,
+            weight=request.weight,
             index=index,
         )
         if request.arrival_time is not None:
@@ -197,10 +210,13 @@ class LLMEngine:
             first.priority,
             first.cache_salt,
             arrival_time=first.arrival_time,
+            tenant=first.tenant,
+            weight=first.weight,
         )
         for index in range(1, group.pending_forks + 1):
             child = self._new_sequence(request, index)
             child.arrival_order = first.arrival_order  # the request's place in the queue, not a new one
+            child.virtual_finish = first.virtual_finish  # and its fair share paid once, by the first
             child.first_scheduled_time = first.first_scheduled_time
             group.sequences.append(child)
             if self.scheduler.has_room(1) and self.block_manager.fork(first, child):

@@ -1,10 +1,16 @@
 """Continuous-batching scheduler (one token budget per step, chunked prefill, preemption).
 
 Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seqs` sequences:
-running sequences first (decodes, then unfinished prefill chunks), then waiting requests admitted
-FCFS within priority classes, their prompts cut into chunks that fit the remaining budget. When
-the KV pool runs out, the lowest-priority, newest running sequence is preempted: its blocks are
-freed and it is recomputed later (its full blocks usually come back through the prefix cache).
+running sequences first (decodes, then unfinished prefill chunks), then waiting requests, their
+prompts cut into chunks that fit the remaining budget. When the KV pool runs out, the running
+sequence last in that same order is preempted: its blocks are freed and it is recomputed later (its
+full blocks usually come back through the prefix cache).
+
+Order: priority class first (every user request before any background one, whatever its tenant);
+inside a class, weighted fair queuing between tenants on prefill tokens — the earliest virtual finish
+goes first (`fair_queue.py`: a request starts where its tenant's previous one ended, never before the
+system's virtual time, and lasts its prompt tokens / the tenant's weight), so a tenant flooding the
+queue delays only itself; ties, and everything with fair queuing off, go by arrival (FCFS).
 
 TTFT target: the scheduler keeps an estimate of prefill speed. When the first waiting user request
 would miss `ttft_target_ms` at that speed, background-priority work yields: background sequences
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ctxgate.backend.engine.api import Priority
 from ctxgate.backend.engine.block_manager import BlockManager, require_invariant
+from ctxgate.backend.engine.fair_queue import FairQueue
 from ctxgate.backend.engine.sequence import Sequence, SequenceStatus
 
 
@@ -50,11 +57,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         ttft_target_ms: float = 1500.0,
+        fair_queuing: bool = True,
     ):
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.ttft_target_s = ttft_target_ms / 1000.0
+        self.fair = FairQueue(enabled=fair_queuing)
         self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -74,6 +83,7 @@ class Scheduler:
     # ---- queue management ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.fair.stamp(seq)
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def has_room(self, num_seqs: int) -> bool:
@@ -83,6 +93,7 @@ class Scheduler:
         """Run a sequence that already holds blocks (a choice forked from its request's first,
         `BlockManager.fork`): it computes its prompt's tail next step, with no admission."""
         assert seq.block_table and self.has_room(1)
+        self.fair.stamp(seq)
         seq.status = SequenceStatus.RUNNING
         seq.first_scheduled_time = seq.first_scheduled_time or time.perf_counter()
         seq.cached_prompt_tokens = seq.num_computed_tokens
@@ -113,12 +124,16 @@ class Scheduler:
             require_invariant(
                 seq.status is SequenceStatus.RUNNING, f"running {seq.request_id} is {seq.status}"
             )
+        for seq in self.waiting + self.running:
+            require_invariant(seq.virtual_finish is not None, f"{seq.request_id} has no virtual finish")
         waiting_ids = {id(seq) for seq in self.waiting}
         require_invariant(
             not any(id(seq) in waiting_ids for seq in self.running), "a sequence is both waiting and running"
         )
         keys = [seq.sort_key for seq in self.waiting]
-        require_invariant(keys == sorted(keys), "the waiting queue is out of priority/FCFS order")
+        require_invariant(
+            keys == sorted(keys), "the waiting queue is out of priority / virtual finish / arrival order"
+        )
         require_invariant(
             len(self.running) <= self.max_num_seqs,
             f"{len(self.running)} sequences run, more than max_num_seqs={self.max_num_seqs}",
@@ -216,6 +231,7 @@ class Scheduler:
             if not self.block_manager.allocate_slots(seq, num_new, cached_blocks):
                 break
             self.waiting.pop(0)
+            self.fair.admitted(seq)
             if first_admission:
                 seq.cached_prompt_tokens = num_cached
                 self.prefix_cache_queried_tokens += seq.num_tokens
@@ -227,10 +243,12 @@ class Scheduler:
             output.scheduled.append(ScheduledSequence(seq, num_new))
             scheduled_ids.add(id(seq))
             budget -= num_new
+        if not self.waiting:
+            self.fair.drained()
         return output
 
     def _make_room(self, output: SchedulerOutput, scheduled_ids: set[int]) -> bool:
-        """Preempt the newest unscheduled background sequence so a user request can start."""
+        """Preempt the unscheduled background sequence last in order so a user request can start."""
         background = [
             s for s in self.running if s.priority is Priority.BACKGROUND and id(s) not in scheduled_ids
         ]

@@ -28,6 +28,8 @@ class Sequence:
     arrival_order: int  # global FCFS tie-breaker
     priority: Priority = Priority.USER
     cache_salt: str | None = None
+    tenant: str | None = None  # whose share of the prefill this sequence spends (None: the unnamed tenant)
+    weight: float = 1.0  # the tenant's weight when the request arrived
     arrival_time: float = field(default_factory=time.perf_counter)
     index: int = 0  # which of the request's n choices this sequence makes
 
@@ -40,6 +42,9 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     cached_prompt_tokens: int | None = None  # prefix-cache hit at first admission
+    # Stamped once by the scheduler's fair queue (ctxgate.backend.engine.fair_queue) when first queued;
+    # kept through preemption, shared by the request's forked choices.
+    virtual_finish: float | None = None
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -76,9 +81,11 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Scheduling order: priority class first, then arrival (FCFS)."""
-        return (int(self.priority), self.arrival_order)
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: priority class first, then virtual finish (fair queuing between tenants;
+        0 for all with fair queuing off), then arrival (FCFS)."""
+        virtual_finish = 0.0 if self.virtual_finish is None else self.virtual_finish
+        return (int(self.priority), virtual_finish, self.arrival_order)
 
 
 @dataclass(eq=False)

@@ -126,6 +126,8 @@ class EngineServer:
                 sampling=self.sampling_for(body, max_tokens, len(prompt_ids), asks.sampling),
                 priority=_priority_from(body.priority),
                 cache_salt=body.cache_salt,
+                # A ctxgate gateway sends each tenant's own salt, so it also names the fair-queuing tenant.
+                tenant=body.cache_salt,
             )
         )
 

@@ -50,8 +50,9 @@ def remove(scheduler: Scheduler, seq: Sequence) -> None:
     scheduler.check_invariants()
 
 
-def make_scheduler(num_blocks=64, budget=32, max_seqs=8, ttft_ms=1e9) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, BLOCK, enable_prefix_caching=False), budget, max_seqs, ttft_ms)
+def make_scheduler(num_blocks=64, budget=32, max_seqs=8, ttft_ms=1e9, fair=True) -> Scheduler:
+    manager = BlockManager(num_blocks, BLOCK, enable_prefix_caching=False)
+    return Scheduler(manager, budget, max_seqs, ttft_ms, fair_queuing=fair)
 
 
 def test_token_budget_is_respected_and_long_prompts_are_chunked():
@@ -86,7 +87,9 @@ def test_decodes_are_scheduled_before_prefills():
 
 
 def test_priority_classes_then_fcfs():
-    scheduler = make_scheduler(budget=4)
+    # Added out of arrival order, which only FCFS can see: with fair queuing a tenant's requests go in
+    # the order they were added (the engine adds them as they arrive), see tests/backend/test_fair_queue.py.
+    scheduler = make_scheduler(budget=4, fair=False)
     background = make_seq(4, 0, Priority.BACKGROUND)
     user_late = make_seq(4, 2, Priority.USER)
     user_early = make_seq(4, 1, Priority.USER)
@@ -177,15 +180,20 @@ MAX_OUTPUT_TOKENS = 6
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals (both priorities), steps and aborts against a pool small enough that
-    sequences get preempted and cached blocks evicted; the invariants must hold after each."""
+    """Random arrivals (both priorities, several tenants and weights), steps and aborts against a
+    pool small enough that sequences get preempted and cached blocks evicted; the invariants (the
+    waiting queue in priority / virtual finish / arrival order included) must hold after each."""
 
-    @initialize(ttft_pressure=st.booleans())
-    def build_scheduler(self, ttft_pressure: bool) -> None:
+    @initialize(ttft_pressure=st.booleans(), fair_queuing=st.booleans())
+    def build_scheduler(self, ttft_pressure: bool, fair_queuing: bool) -> None:
         # 6 blocks of 4 tokens: one sequence (at most 14 + 6 tokens) always fits on its own.
         manager = BlockManager(num_blocks=6, block_size=BLOCK, enable_prefix_caching=True)
         self.scheduler = Scheduler(
-            manager, max_num_batched_tokens=12, max_num_seqs=3, ttft_target_ms=0.0 if ttft_pressure else 1e9
+            manager,
+            max_num_batched_tokens=12,
+            max_num_seqs=3,
+            ttft_target_ms=0.0 if ttft_pressure else 1e9,
+            fair_queuing=fair_queuing,
         )
         self.arrivals = itertools.count()
 
@@ -193,8 +201,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         base=st.sampled_from(SHARED_PROMPTS),
         length=st.integers(1, 14),
         priority=st.sampled_from(list(Priority)),
+        tenant=st.sampled_from([None, "a", "b"]),
+        weight=st.sampled_from([0.5, 1.0, 3.0]),
     )
-    def arrive(self, base: list[int], length: int, priority: Priority) -> None:
+    def arrive(
+        self, base: list[int], length: int, priority: Priority, tenant: str | None, weight: float
+    ) -> None:
         order = next(self.arrivals)
         seq = Sequence(
             request_id=f"r{order}",
@@ -203,6 +215,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_tokens=MAX_OUTPUT_TOKENS,
             arrival_order=order,
             priority=priority,
+            tenant=tenant,
+            weight=weight,
         )
         self.scheduler.add(seq)
 

@@ -17,7 +17,8 @@ def engine(model_dir):
 
 
 class RecordingEngine:
-    """Wraps a real engine and records which requests ran to the end and which were cut short."""
+    """Wraps a real engine and records the requests it was handed, which ran to the end and which
+    were cut short."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -32,6 +33,7 @@ class RecordingEngine:
         self.finished: list[str] = []
         self.cut_short: list[str] = []
         self.aborted: list[str] = []
+        self.requests: list = []  # GenerationRequest, as the gateway built them
 
     @property
     def needs_health_check(self) -> bool:
@@ -54,6 +56,7 @@ class RecordingEngine:
         await self.inner.abort(request_id)
 
     async def generate(self, request):
+        self.requests.append(request)
         iterator = self.inner.generate(request)
         finished = False
         try:
