@@ -69,6 +69,15 @@ class TiktokenCounter:
         import tiktoken
 
         self.encoding = tiktoken.get_encoding(encoding_name)
+        self._max_token_bytes: int | None = None
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for: a text of B bytes is at least ceil(B / this) tokens."""
+        if self._max_token_bytes is None:
+            specials = (len(token.encode("utf-8")) for token in self.encoding.special_tokens_set)
+            self._max_token_bytes = max(max(map(len, self.encoding.token_byte_values())), *specials)
+        return self._max_token_bytes
 
     def encode(self, text: str) -> list[int]:
         # In pieces: a long whitespace run would exceed the split regex's backtracking limit.

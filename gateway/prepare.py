@@ -267,6 +267,16 @@ class Preparation:
             self.metrics.fit_requests.labels(policy.name, fit.bound_by, "fitted").inc()
         return reservation
 
+    def _raw_prompt_too_long(self, policy: Policy, tokens: str) -> APIError:
+        self.metrics.budget_rejections.labels(policy.name).inc()
+        return APIError(
+            413,
+            f"the prompt has {tokens} tokens; policy '{policy.name}' allows "
+            f"{policy.max_input_tokens} (raw prompts are never cut)",
+            param="prompt",
+            code="prompt_too_long",
+        )
+
     async def completion(
         self, body: CompletionRequest, tenant: Tenant, raw: dict[str, Any] | None = None
     ) -> Prepared:
@@ -282,18 +292,14 @@ class Preparation:
         await self.accounting.check_quota_first(tenant, policy, body, choices)
         asks = None if forward is not None else await engine_asks(body, self.tokenizer, tenant.name)
         prompt_text = body.prompt_text() or ""
+        least = self.prompts.least_prompt_tokens(prompt_text, body.model)
+        if least > policy.max_input_tokens:
+            raise self._raw_prompt_too_long(policy, f"at least {least}")
         token_ids = await self.prompts.encode_prompt(prompt_text, body.model)
         if not token_ids:
             raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
         if len(token_ids) > policy.max_input_tokens:
-            self.metrics.budget_rejections.labels(policy.name).inc()
-            raise APIError(
-                413,
-                f"the prompt has {len(token_ids)} tokens; policy '{policy.name}' allows "
-                f"{policy.max_input_tokens} (raw prompts are never cut)",
-                param="prompt",
-                code="prompt_too_long",
-            )
+            raise self._raw_prompt_too_long(policy, str(len(token_ids)))
         result = CompressionResult(
             messages=[], original_prompt_tokens=len(token_ids), prompt_tokens=len(token_ids), stages=[]
         )

@@ -184,6 +184,12 @@ class PromptBuilder:
         result.prompt_tokens = prompt_tokens
         return token_ids, prompt_text
 
+    def least_prompt_tokens(self, text: str, model: str | None) -> int:
+        """A sound lower bound of `text`'s token count, from its UTF-8 length alone: a prompt over a
+        limit by this much is refused without the CPU of tokenizing megabytes."""
+        max_token_bytes = self.tokens.for_model(model).tokenizer.max_token_bytes
+        return -(-len(text.encode("utf-8", "surrogatepass")) // max_token_bytes)
+
     async def encode_prompt(self, text: str, model: str | None) -> list[int]:
         """A raw prompt's ids, tokenized off the event loop (megabytes take a second; /health must not wait)."""
         tokenizer = self.tokens.for_model(model).tokenizer

@@ -28,6 +28,7 @@ class Tokenizer:
         self.eos_token_id: int = self._hf.eos_token_id
         self.eos_token_ids: set[int] = {self._hf.eos_token_id}
         self.vocab_size: int = len(self._hf)
+        self._max_token_bytes: int | None = None
         # The same ids, ~7x faster, where tiktoken reproduces this tokenizer (backend/model/fast_bpe.py).
         self._fast = FastBPE.load(self.model_dir / "tokenizer.json", self._encode_hf)
         if self._fast is not None:
@@ -44,6 +45,20 @@ class Tokenizer:
             if added.special:
                 specials.add(str(added.content))
         return specials
+
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound of the UTF-8 bytes one token stands for: a text of B bytes is at least
+        ceil(B / this) tokens, known without tokenizing it. Byte-level BPE spells each byte as one
+        character, so an entry's length is its bytes; otherwise an entry's own UTF-8 length bounds
+        what it stands for (SentencePiece's "▁" and "<0x..>" entries are longer than their bytes)."""
+        if self._max_token_bytes is None:
+            decoder = self._hf.backend_tokenizer.decoder
+            byte_level = type(decoder).__name__ == "ByteLevel"  # one character per byte, exactly
+            self._max_token_bytes = max(
+                len(token) if byte_level else len(token.encode("utf-8")) for token in self._hf.get_vocab()
+            )
+        return self._max_token_bytes
 
     @property
     def fast(self) -> bool:

@@ -100,6 +100,8 @@ def test_a_megabyte_of_newlines_as_a_prompt_is_a_clean_413_and_health_answers(se
     assert response.status_code == 413, response.text
     assert response.json()["error"]["code"] == "prompt_too_long"
     assert response.json()["error"]["param"] == "prompt"
+    # Refused from its length alone (a lower bound of its tokens), before any tokenizing.
+    assert "the prompt has at least " in response.json()["error"]["message"]
     _assert_no_library_text(response)
     assert max(health) < HEALTH_BUDGET_S, health
 
