@@ -44,6 +44,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         warm_up.cancel()
         watcher.cancel()
+        await gateway.shadow.close()  # before the engine stops: its shadow requests are aborted
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         # Before the engine stops: a warm-up call waiting on the engine's thread finishes there.

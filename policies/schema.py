@@ -1,7 +1,7 @@
 """The policy schema: one YAML file per policy, validated by these pydantic models.
 
-The gateway owns the top-level fields, quota, cost and adaptive; the compression pipeline reads the
-`history`, `documents`, `dedup`, `rerank`, `extraction` and `assembly` sections.
+The gateway owns the top-level fields, quota, cost, adaptive, fit and shadow; the compression
+pipeline reads the `history`, `documents`, `dedup`, `rerank`, `extraction` and `assembly` sections.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ctxgate.policies.shadow import ShadowPolicy
 
 # First-sight embedding allowance defaults (DocumentsPolicy; tuned in compression/prefilter.py).
 DEFAULT_EMBED_BUDGET_MULTIPLE = 0.4
@@ -316,6 +318,11 @@ class Policy(_Section):
     fit: FitPolicy = Field(
         default=FitPolicy(),
         description="compress a request into a limit it does not fit instead of refusing it",
+    )
+    shadow: ShadowPolicy = Field(
+        default=ShadowPolicy(),
+        description="answer a sample of requests again from the uncompressed prompt on idle capacity "
+        "and compare",
     )
 
     @model_validator(mode="after")

@@ -13,7 +13,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ctxgate.backend.engine.api import EngineError, GenerationDelta, GenerationRequest, SamplingParams
+from ctxgate.backend.engine.api import (
+    SHADOW_PREEMPTED,
+    EngineError,
+    GenerationDelta,
+    GenerationRequest,
+    SamplingParams,
+)
 from ctxgate.backend.engine.block_manager import BlockManager
 from ctxgate.backend.engine.config import EngineConfig
 from ctxgate.backend.engine.isolated_step import run_step
@@ -232,6 +238,11 @@ class LLMEngine:
         aborted alone (`take_failures` hands out its error); the step goes on for the others.
         """
         output = self.scheduler.schedule()
+        for seq in output.dropped:
+            self._fail(
+                seq.request_id,
+                EngineError("shadow request dropped: real work needed its room", 503, code=SHADOW_PREEMPTED),
+            )
         self.last_step_batch_size = len(output.scheduled)
         self.last_step_num_tokens = output.num_tokens
         if output.is_empty:
