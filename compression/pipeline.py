@@ -299,6 +299,7 @@ def result_of(state: PipelineState, reports: list[StageReport], policy: Policy) 
             Document(text=p.body(), id=p.document.id, title=p.title, score=p.score) for p in passages
         ],
         context_text=render_context(passages, keep_titles),
+        original_messages=state.original.messages,
     )
 
 

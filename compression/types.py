@@ -63,6 +63,9 @@ class CompressionResult:
     embedding_ms: float = 0.0
     # The measured prefill cost the cost check used (PrefillCostEstimator): what a saved token is worth.
     prefill_ms_per_token: float = 0.0
+    # The messages of `original_prompt_tokens` (every document inline, the whole history): what a shadow
+    # request answers to measure what compression changed (gateway/shadow/). None: not built.
+    original_messages: list[dict[str, Any]] | None = None
 
     @property
     def saved_tokens(self) -> dict[str, int]:

@@ -555,7 +555,7 @@ def metric_groups() -> list[tuple[str, str, list[MetricDoc]]]:
 
     gateway = GatewayMetrics()
     gateway.registry.register(AdmissionCollector(AdmissionController(64, 64, 10.0)))
-    all_gateway = registry_metrics(gateway.registry, (gateway,))
+    all_gateway = registry_metrics(gateway.registry, (gateway, gateway.shadow))
     process = [doc for doc in all_gateway if not doc.name.startswith("ctxgate:")]
     own = [doc for doc in all_gateway if doc.name.startswith("ctxgate:")]
 

@@ -51,6 +51,9 @@ class GenerationServices:
     metrics: GatewayMetrics
     # The client's answer for a failed generation (`ctxgate.gateway.engine_errors`).
     engine_error: Callable[[Exception], APIError]
+    # A request answered in full and settled: the shadow comparison's cue (`ShadowRunner.after_live`);
+    # it must return at once.
+    answered: Callable[[Prepared, GenerationRequest, DeltaTotals], None] = lambda *_: None
 
 
 class Generation:
@@ -193,6 +196,7 @@ async def complete(request: Request, run: Generation, writer: ResponseWriter) ->
         raise services.engine_error(exc) from None
     usage = await services.settlement.settle(prepared, run.totals)
     run.observe_latency(request.url.path)
+    services.answered(prepared, run.generation, run.totals)
     if run.relayed:  # the upstream's answer as it is; only the model name (rewritten going up) and usage
         whole = fold_chunks(run.chunks, writer.chat) | {"model": writer.model, "usage": run.usage_body(usage)}
         return JSONResponse(whole)
@@ -243,6 +247,7 @@ async def _events(
         usage = await services.settlement.settle(prepared, run.totals)
         settled = True
         run.observe_latency(endpoint)
+        services.answered(prepared, run.generation, run.totals)
         for chunk in run.relayed_chunks():  # chunks after the last text (tool calls, the finish reason)
             yield _relay(chunk, writer)
         for choice in [] if run.relayed else run.totals.ordered_choices():

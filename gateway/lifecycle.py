@@ -52,6 +52,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if sampler is not None:
             sampler.cancel()
         watcher.cancel()
+        await gateway.shadow.close()  # before the engine stops: its shadow requests are aborted
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         # Before the engine stops: a warm-up call waiting on the engine's thread finishes there.

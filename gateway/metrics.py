@@ -12,6 +12,8 @@ from prometheus_client import (
     Histogram,
 )
 
+from ctxgate.gateway.shadow.metrics import ShadowMetrics
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _BUDGET_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192)
@@ -141,4 +143,5 @@ class GatewayMetrics:
             ["policy", "limit", "outcome"],
             registry=r,
         )
+        self.shadow = ShadowMetrics(r)
         self.quota_store_up.set(1)

@@ -190,6 +190,17 @@ class PromptBuilder:
         max_token_bytes = self.tokens.for_model(model).tokenizer.max_token_bytes
         return -(-len(text.encode("utf-8", "surrogatepass")) // max_token_bytes)
 
+    def encode_original(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, model: str | None
+    ) -> tuple[list[int], str]:
+        """The uncompressed prompt (`CompressionResult.original_messages`) rendered and tokenized as
+        `encode_checked` renders the compressed one, with no budget: a shadow request's prompt."""
+        tokens = self.tokens.for_model(model)
+        prompt_text = tokens.tokenizer.render_chat(
+            messages, tools=tokens.neutraliser.value(tools) if tools else None
+        )
+        return tokens.tokenizer.encode(prompt_text), prompt_text
+
     async def encode_prompt(self, text: str, model: str | None) -> list[int]:
         """A raw prompt's ids, tokenized off the event loop (megabytes take a second; /health must not wait)."""
         tokenizer = self.tokens.for_model(model).tokenizer

@@ -23,6 +23,7 @@ from ctxgate.gateway.keys import Tenant
 from ctxgate.gateway.prepared import Prepared, compression_figures, rate_limit_headers
 from ctxgate.gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
 from ctxgate.gateway.service import Gateway
+from ctxgate.gateway.shadow.ledger import shadow_summary
 from ctxgate.policies.loader import ReloadError
 
 
@@ -33,6 +34,7 @@ def add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/ctxgate/policies", policies, methods=["GET"])
     app.add_api_route("/v1/ctxgate/compress", compress, methods=["POST"])
+    app.add_api_route("/v1/ctxgate/shadow", shadow, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
 
@@ -137,6 +139,18 @@ def _reload_error(error: ReloadError, directories: list[Any]) -> dict[str, Any]:
     for directory in directories:
         message = message.replace(f"{directory}{os.sep}", "")
     return {"file": os.path.basename(error.path), "message": message, "at": error.at}
+
+
+async def shadow(request: Request) -> dict[str, Any]:
+    """The shadow comparisons' summary: a tenant's key sees its own tenant's only; the metrics key
+    (the operator) and an open gateway see every tenant's."""
+    gateway = _gateway(request)
+    expected = gateway.settings.metrics_key
+    given = (request.headers.get("authorization") or "").encode()
+    if expected is not None and hmac.compare_digest(given, f"Bearer {expected}".encode()):
+        return shadow_summary(gateway.shadow_ledger, None).as_dict()
+    tenant = _tenant(request)
+    return shadow_summary(gateway.shadow_ledger, tenant.name if tenant.bounded else None).as_dict()
 
 
 async def compress(request: Request, response: Response) -> dict[str, Any]:

@@ -11,7 +11,9 @@ it, in the order a request meets them:
   `ctxgate.gateway.prompt_building`), the quota check and reservation;
 - `accounting`: limits, cost, reserve, reconcile, settle (`ctxgate.gateway.accounting`);
 - `generation_services`: what running a prepared request needs (`ctxgate.gateway.generation`), with
-  what a client is told when generation fails (`ctxgate.gateway.engine_errors`).
+  what a client is told when generation fails (`ctxgate.gateway.engine_errors`);
+- `shadow`: after a sampled request answered, its uncompressed prompt answered again on idle capacity
+  and compared (`ctxgate.gateway.shadow`), summarised in `shadow_ledger`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ from ctxgate.gateway.prompt_building import Pipeline, PromptBuilder
 from ctxgate.gateway.quota import QuotaStore
 from ctxgate.gateway.request_fields import RequestFields
 from ctxgate.gateway.settings import GatewaySettings
+from ctxgate.gateway.shadow.ledger import ShadowLedger
+from ctxgate.gateway.shadow.load import load_for
+from ctxgate.gateway.shadow.log import ShadowLog
+from ctxgate.gateway.shadow.runner import ShadowRunner
 from ctxgate.gateway.tokenizer_per_model import load_model_tokenizers
 from ctxgate.policies.loader import PolicyRegistry
 
@@ -82,6 +88,15 @@ class Gateway:
             tokenizer,
             metrics,
         )
+        self.shadow_ledger = ShadowLedger(recent=settings.shadow_recent)
+        self.shadow = ShadowRunner(
+            engine,
+            self.prompts,
+            load_for(engine),
+            metrics.shadow,
+            self.shadow_ledger,
+            ShadowLog(settings.shadow_log) if settings.shadow_log is not None else None,
+        )
         self.generation_services = GenerationServices(
             engine=engine,
             timeout_s=settings.request_timeout_s,
@@ -89,6 +104,7 @@ class Gateway:
             first_token=self.budgets.first_token,
             metrics=metrics,
             engine_error=partial(engine_error, metrics=metrics),
+            answered=self.shadow.after_live,
         )
 
     @property

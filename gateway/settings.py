@@ -84,6 +84,8 @@ class GatewaySettings(BaseModel):
             "metrics_key",
             "admin_key_file",
             "vllm_metric_names",
+            "shadow_log",
+            "shadow_recent",
         ),
         "tenants and policies": (
             "keys_file",
@@ -327,6 +329,17 @@ class GatewaySettings(BaseModel):
     )
     vllm_metric_names: bool = Field(
         default=False, description="also export the in-process engine's metrics under vLLM's names (vllm:...)"
+    )
+    shadow_log: Path | None = Field(
+        default=None,
+        description="append one JSON line per shadow comparison to this file (prompt hashes, answers, "
+        "agreement), for `ctxgate eval shadow-replay`; unset: no log",
+    )
+    shadow_recent: int = Field(
+        default=50,
+        ge=0,
+        le=1000,
+        description="disagreements /v1/ctxgate/shadow keeps per tenant (the newest)",
     )
 
 

@@ -1,7 +1,8 @@
 """The policy schema: one YAML file per policy, validated by these pydantic models.
 
-The gateway owns the top-level fields, quota, cost and adaptive; the compression pipeline reads the
-`history`, `documents`, `dedup`, `rerank`, `extraction`, `assembly` and `conversation` sections.
+The gateway owns the top-level fields, quota, cost, adaptive, fit and shadow; the compression
+pipeline reads the `history`, `documents`, `dedup`, `rerank`, `extraction`, `assembly` and
+`conversation` sections.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import Annotated, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from ctxgate.policies.shadow import ShadowPolicy
 
 # First-sight embedding allowance defaults (DocumentsPolicy; tuned in compression/prefilter.py).
 DEFAULT_EMBED_BUDGET_MULTIPLE = 0.4
@@ -384,6 +387,11 @@ class Policy(_Section):
     fit: FitPolicy = Field(
         default=FitPolicy(),
         description="compress a request into a limit it does not fit instead of refusing it",
+    )
+    shadow: ShadowPolicy = Field(
+        default=ShadowPolicy(),
+        description="answer a sample of requests again from the uncompressed prompt on idle capacity "
+        "and compare",
     )
 
     @model_validator(mode="after")

@@ -30,6 +30,9 @@ class Priority(enum.IntEnum):
 
     USER = 0
     BACKGROUND = 1  # e.g. history summarization
+    # A gateway's quality check (the uncompressed prompt of a live request): admitted only behind every
+    # other request, preempted first when one needs room, and then dropped, never recomputed.
+    SHADOW = 2
 
 
 @dataclass
@@ -140,6 +143,10 @@ class GenerationDelta:
     # on the final delta, the server's own `usage` object.
     raw: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
+
+
+# `EngineError.code` of a shadow request the scheduler dropped to make room for real work.
+SHADOW_PREEMPTED = "shadow_preempted"
 
 
 class EngineError(Exception):

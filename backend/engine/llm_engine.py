@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ctxgate.backend.engine.api import (
+    SHADOW_PREEMPTED,
     EngineError,
     GenerationDelta,
     GenerationRequest,
@@ -248,6 +249,11 @@ class LLMEngine:
         aborted alone (`take_failures` hands out its error); the step goes on for the others.
         """
         output = self.scheduler.schedule()
+        for seq in output.dropped:
+            self._fail(
+                seq.request_id,
+                EngineError("shadow request dropped: real work needed its room", 503, code=SHADOW_PREEMPTED),
+            )
         self.last_step_batch_size = len(output.scheduled)
         self.last_step_num_tokens = output.num_tokens
         if output.is_empty:

@@ -16,6 +16,11 @@ TTFT target: the scheduler keeps an estimate of prefill speed. When the first wa
 would miss `ttft_target_ms` at that speed, background-priority work yields: background sequences
 are not scheduled that step (their budget goes to the prefill), and if the sequence cap is what
 blocks admission, the newest background sequence is preempted to make room.
+
+Shadow work (`Priority.SHADOW`) only takes what real requests leave: it is admitted only when no
+other request waits, and when a waiting request needs room (the sequence cap, the KV pool, or its
+TTFT at risk) every running shadow sequence is dropped at the start of the step, never recomputed
+(`SchedulerOutput.dropped`; the engine ends those requests with an error).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Shadow sequences taken out for real work: their blocks are freed and they are not queued again.
+    dropped: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -74,10 +81,12 @@ class Scheduler:
 
     def num_prefill_tokens_left(self) -> int:
         """Prompt tokens not yet computed: every waiting sequence's, and running sequences' chunks
-        still to prefill (a decoding sequence's one pending token is not prefill)."""
-        left = sum(seq.num_uncomputed_tokens for seq in self.waiting)
+        still to prefill (a decoding sequence's one pending token is not prefill). Shadow work is left
+        out: a new request never queues behind it."""
+        left = sum(seq.num_uncomputed_tokens for seq in self.waiting if seq.priority is not Priority.SHADOW)
         for seq in self.running:
-            left += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if seq.priority is not Priority.SHADOW:
+                left += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
         return left
 
     # ---- queue management ------------------------------------------------------------------
@@ -165,11 +174,31 @@ class Scheduler:
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if seq.priority is Priority.SHADOW:  # dropped, not recomputed: the engine ends its request
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+            output.dropped.append(seq)
+            return
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         output.preempted.append(seq)
         self.add(seq)
+
+    def _real_work_needs_room(self, ttft_pressure: bool) -> bool:
+        """A waiting non-shadow request could not start beside the running shadow work: the sequence
+        cap is reached, the free blocks cannot hold its next chunk, or its TTFT is at risk."""
+        head = next((s for s in self.waiting if s.priority is not Priority.SHADOW), None)
+        if head is None:
+            return False
+        if ttft_pressure or not self.has_room(1):
+            return True
+        chunk = min(head.num_uncomputed_tokens, self.max_num_batched_tokens)
+        return self.block_manager.num_free_blocks * self.block_manager.block_size < chunk
+
+    def _drop_shadow_work(self, output: SchedulerOutput) -> None:
+        for seq in [s for s in self.running if s.priority is Priority.SHADOW]:
+            self._preempt(seq, output)
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence | None:
         candidates = [s for s in self.running if id(s) not in scheduled_ids]
@@ -189,6 +218,8 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         now = time.perf_counter()
         ttft_pressure = self._user_request_at_risk(now)
+        if self._real_work_needs_room(ttft_pressure):
+            self._drop_shadow_work(output)
 
         self.running.sort(key=lambda s: s.sort_key)
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
@@ -202,7 +233,10 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
-                victim = self._pick_victim(scheduled_ids | {id(seq)})
+                # Shadow work never takes blocks from another sequence: it gives its own up.
+                victim = (
+                    None if seq.priority is Priority.SHADOW else self._pick_victim(scheduled_ids | {id(seq)})
+                )
                 if victim is None:
                     victim = seq
                 self._preempt(victim, output)
@@ -219,6 +253,10 @@ class Scheduler:
 
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.priority is Priority.SHADOW and any(
+                s.priority is not Priority.SHADOW for s in self.waiting
+            ):
+                break  # idle capacity only (an order other than priority-first may put it ahead)
             if len(self.running) >= self.max_num_seqs:
                 if not (
                     ttft_pressure and seq.priority is Priority.USER and self._make_room(output, scheduled_ids)

@@ -180,7 +180,7 @@ MAX_OUTPUT_TOKENS = 6
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals (both priorities, several tenants and weights), steps and aborts against a
+    """Random arrivals (every priority class, several tenants and weights), steps and aborts against a
     pool small enough that sequences get preempted and cached blocks evicted; the invariants (the
     waiting queue in priority / virtual finish / arrival order included) must hold after each."""
 
@@ -222,12 +222,20 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(token=st.integers(1, 3))
     def step(self, token: int) -> None:
+        was_waiting = {id(seq) for seq in self.scheduler.waiting}
         output = self.scheduler.schedule()
         scheduled = [item.seq for item in output.scheduled]
         assert output.num_tokens <= self.scheduler.max_num_batched_tokens
         assert all(item.num_new_tokens >= 1 for item in output.scheduled)
         assert len(set(map(id, scheduled))) == len(scheduled) <= self.scheduler.max_num_seqs
         assert not {id(seq) for seq in output.preempted} & set(map(id, scheduled))
+        # Shadow work: dropped, never queued again; admitted only when no other request is left waiting.
+        assert all(seq.priority is Priority.SHADOW for seq in output.dropped)
+        queued = {id(seq) for seq in self.scheduler.waiting + self.scheduler.running}
+        assert not {id(seq) for seq in output.dropped} & (queued | set(map(id, scheduled)))
+        if any(seq.priority is not Priority.SHADOW for seq in self.scheduler.waiting):
+            admitted = [seq for seq in scheduled if id(seq) in was_waiting]
+            assert all(seq.priority is not Priority.SHADOW for seq in admitted)
         self.scheduler.check_invariants()
         self.scheduler.update_from_output(output, step_seconds=0.01)
         for item in output.scheduled:
@@ -262,3 +270,73 @@ def test_prefill_tokens_left_counts_waiting_prompts_and_unfinished_chunks_only()
     while first.num_computed_tokens < 25 or second.num_computed_tokens < 7:
         finish_step(scheduler, schedule(scheduler))
     assert scheduler.num_prefill_tokens_left() == 0  # decoding: their pending sampled tokens are not prefill
+
+
+def test_shadow_work_is_admitted_only_when_nothing_else_waits():
+    scheduler = make_scheduler(budget=64)
+    shadow, user = make_seq(8, 0, Priority.SHADOW), make_seq(8, 1)
+    scheduler.add(shadow)
+    scheduler.add(user)
+    output = schedule(scheduler)
+    assert [item.seq for item in output.scheduled] == [user, shadow]  # room for both: behind the user's
+    busy = make_scheduler(budget=8)
+    shadow, user = make_seq(4, 0, Priority.SHADOW), make_seq(8, 1)
+    busy.add(shadow)
+    busy.add(user)
+    assert [item.seq for item in schedule(busy).scheduled] == [user]  # the user's prompt takes the budget
+    assert busy.waiting == [shadow]
+
+
+def test_shadow_work_is_dropped_not_requeued_when_a_request_needs_the_sequence_slot():
+    scheduler = make_scheduler(budget=16, max_seqs=1)
+    shadow = make_seq(4, 0, Priority.SHADOW)
+    scheduler.add(shadow)
+    finish_step(scheduler, schedule(scheduler))
+    user = make_seq(4, 1)
+    scheduler.add(user)
+    output = schedule(scheduler)
+    assert output.dropped == [shadow] and output.preempted == []
+    assert [item.seq for item in output.scheduled] == [user]
+    assert shadow not in scheduler.waiting and not shadow.block_table
+
+
+def test_shadow_work_is_dropped_when_the_pool_cannot_hold_a_waiting_prompt():
+    scheduler = make_scheduler(num_blocks=4, budget=64)
+    shadow = make_seq(12, 0, Priority.SHADOW)  # 3 of the 4 blocks
+    scheduler.add(shadow)
+    finish_step(scheduler, schedule(scheduler))
+    user = make_seq(8, 1)  # needs 2
+    scheduler.add(user)
+    output = schedule(scheduler)
+    assert output.dropped == [shadow]
+    assert [item.seq for item in output.scheduled] == [user]
+
+
+def test_shadow_work_keeps_running_beside_requests_that_fit():
+    scheduler = make_scheduler(num_blocks=64, budget=64)
+    shadow = make_seq(4, 0, Priority.SHADOW)
+    scheduler.add(shadow)
+    finish_step(scheduler, schedule(scheduler))
+    user = make_seq(4, 1)
+    scheduler.add(user)
+    output = schedule(scheduler)
+    assert output.dropped == []
+    assert {id(item.seq) for item in output.scheduled} == {id(shadow), id(user)}
+
+
+def test_waiting_shadow_prompts_are_not_prefill_a_request_queues_behind():
+    scheduler = make_scheduler(budget=8)
+    scheduler.add(make_seq(20, 0, Priority.SHADOW))
+    scheduler.add(make_seq(5, 1))
+    assert scheduler.num_prefill_tokens_left() == 5
+
+
+def test_shadow_work_that_runs_out_of_blocks_drops_itself_not_another_sequence():
+    scheduler = make_scheduler(num_blocks=3, budget=64)
+    user, shadow = make_seq(7, 0), make_seq(4, 1, Priority.SHADOW)
+    scheduler.add(user)
+    scheduler.add(shadow)
+    finish_step(scheduler, schedule(scheduler))  # 2 + 1 blocks: the pool is full
+    output = schedule(scheduler)  # the shadow's next token needs a fourth block
+    assert output.dropped == [shadow] and output.preempted == []
+    assert [item.seq for item in output.scheduled] == [user]
