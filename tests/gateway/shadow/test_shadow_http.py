@@ -152,13 +152,16 @@ def test_every_request_on_an_idle_engine_is_compared_and_tenants_see_only_their_
 
 
 def test_shadow_tokens_never_reach_the_tenants_quota_or_spend(gateway, redis):
+    from ctxgate.gateway.quota import QuotaLimits
     from ctxgate.gateway.quota.redis_store import RedisQuotaStore
+
+    limits = QuotaLimits(tokens_per_minute=100000, spend_per_day=100)  # the policy's quota
 
     def usage() -> dict[str, int]:
         async def read() -> dict[str, int]:
             store = RedisQuotaStore(redis.url)
             try:
-                return await store.usage("acme")
+                return {limit.name: limit.used for limit in await store.usage("acme", limits)}
             finally:
                 await store.close()
 
