@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ctxgate.compression.types import CompressionInput, Document, RetrievalSpec
+
+if TYPE_CHECKING:
+    from ctxgate.compression.segments import Layout
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -86,6 +89,8 @@ class ContextSlot:
 class RenderedPrompt:
     messages: list[dict[str, Any]]
     tokens: int  # exact, chat-templated
+    # Per message, which segment its text is (per-segment accounting); empty: not described.
+    layouts: list[Layout] = field(default_factory=list)
 
 
 @dataclass

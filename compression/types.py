@@ -60,6 +60,10 @@ class CompressionResult:
     embedding_ms: float = 0.0
     # The measured prefill cost the cost check used (PrefillCostEstimator): what a saved token is worth.
     prefill_ms_per_token: float = 0.0
+    # Tokens per segment (ctxgate.compression.segments) of the original and the sent prompt, each
+    # adding up to its count; the gateway adds the tools the template renders beside the messages.
+    segments_original: dict[str, int] = field(default_factory=dict)
+    segments_sent: dict[str, int] = field(default_factory=dict)
 
     @property
     def saved_tokens(self) -> dict[str, int]:

@@ -105,6 +105,10 @@ class CtxgateUsage:
     message_context: dict[str, Any] | None = None
     # Adaptive policies: the documents budget chosen for this request, and why.
     budget: dict[str, Any] | None = None
+    # Tokens per segment (system, history, documents, tools, question, output): {"before", "after"}.
+    segments: dict[str, dict[str, int]] = field(default_factory=dict)
+    # A request fitted into a limit: {"bound_by", "budget", "would_have_needed"} (None: not fitted).
+    fit: dict[str, Any] | None = None
 
     @property
     def saved_tokens_total(self) -> int:
@@ -142,6 +146,8 @@ class CtxgateUsage:
             dropped_params=list(data.get("dropped_params") or []),
             message_context=data.get("message_context"),
             budget=data.get("budget"),
+            segments={name: dict(value) for name, value in (data.get("segments") or {}).items()},
+            fit=data.get("fit"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,7 +160,7 @@ class CtxgateUsage:
         return {
             name: value
             for name, value in data.items()
-            if value is not None or name not in ("message_context", "budget", "tenant")
+            if value is not None or name not in ("message_context", "budget", "tenant", "fit")
         }
 
 

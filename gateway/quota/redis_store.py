@@ -217,6 +217,22 @@ class RedisQuotaStore:
         values = await self._call(lambda: self._client.mget([meter.key for meter in meters]))
         return room_left(meters, [int(value or 0) for value in values])
 
+    async def spend_left(
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
+    ) -> int | None:
+        now = self.clock() if now is None else now
+        meters = token_meters(tenant, limits, now, key_id, key_limits, unit="spend")
+        if not meters:
+            return None
+        values = await self._call(lambda: self._client.mget([meter.key for meter in meters]))
+        return room_left(meters, [int(value or 0) for value in values])
+
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         deltas = [
             (meter, delta)

@@ -1,5 +1,5 @@
-"""How many tokens a tenant can still reserve now: the room compress-to-fit admission
-(`ctxgate.gateway.fit`) fits a request into.
+"""How many tokens (or how much spend) a tenant can still reserve now: the room compress-to-fit
+admission (`ctxgate.gateway.fit`) fits a request into.
 
 The room is the smallest of (limit - used) over every token counter a reservation would touch (the
 tenant's per-minute and per-day windows, and its API key's when the key has limits of its own).
@@ -13,11 +13,16 @@ from ctxgate.gateway.quota.model import COUNTER, NO_LIMIT, Meter, QuotaLimits, b
 
 
 def token_meters(
-    tenant: str, limits: QuotaLimits, now: float, key_id: str | None, key_limits: QuotaLimits | None
+    tenant: str,
+    limits: QuotaLimits,
+    now: float,
+    key_id: str | None,
+    key_limits: QuotaLimits | None,
+    unit: str = "tokens",
 ) -> list[Meter]:
-    """The limited token counters a reservation at `now` would be checked against."""
+    """The limited counters of `unit` (tokens, or spend) a reservation at `now` would be checked against."""
     meters = build_meters(tenant, limits, 0, 0, now, key_id, key_limits)
-    return [m for m in meters if m.kind == COUNTER and m.unit == "tokens" and m.limit != NO_LIMIT]
+    return [m for m in meters if m.kind == COUNTER and m.unit == unit and m.limit != NO_LIMIT]
 
 
 def room_left(meters: list[Meter], used: list[int]) -> int | None:
