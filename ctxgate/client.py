@@ -160,7 +160,8 @@ class CtxgateUsage:
         return {
             name: value
             for name, value in data.items()
-            if value is not None or name not in ("message_context", "budget", "tenant", "fit")
+            if (value is not None or name not in ("message_context", "budget", "tenant", "fit"))
+            and (value or name != "segments")
         }
 
 

@@ -5,6 +5,7 @@ cost and the `segment` label of the metrics; a policy's cap on the tools segment
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 
 from ctxgate.gateway.app import create_app
 from ctxgate.gateway.settings import GatewaySettings
+from ctxgate.gateway.tools_fit import shortened
 from tests.support.servers import ServerThread, serve_engine, write_policy
 from tests.town_facts import TOWN_FACTS, TOWN_QUESTION
 
@@ -81,14 +83,44 @@ SHAPES: dict[str, tuple[dict[str, Any], str, list[dict[str, str]], Any]] = {
         {"tools": TOOLS, "ctxgate": {"policy": "seg"}},
         "seg",
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TOWN_QUESTION}],
-        lambda s: s["tools"]["before"] == s["tools"]["after"] > 20 and s["documents"]["before"] == 0,
+        # Upstream mode: the upstream's own count (its template's framing of the tools included)
+        # is the after side, so the tools can count more there than the gateway counted before.
+        lambda s: s["tools"]["after"] >= s["tools"]["before"] > 20 and s["documents"]["before"] == 0,
     ),
 }
 
 
+def _tools_caps(tokenizer) -> dict[str, tuple[int, int]]:
+    """Per mode, the tool definitions' tokens as the gateway counts them, whole and shortened
+    (descriptions dropped): rendered by the template (built-in) or as forwarded JSON (upstream)."""
+    messages = [{"role": "user", "content": TOWN_QUESTION}]
+
+    def rendered(tools) -> int:
+        return tokenizer.count(tokenizer.render_chat(messages, tools=tools)) - tokenizer.count_chat(messages)
+
+    def forwarded(tools) -> int:
+        return tokenizer.count(json.dumps({"tools": tools}, ensure_ascii=False))
+
+    short = shortened(TOOLS, 2)
+    return {"builtin": (rendered(TOOLS), rendered(short)), "upstream": (forwarded(TOOLS), forwarded(short))}
+
+
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
+def tools_caps(tokenizer) -> dict[str, tuple[int, int]]:
+    return _tools_caps(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, tools_caps):
     directory = tmp_path_factory.mktemp("segments")
+    for mode, (whole, short) in tools_caps.items():
+        # A cap the shortened definitions fit and the whole ones do not.
+        write_policy(
+            directory,
+            f"seg-tools-fit-{mode}",
+            f"name: seg-tools-fit-{mode}\n{SEGMENT_POLICY}tools: {{max_tokens: {(whole + short) // 2}}}\n"
+            "fit: {tools: compress}\n",
+        )
     write_policy(directory, "seg", f"name: seg\n{SEGMENT_POLICY}")
     write_policy(
         directory,
@@ -182,3 +214,18 @@ def test_tool_definitions_over_the_cap_are_refused_naming_the_segment(request, m
     assert "tools.max_tokens" in error["message"] and "allows 20" in error["message"]
     # Without tools the same policy serves the request.
     assert _chat(server, messages, ctxgate={"policy": "seg-tools-cap"}).status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["builtin", "upstream"])
+def test_tool_definitions_over_the_cap_are_shortened_under_fit_tools_compress(request, mode, tools_caps):
+    server = request.getfixturevalue(mode)
+    whole, short = tools_caps[mode]
+    cap = (whole + short) // 2
+    messages = [{"role": "user", "content": TOWN_QUESTION}]
+    response = _chat(server, messages, tools=TOOLS, ctxgate={"policy": f"seg-tools-fit-{mode}"})
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    segments = _check_sums(usage)
+    assert segments["tools"]["before"] == whole > cap
+    if mode == "builtin":  # upstream: the after side is the upstream's own count
+        assert segments["tools"]["after"] == short <= cap
