@@ -16,7 +16,10 @@ def test_budgets_fall_geometrically_from_the_normal_budget_to_the_floor():
     policy = Policy(name="p", max_input_tokens=2_048, fit={"min_context_tokens": 256})
     assert fit_budgets(policy, 4) == [2_048, 1_024, 512, 256]
     assert fit_budgets(policy, 1) == [2_048]
-    assert fit_budgets(Policy(name="q", max_input_tokens=200, fit={"min_context_tokens": 256}), 4) == [200]
+    small = Policy(
+        name="q", max_input_tokens=200, documents={"max_tokens": 100}, fit={"min_context_tokens": 256}
+    )
+    assert fit_budgets(small, 4) == [200]
 
 
 def test_a_fitted_budget_caps_the_prompt_and_the_documents():
