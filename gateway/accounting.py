@@ -41,6 +41,10 @@ QUOTA_TOKEN_REASONS = frozenset({"tokens_per_minute", "tokens_per_day"})
 QUOTA_SPEND_REASONS = frozenset({"spend_per_day", "budget"})
 
 
+# How many times the room is read for one fit (see `Accounting.fit_quota`).
+_FIT_READS = 4
+
+
 def fit_limit_of(reason: str) -> FitLimit | None:
     """The fit limit a quota refusal's reason belongs to; None: fitting cannot help it."""
     if reason in QUOTA_TOKEN_REASONS:
@@ -218,8 +222,9 @@ class Accounting:
     ) -> Fit | None:
         """The request fitted into what its tenant has left now under the limit that `refused` it
         (None: it fits as it is), checked again at its fitted size, so a request limit refuses before
-        the compression runs and a second limit that binds the fitted request (tokens and spend)
-        fits it further where its policy says so. `refused`: the quota's refusal (reason,
+        the compression runs; a limit that binds the fitted request (the same one, when another
+        request took room meanwhile, or the other of tokens and spend) fits it again where its
+        policy says so. `refused`: the quota's refusal (reason,
         Retry-After), answered under the floor."""
         limits, key_id, key_limits = self._scopes(tenant, policy)
         prompt = prompt_token_bound(body, policy)
@@ -228,7 +233,9 @@ class Accounting:
         limit = fit_limit_of(reason) or "quota"
         fit: Fit | None = None
         try:
-            for _ in range(2):
+            # Again when the check finds less room than was read (another request took it meanwhile)
+            # or a second limit binding the fitted request (tokens and spend).
+            for _ in range(_FIT_READS):
                 room, prices = await self._room(limit, tenant, limits, policy, key_id, key_limits)
                 size = (fit.budget, fit.output_tokens * choices) if fit else (prompt, output)
                 fitted = fit_into(policy.fit, limit, room, *size, choices, prices)
@@ -246,7 +253,7 @@ class Accounting:
                     return fit
                 except QuotaExceeded as exc:
                     other = fit_limit_of(exc.reason)
-                    if other is None or other == limit or policy.fit.action(other) != "compress":
+                    if other is None or policy.fit.action(other) != "compress":
                         raise
                     limit, reason, retry_after_s = other, exc.reason, exc.retry_after_s
             raise QuotaExceeded(
