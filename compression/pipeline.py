@@ -26,11 +26,12 @@ from ctxgate.compression.embedding.batching import ENGINE_TIME, EngineTime
 from ctxgate.compression.fair import FairScheduler, yield_turn
 from ctxgate.compression.history import SummaryEngine
 from ctxgate.compression.rendering import render_context
+from ctxgate.compression.segments import segment_tokens
 from ctxgate.compression.services import PrefillCostEstimator, Services
 from ctxgate.compression.stages import STAGES
 from ctxgate.compression.stages.base import Stage, StageContext, run_timed
 from ctxgate.compression.stages.conversation import remember
-from ctxgate.compression.state import PipelineState, split_messages
+from ctxgate.compression.state import PipelineState, RenderedPrompt, split_messages
 from ctxgate.compression.store.cache import BytesCache, LRUBytesCache
 from ctxgate.compression.types import CompressionInput, CompressionResult, Document, StageReport
 from ctxgate.policies.schema import Policy
@@ -213,7 +214,7 @@ class CompressionPipeline:
         if state.compressing:
             self.cost_estimator.observe_compression((time.perf_counter() - started) * 1000)
         report_kept(state, reports, counter)
-        result = result_of(state, reports, policy)
+        result = result_of(state, reports, policy, counter)
         result.engine_ms = engine_time.seconds * 1000
         result.embedding_ms = engine_time.embedding_seconds * 1000
         result.prefill_ms_per_token = self.cost_estimator.ms_per_token
@@ -284,11 +285,14 @@ class LoopBridge:
         await self._on_loop(self._engine.abort(request_id))
 
 
-def result_of(state: PipelineState, reports: list[StageReport], policy: Policy) -> CompressionResult:
+def result_of(
+    state: PipelineState, reports: list[StageReport], policy: Policy, counter: CachedCounter
+) -> CompressionResult:
     assert state.original is not None and state.sent is not None, "the cost check and the fit always run"
     reconcile_savings(reports, state.original.tokens - state.sent.tokens)
     # The original prompt keeps every title; a compressed one keeps them as the policy says.
     keep_titles = policy.extraction.keep_titles if state.compressing else True
+    original = prompt_segments(state.original, counter)
     passages = [p for p in state.passages if not p.is_empty()]
     return CompressionResult(
         messages=state.sent.messages,
@@ -300,6 +304,10 @@ def result_of(state: PipelineState, reports: list[StageReport], policy: Policy) 
         ],
         context_text=render_context(passages, keep_titles),
         original_messages=state.original.messages,
+        segments_original=original,
+        segments_sent=dict(original)
+        if state.sent is state.original
+        else prompt_segments(state.sent, counter),
     )
 
 
@@ -307,3 +315,11 @@ def reconcile_savings(reports: list[StageReport], saved_exactly: int) -> None:
     """Stages estimate their savings from per-unit counts; the last report (the fit, the one exact
     count) takes the remainder, so the reports add up to exactly what was saved."""
     reports[-1].saved_tokens = saved_exactly - sum(report.saved_tokens for report in reports[:-1])
+
+
+def prompt_segments(prompt: RenderedPrompt, counter: CachedCounter) -> dict[str, int]:
+    """The prompt's tokens per segment, adding up to its exact count (empty: the prompt's messages
+    were not described)."""
+    if not prompt.layouts:
+        return {}
+    return segment_tokens(counter, prompt.messages, prompt.layouts, prompt.tokens)

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from ctxgate.compression.segments import Layout
 from ctxgate.compression.state import Passage, PipelineState, message_text
 from ctxgate.compression.text import content_hash
 from ctxgate.policies.schema import AssemblyPolicy
@@ -107,29 +108,66 @@ def render_messages(
     Context found inside messages goes back where each block was found instead of the assembly
     placement: `slot_texts` holds each block's text by slot index (see `render_slots`); without it,
     `context_text` goes into the first block and the others stay empty."""
+    return render_prompt(state, context_text, history, summary, assembly, slot_texts)[0]
+
+
+def render_prompt(
+    state: PipelineState,
+    context_text: str,
+    history: list[dict[str, Any]],
+    summary: str | None,
+    assembly: AssemblyPolicy,
+    slot_texts: dict[int, str] | None = None,
+) -> tuple[list[dict[str, Any]], list[Layout]]:
+    """`render_messages`, with each message's `Layout` (which segment its text is, where passages
+    went into it): what per-segment accounting counts (ctxgate.compression.segments)."""
     slots = state.context_slots
     if slots and slot_texts is None:
         slot_texts = {0: context_text}
     messages: list[dict[str, Any]] = [dict(m) for m in state.system_messages]
     question = dict(state.question)
+    # Where each slot's block goes: (offset before any block went in, length), per message.
+    inserted: dict[tuple[str, int], list[tuple[int, int]]] = {}
     # Last offset first, so the earlier offsets into the same message stay valid.
     for number in sorted(range(len(slots)), key=lambda n: -slots[n].offset):
         slot, text = slots[number], (slot_texts or {}).get(number, "")
+        where = ("system", slot.index) if slot.where == "system" else ("question", 0)
+        inserted.setdefault(where, []).append((slot.offset, len(text)))
         if slot.where == "system":
             messages[slot.index] = in_slot(messages[slot.index], slot.offset, text)
         else:
             question = in_slot(question, slot.offset, text)
+    layouts = [Layout("system", _block_ranges(inserted.get(("system", i), []))) for i in range(len(messages))]
     if not slots and context_text and assembly.placement == "system":
         messages.append(context_message(context_text))
+        layouts.append(Layout("documents"))
     if summary:
         messages.append(summary_message(summary))
+        layouts.append(Layout("history"))
     messages.extend(dict(m) for m in history)
+    layouts.extend(Layout("history") for _ in history)
+    question_layout = Layout("question", _block_ranges(inserted.get(("question", 0), [])))
     if not slots and context_text and assembly.placement == "user":
         # The question text itself is untouched: the context goes before it in the same turn.
         question["content"] = question_with_context(context_text, message_text(state.question))
+        block = len(question_with_context(context_text, "")) - len(QUESTION_HEADER) - 1
+        question_layout = Layout("question", ((0, block),))
     messages.append(question)
+    layouts.append(question_layout)
+    # Turns after the question (tool calls and their results) are conversation: history.
     messages.extend(dict(m) for m in state.trailing)
-    return messages
+    layouts.extend(Layout("history") for _ in state.trailing)
+    return messages, layouts
+
+
+def _block_ranges(insertions: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Each inserted block's (start, end) in the final content: an earlier block shifts the later."""
+    ranges: list[tuple[int, int]] = []
+    shift = 0
+    for offset, length in sorted(insertions):
+        ranges.append((offset + shift, offset + shift + length))
+        shift += length
+    return tuple(ranges)
 
 
 def render_slots(passages: list[Passage], keep_titles: bool = True) -> dict[int, str]:

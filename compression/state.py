@@ -12,6 +12,7 @@ from ctxgate.compression.types import CompressionInput, Document, RetrievalSpec
 
 if TYPE_CHECKING:
     from ctxgate.compression.conversation import CarriedTurns
+    from ctxgate.compression.segments import Layout
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -89,6 +90,8 @@ class ContextSlot:
 class RenderedPrompt:
     messages: list[dict[str, Any]]
     tokens: int  # exact, chat-templated
+    # Per message, which segment its text is (per-segment accounting); empty: not described.
+    layouts: list[Layout] = field(default_factory=list)
 
 
 @dataclass

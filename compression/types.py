@@ -66,6 +66,10 @@ class CompressionResult:
     # The messages of `original_prompt_tokens` (every document inline, the whole history): what a shadow
     # request answers to measure what compression changed (gateway/shadow/). None: not built.
     original_messages: list[dict[str, Any]] | None = None
+    # Tokens per segment (ctxgate.compression.segments) of the original and the sent prompt, each
+    # adding up to its count; the gateway adds the tools the template renders beside the messages.
+    segments_original: dict[str, int] = field(default_factory=dict)
+    segments_sent: dict[str, int] = field(default_factory=dict)
 
     @property
     def saved_tokens(self) -> dict[str, int]:

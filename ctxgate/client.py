@@ -107,6 +107,10 @@ class CtxgateUsage:
     budget: dict[str, Any] | None = None
     # Every limit the request met, after its reservation: used, remaining, when it resets (None: no limit).
     quota: list[dict[str, Any]] | None = None
+    # Tokens per segment (system, history, documents, tools, question, output): {"before", "after"}.
+    segments: dict[str, dict[str, int]] = field(default_factory=dict)
+    # A request fitted into a limit: {"bound_by", "budget", "would_have_needed"} (None: not fitted).
+    fit: dict[str, Any] | None = None
 
     @property
     def saved_tokens_total(self) -> int:
@@ -145,6 +149,8 @@ class CtxgateUsage:
             message_context=data.get("message_context"),
             budget=data.get("budget"),
             quota=list(data["quota"]) if data.get("quota") is not None else None,
+            segments={name: dict(value) for name, value in (data.get("segments") or {}).items()},
+            fit=data.get("fit"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -157,7 +163,8 @@ class CtxgateUsage:
         return {
             name: value
             for name, value in data.items()
-            if value is not None or name not in ("message_context", "budget", "tenant", "quota")
+            if (value is not None or name not in ("message_context", "budget", "tenant", "quota", "fit"))
+            and (value or name != "segments")
         }
 
 

@@ -131,6 +131,41 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     curve.add_argument("--out", required=True, help="directory for curve.json and retention_vs_ratio.png")
     curve.set_defaults(func=_eval_retention_curve)
 
+    fit_curve = eval_sub.add_parser(
+        "fit-curve",
+        help="retention under fitting: answer retention at prompt budgets falling from the policy's "
+        "normal one to its fit floor (in process, fast)",
+    )
+    fit_curve.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        dest="datasets",
+        help="JSONL dataset (repeat); a bare name is looked up in ../shared/data/eval",
+    )
+    fit_curve.add_argument("--policy", default="rag-default", help="policy name (default rag-default)")
+    fit_curve.add_argument("--policy-dir", help="policy directory (default: the shipped policies)")
+    fit_curve.add_argument(
+        "--steps",
+        type=at_least_one,
+        default=4,
+        help="budgets from max_input_tokens to fit.min_context_tokens, geometrically spaced (default 4)",
+    )
+    fit_curve.add_argument(
+        "--budgets", metavar="N,N,...", help="these prompt budgets instead of --steps, e.g. 2048,1024,512,256"
+    )
+    fit_curve.add_argument(
+        "--split",
+        choices=["all", "tune", "test"],
+        default="all",
+        help="which half of each file (default all)",
+    )
+    fit_curve.add_argument(
+        "--limit", type=at_least_one, default=20, help="questions per dataset (default 20)"
+    )
+    fit_curve.add_argument("--out", help="write the curves' JSON here")
+    fit_curve.set_defaults(func=_eval_fit_curve)
+
     message_context = eval_sub.add_parser(
         "message-context",
         help="context inside the messages: LangChain stuff-documents prompts through /v1/ctxgate/compress",
@@ -306,6 +341,29 @@ def _eval_retention_curve(args: argparse.Namespace) -> int:
             curve = ", ".join(f"{p['compression_ratio']}x: {p['answer_retention']}" for p in points)
             print(f"{dataset} {arm}: {curve}")
     print(f"report: {args.out}/curve.json")
+    return 0
+
+
+def _eval_fit_curve(args: argparse.Namespace) -> int:
+    require_eval_extra("eval fit-curve", "pysbd")
+    from ctxgate.eval.fit_curve import curve_table, run_fit_curve
+    from ctxgate.eval.retention import write_json
+
+    budgets = [int(value) for value in args.budgets.split(",") if value.strip()] if args.budgets else None
+    if budgets is not None and (not budgets or min(budgets) < 16):
+        raise ValueError("--budgets must be prompt budgets of at least 16 tokens, e.g. 2048,1024,512,256")
+    report = run_fit_curve(
+        args.datasets,
+        args.policy,
+        steps=args.steps,
+        limit=args.limit,
+        split=args.split,
+        policy_dir=args.policy_dir,
+        budgets=budgets,
+    )
+    print("\n".join(curve_table(report)))
+    if args.out:
+        write_json(report, args.out)
     return 0
 
 

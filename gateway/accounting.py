@@ -16,7 +16,7 @@ from ctxgate.backend.openai_api.errors import APIError
 from ctxgate.backend.openai_api.responses import Usage
 from ctxgate.gateway.adaptive_budget import AdaptiveBudget
 from ctxgate.gateway.early_checks import output_token_bound, prompt_token_bound
-from ctxgate.gateway.fit import Fit, FitRefused, fit_into
+from ctxgate.gateway.fit import TOKENS, Fit, FitLimit, FitRefused, Prices, fit_into
 from ctxgate.gateway.keys import Tenant
 from ctxgate.gateway.metrics import GatewayMetrics
 from ctxgate.gateway.policy_resolution import PolicyResolver, quota_cap
@@ -31,13 +31,27 @@ from ctxgate.gateway.quota import (
 )
 from ctxgate.gateway.request_id import note_usage
 from ctxgate.gateway.schemas import GatewayRequest
+from ctxgate.gateway.segments import count_segments, segment_costs, usage_segments
 from ctxgate.policies.schema import Policy
 
 logger = logging.getLogger(__name__)
-# The refusals compress-to-fit can answer: a smaller prompt cannot help a request or spend limit.
+# The refusals compress-to-fit can answer (a smaller prompt cannot help a request limit): the
+# tenant's or key's tokens (fit.quota) and spend (fit.spend).
 QUOTA_TOKEN_REASONS = frozenset(
     {"tokens_per_minute", "tokens_per_day", "tokens_per_week", "tokens_per_month"}
 )
+QUOTA_SPEND_REASONS = frozenset({"spend_per_day", "budget"})
+
+
+# How many times the room is read for one fit (see `Accounting.fit_quota`).
+_FIT_READS = 4
+
+
+def fit_limit_of(reason: str) -> FitLimit | None:
+    """The fit limit a quota refusal's reason belongs to; None: fitting cannot help it."""
+    if reason in QUOTA_TOKEN_REASONS:
+        return "quota"
+    return "spend" if reason in QUOTA_SPEND_REASONS else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +170,9 @@ class Accounting:
         has no room for the request at its largest (gateway/early_checks.py); nothing is reserved. A
         store that cannot be reached is left to `reserve`, which applies on_store_error.
 
-        Under `fit.quota: compress`, a request the tokens left cannot hold is fitted into them
-        instead (the returned `Fit`, for `Fit.apply`), unless that leaves the prompt under the floor."""
+        Under `fit.quota: compress` (tokens) or `fit.spend: compress` (spend), a request the tokens or
+        spend left cannot hold is fitted into them instead (the returned `Fit`, for `Fit.apply`),
+        unless that leaves the prompt under the floor."""
         scopes = self._scopes(tenant, policy, body.model)
         if scopes.limits.unlimited and scopes.key_limits is None:
             return None
@@ -167,10 +182,11 @@ class Accounting:
             await self._check(tenant, scopes, policy, prompt, output)
             return None
         except QuotaExceeded as exc:
-            if exc.reason not in QUOTA_TOKEN_REASONS:
+            limit = fit_limit_of(exc.reason)
+            if limit is None:
                 raise self._quota_refusal(tenant, exc) from None
-            if policy.fit.quota != "compress":
-                self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
+            if policy.fit.action(limit) != "compress":
+                self.metrics.fit_requests.labels(policy.name, limit, "refused").inc()
                 raise self._quota_refusal(tenant, exc) from None
             refused = exc.reason, exc.retry_after_s
         except StoreUnavailable:
@@ -205,31 +221,61 @@ class Accounting:
             model=scopes.model,
         )
 
+    async def _room(
+        self, limit: FitLimit, tenant: Tenant, scopes: Scopes, policy: Policy
+    ) -> tuple[int, Prices]:
+        """What is left under `limit` now, and what a prompt and an output token take of it."""
+        where = {"key_id": scopes.key_id, "key_limits": scopes.key_limits, "model": scopes.model}
+        if limit == "spend":
+            left = await self.store.spend_left(tenant.name, scopes.limits, **where)
+            per_token = SPEND_SCALE / 1000
+            prices = Prices(policy.cost.prompt_per_1k * per_token, policy.cost.completion_per_1k * per_token)
+            # One micro-unit kept back: the reservation rounds the cost to micro-units.
+            return max(0, (left or 0) - 1), prices
+        left = await self.store.tokens_left(tenant.name, scopes.limits, **where)
+        return left or 0, TOKENS
+
     async def fit_quota(
         self, tenant: Tenant, policy: Policy, body: GatewayRequest, choices: int, refused: tuple[str, int]
     ) -> Fit | None:
-        """The request fitted into the tokens its tenant has left now (None: it fits as it is), checked
-        again at its fitted size so a request or spend limit refuses before the compression runs.
-        `refused`: the token quota's refusal (reason, Retry-After), answered under the floor."""
+        """The request fitted into what its tenant has left now under the limit that `refused` it
+        (None: it fits as it is), checked again at its fitted size, so a request limit refuses before
+        the compression runs; a limit that binds the fitted request (the same one, when another
+        request took room meanwhile, or the other of tokens and spend) fits it again where its
+        policy says so. `refused`: the quota's refusal (reason, Retry-After), answered under the floor."""
         scopes = self._scopes(tenant, policy, body.model)
         prompt = prompt_token_bound(body, policy)
         output = output_token_bound(body, policy, choices)
         reason, retry_after_s = refused
+        limit = fit_limit_of(reason) or "quota"
+        fit: Fit | None = None
         try:
-            room = await self.store.tokens_left(
-                tenant.name,
-                scopes.limits,
-                key_id=scopes.key_id,
-                key_limits=scopes.key_limits,
-                model=scopes.model,
+            # Again when the check finds less room than was read (another request took it meanwhile)
+            # or a second limit binding the fitted request (tokens and spend).
+            for _ in range(_FIT_READS):
+                room, prices = await self._room(limit, tenant, scopes, policy)
+                size = (fit.budget, fit.output_tokens * choices) if fit else (prompt, output)
+                fitted = fit_into(policy.fit, limit, room, *size, choices, prices)
+                if fitted is None and fit is None:
+                    return None
+                if fitted is not None:
+                    fit = dataclasses.replace(
+                        fitted, reason=reason, retry_after_s=retry_after_s, would_have_needed=prompt + output
+                    )
+                assert fit is not None
+                try:
+                    await self._check(tenant, scopes, policy, fit.budget, fit.output_tokens * choices)
+                    return fit
+                except QuotaExceeded as exc:
+                    other = fit_limit_of(exc.reason)
+                    if other is None or policy.fit.action(other) != "compress":
+                        raise
+                    limit, reason, retry_after_s = other, exc.reason, exc.retry_after_s
+            raise QuotaExceeded(
+                reason, retry_after_s, f"the request does not fit the tenant's {reason} quota"
             )
-            fit = fit_into(policy.fit, "quota", room or 0, prompt, output, choices)
-            if fit is None:
-                return None
-            fit = dataclasses.replace(fit, reason=reason, retry_after_s=retry_after_s)
-            await self._check(tenant, scopes, policy, fit.budget, fit.output_tokens * choices)
         except FitRefused as exc:
-            self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
+            self.metrics.fit_requests.labels(policy.name, limit, "refused").inc()
             self.metrics.quota_rejections.labels(tenant.name, reason).inc()
             raise APIError(
                 429,
@@ -239,11 +285,10 @@ class Accounting:
                 headers={"Retry-After": str(retry_after_s)},
             ) from None
         except QuotaExceeded as exc:
-            self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
+            self.metrics.fit_requests.labels(policy.name, limit, "refused").inc()
             raise self._quota_refusal(tenant, exc) from None
         except StoreUnavailable:  # left to `reserve`, which applies on_store_error
             return None
-        return fit
 
     async def reconcile(self, reservation: Reservation | None, tokens: int, spend: float) -> None:
         if reservation is None:
@@ -264,12 +309,16 @@ class Accounting:
         policy, tenant, result = prepared.policy, prepared.tenant, prepared.result
         prompt_tokens = totals.prompt_tokens or result.prompt_tokens
         charged = cost(policy, prompt_tokens, totals.completion_tokens)
+        segments = usage_segments(result, prompt_tokens, totals.completion_tokens)
+        if priced(policy):
+            charged["segments"] = segment_costs(policy, segments)
         await self.reconcile(prepared.reservation, prompt_tokens + totals.completion_tokens, charged["total"])
         if count_metrics:
             labels = (tenant.name, policy.name)
             self.metrics.prompt_tokens_original.labels(*labels).inc(result.original_prompt_tokens)
             self.metrics.prompt_tokens_sent.labels(*labels).inc(result.prompt_tokens)
             self.metrics.completion_tokens.labels(*labels).inc(totals.completion_tokens)
+            count_segments(self.metrics, tenant.name, policy.name, segments)
             for stage, saved in result.saved_tokens.items():
                 self.metrics.saved_tokens.labels(stage, policy.name).inc(max(0, saved))
             if charged["total"] > 0:
@@ -300,6 +349,7 @@ class Accounting:
                 "cost": charged["total"] if priced(policy) else None,
                 "cost_detail": charged if priced(policy) else None,
                 "dropped_params": list(prepared.dropped_params),
+                "segments": segments,
             }
             | _quota_usage(prepared.reservation)
             | ({"budget": budget} if budget is not None else {})

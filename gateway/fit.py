@@ -1,9 +1,10 @@
 """Compress-to-fit admission: a request that does not fit a limit gets a smaller prompt budget
 instead of a refusal, when its policy's `fit` section says `compress` for that limit.
 
-The limits: the tenant's tokens left in the quota window (`quota`), the model's context window
-(`context_window`) and the policy's `max_input_tokens`. The prompt budget a fitted request gets is
-what the limit leaves after its output reservation, never under `fit.min_context_tokens`; when the
+The limits: the tenant's tokens left in the quota window (`quota`), its spend left (`spend`: the
+daily spend limit or the budget, turned into the tokens it buys at the policy's prices), the model's
+context window (`context_window`) and the policy's `max_input_tokens`. The prompt budget a fitted
+request gets is what the limit leaves after its output reservation, never under `fit.min_context_tokens`; when the
 output reservation alone leaves less than that floor, `fit.output: cap` lowers max_tokens so the
 prompt keeps the floor (the answer then ends with finish_reason `length` as any capped one). Under
 the floor the request is refused as it would have been, saying what it would have needed.
@@ -18,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ctxgate.gateway.quota import SPEND_SCALE
 from ctxgate.policies.schema import FitPolicy, Policy
 
-FitLimit = Literal["quota", "context_window", "max_input_tokens"]
+FitLimit = Literal["quota", "spend", "context_window", "max_input_tokens"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class FitRefused(Exception):
 
     def __init__(self, limit: FitLimit, needed: int, room: int, floor: int):
         super().__init__(
-            f"the request needs {needed} tokens (prompt and output) and {_room_words(limit)} {room}; "
+            f"the request needs {needed} tokens (prompt and output) and {_room_text(limit, room)}; "
             f"fitting it would leave the prompt under the policy's floor of {floor} tokens (fit.min_context_tokens)"
         )
         self.limit = limit
@@ -67,31 +69,59 @@ class FitRefused(Exception):
         self.room = room
 
 
-def _room_words(limit: FitLimit) -> str:
-    return {
+def _room_text(limit: FitLimit, room: int) -> str:
+    if limit == "spend":
+        return f"the tenant's spend left ({room / SPEND_SCALE:g} at the policy's prices) buys fewer"
+    words = {
         "quota": "the tenant's quota has left",
         "context_window": "the model's context window holds",
         "max_input_tokens": "max_input_tokens allows",
     }[limit]
+    return f"{words} {room}"
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What one prompt token and one output token take of a limit's room: one each for a token limit,
+    their price in micro-units of the currency for a spend limit."""
+
+    prompt: float = 1.0
+    output: float = 1.0
+
+
+TOKENS = Prices()
 
 
 def fit_into(
-    fit: FitPolicy, limit: FitLimit, room: int, prompt_tokens: int, output_tokens: int, choices: int
+    fit: FitPolicy,
+    limit: FitLimit,
+    room: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    choices: int,
+    prices: Prices = TOKENS,
 ) -> Fit | None:
     """The fit of a request needing `prompt_tokens` + `output_tokens` (all choices) into `room`
-    tokens for prompt and output together; None when it fits as it is. Raises `FitRefused` when
-    the prompt would get less than the floor (and, with `fit.output: reject`, when only a lower
-    max_tokens would keep it)."""
+    (tokens, or micro-units of spend at `prices`) for prompt and output together; None when it fits
+    as it is. Raises `FitRefused` when the prompt would get less than the floor (and, with
+    `fit.output: reject`, when only a lower max_tokens would keep it)."""
     needed = prompt_tokens + output_tokens
-    if needed <= room:
+    if prices.prompt * prompt_tokens + prices.output * output_tokens <= room:
         return None
     floor = fit.min_context_tokens
     per_choice = output_tokens // choices if choices else 0
-    if room - per_choice * choices < floor:
-        if fit.output == "reject" or not choices:
+
+    def prompt_room(per_choice: int) -> float:
+        return room - prices.output * per_choice * choices
+
+    if prompt_room(per_choice) < prices.prompt * floor:
+        if fit.output == "reject" or not choices or prices.output <= 0:
             raise FitRefused(limit, needed, room, floor)
         # The prompt keeps the floor (or all of itself, if smaller); the output gets the rest.
-        per_choice = (room - min(floor, prompt_tokens)) // choices
+        per_choice = int((room - prices.prompt * min(floor, prompt_tokens)) // (prices.output * choices))
         if per_choice < 1:
             raise FitRefused(limit, needed, room, floor)
-    return Fit(limit, min(prompt_tokens, room - per_choice * choices), per_choice, needed)
+    if prices.prompt <= 0:
+        return Fit(limit, prompt_tokens, per_choice, needed)
+    budget = min(prompt_tokens, int(prompt_room(per_choice) // prices.prompt))
+    return Fit(limit, budget, per_choice, needed)

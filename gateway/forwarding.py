@@ -69,12 +69,14 @@ def _list_of_objects(name: str, value: Any) -> list[Any]:
     return value
 
 
-def forwarded_prompt_tokens(forward: dict[str, Any] | None, tokenizer: TextEncoder) -> int:
-    """Tokens the upstream's template adds for `tools` and `documents`: their JSON, counted with
-    the model's tokenizer (the template's own framing around them is small and not counted)."""
+def forwarded_prompt_tokens(forward: dict[str, Any] | None, tokenizer: TextEncoder) -> dict[str, int]:
+    """Tokens the upstream's template adds for `tools` and `documents`, per field: each one's JSON,
+    counted with the model's tokenizer (the template's own framing around them is small and not
+    counted). Empty when neither is sent."""
     if not forward:
-        return 0
-    present = {name: forward[name] for name in PROMPT_FIELDS if forward.get(name)}
-    if not present:
-        return 0
-    return len(tokenizer.encode(json.dumps(present, ensure_ascii=False)))
+        return {}
+    return {
+        name: len(tokenizer.encode(json.dumps({name: forward[name]}, ensure_ascii=False)))
+        for name in PROMPT_FIELDS
+        if forward.get(name)
+    }

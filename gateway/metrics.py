@@ -77,6 +77,19 @@ class GatewayMetrics:
         self.completion_tokens = Counter(
             "ctxgate:completion_tokens", "tokens generated", ["tenant", "policy"], registry=r
         )
+        self.segment_tokens_original = Counter(
+            "ctxgate:segment_tokens_original",
+            "tokens per segment (system, history, documents, tools, question, output) before compression",
+            ["tenant", "policy", "segment"],
+            registry=r,
+        )
+        self.segment_tokens_sent = Counter(
+            "ctxgate:segment_tokens_sent",
+            "tokens per segment (system, history, documents, tools, question) sent to the model, "
+            "and output generated",
+            ["tenant", "policy", "segment"],
+            registry=r,
+        )
         self.saved_tokens = Counter(
             "ctxgate:saved_tokens",
             "prompt tokens saved per compression stage",

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ctxgate.backend.engine.api import Priority
 from ctxgate.backend.openai_api.errors import APIError
 from ctxgate.backend.openai_api.request_params import EngineAsks, engine_asks
 from ctxgate.compression.types import CompressionResult
 from ctxgate.gateway.access import Access
-from ctxgate.gateway.accounting import QUOTA_TOKEN_REASONS, Accounting
+from ctxgate.gateway.accounting import Accounting, fit_limit_of
 from ctxgate.gateway.adaptive_budget import AdaptiveBudget
 from ctxgate.gateway.budget_control import Decision
 from ctxgate.gateway.early_checks import output_token_bound
@@ -38,9 +38,10 @@ from ctxgate.policies.schema import Policy
 def _quota_floor_refusal(fit: Fit, exc: APIError) -> APIError:
     """A request fitted into its quota whose system prompt and question alone exceed the fitted budget:
     refused as the quota would have refused it, saying what it would have needed."""
+    limit = "spend" if fit.bound_by == "spend" else "quota"
     return APIError(
         429,
-        f"the tenant's quota leaves a prompt budget of {fit.budget} tokens (the request would have needed "
+        f"the tenant's {limit} leaves a prompt budget of {fit.budget} tokens (the request would have needed "
         f"{fit.would_have_needed} with its output): {exc.message}",
         code=fit.reason,
         error_type="rate_limit_error",
@@ -49,7 +50,22 @@ def _quota_floor_refusal(fit: Fit, exc: APIError) -> APIError:
 
 
 def _quota_fit_may_help(exc: APIError, policy: Policy) -> bool:
-    return exc.status_code == 429 and exc.code in QUOTA_TOKEN_REASONS and policy.fit.quota == "compress"
+    limit = fit_limit_of(exc.code or "")
+    return exc.status_code == 429 and limit is not None and policy.fit.action(limit) == "compress"
+
+
+# Fitted again at most this many times when other requests take the room first (`_refitting`).
+_REFITS = 8
+Result = TypeVar("Result")
+
+
+class _RoomTaken(Exception):
+    """The exact reservation was refused by a token or spend limit the policy fits into: other
+    requests took the room this one was sized for."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.message)
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -118,7 +134,7 @@ class Preparation:
             if exc.code != "prompt_too_long":
                 raise
             if fit is not None:  # fitted into the quota, the parts never cut did not fit the budget
-                self.metrics.fit_requests.labels(policy.name, "quota", "refused").inc()
+                self.metrics.fit_requests.labels(policy.name, fit.bound_by, "refused").inc()
                 raise _quota_floor_refusal(fit, exc) from None
             limit = self._input_limit(policy, body.model)
             if policy.compression_enabled or policy.fit.action(limit) != "compress":
@@ -160,14 +176,20 @@ class Preparation:
         sampling do not apply, and neither the quota check nor the reservation counts any output."""
         policy = self._policy(body, tenant)
         fit = await self.accounting.check_quota_first(tenant, policy, body, choices=0)
-        result, _, _, policy, fit = await self._prompt(
-            body, tenant, fit.apply(policy) if fit else policy, fit
-        )
-        # Metered like a request that generates nothing: one request, its prompt tokens.
-        reservation = await self._reserve_fitted(
-            fit, policy, self.accounting.reserve(tenant, policy, result.prompt_tokens, 0, model=body.model)
-        )
-        return Compressed(policy, result, reservation.rate_limits, fit)
+
+        async def attempt(fit: Fit | None) -> Compressed:
+            result, _, _, fitted_policy, fit = await self._prompt(
+                body, tenant, fit.apply(policy) if fit else policy, fit
+            )
+            # Metered like a request that generates nothing: one request, its prompt tokens.
+            reservation = await self._reserve_fitted(
+                fit,
+                fitted_policy,
+                self.accounting.reserve(tenant, fitted_policy, result.prompt_tokens, 0, model=body.model),
+            )
+            return Compressed(fitted_policy, result, reservation.rate_limits, fit)
+
+        return await self._refitting(attempt, tenant, policy, body, 0, fit)
 
     async def chat(
         self, body: ChatCompletionRequest, tenant: Tenant, raw: dict[str, Any] | None = None
@@ -184,28 +206,45 @@ class Preparation:
         request = _ChatRequest(body, tenant, request_id, arrived, dropped, forward, choices, asks, budget)
         try:
             # After the adaptive budget: a fit only ever lowers it.
-            return await self._chat_prepared(request, fit.apply(policy) if fit else policy, fit)
-        except APIError as exc:
-            if fit is not None or not _quota_fit_may_help(exc, policy):
-                self.budget.controller.forget(request_id)
-                raise
-            refused = exc
+            return await self._refitting(
+                lambda fit: self._chat_prepared(request, fit.apply(policy) if fit else policy, fit),
+                tenant,
+                policy,
+                body,
+                choices,
+                fit,
+            )
         except BaseException:
             self.budget.controller.forget(request_id)
             raise
-        # Another request took the room between the early check and this one's reservation:
-        # fitted into what is left now, once.
-        try:
+
+    async def _refitting(
+        self,
+        attempt: Callable[[Fit | None], Awaitable[Result]],
+        tenant: Tenant,
+        policy: Policy,
+        body: ChatCompletionRequest,
+        choices: int,
+        fit: Fit | None,
+    ) -> Result:
+        """`attempt(fit)`; while its exact reservation finds that other requests took the room first
+        (between the early check and it), `attempt` again fitted into what is left now. Each loss is
+        another request's admission, so the room only shrinks until it fits or is under the floor."""
+        refused: APIError | None = None
+        for _ in range(_REFITS):
+            try:
+                return await attempt(fit)
+            except _RoomTaken as taken:
+                refused = taken.error
             retry_after = int(refused.headers.get("Retry-After", "1"))
             fit = await self.accounting.fit_quota(
                 tenant, policy, body, choices, (refused.code or "", retry_after)
             )
-            if fit is None:
-                raise refused
-            return await self._chat_prepared(request, fit.apply(policy), fit)
-        except BaseException:
-            self.budget.controller.forget(request_id)
-            raise
+        assert refused is not None
+        self.metrics.fit_requests.labels(
+            policy.name, fit_limit_of(refused.code or "") or "quota", "refused"
+        ).inc()
+        raise refused
 
     async def _chat_prepared(self, request: _ChatRequest, policy: Policy, fit: Fit | None) -> Prepared:
         """The prompt, the sampling and the exact reservation of a chat request under `policy`."""
@@ -255,11 +294,13 @@ class Preparation:
     async def _reserve_fitted(
         self, fit: Fit | None, policy: Policy, reserve: Awaitable[Reservation]
     ) -> Reservation:
-        """The exact reservation; a fitted request is counted fitted once it holds one, refused when
-        another request took the room it was fitted into first (the reservation is atomic)."""
+        """The exact reservation; a fitted request is counted fitted once it holds one. A refusal by a
+        limit the policy fits into is `_RoomTaken` (`_refitting` fits the request again)."""
         try:
             reservation = await reserve
-        except APIError:
+        except APIError as exc:
+            if _quota_fit_may_help(exc, policy):
+                raise _RoomTaken(exc) from None
             if fit is not None:
                 self.metrics.fit_requests.labels(policy.name, fit.bound_by, "refused").inc()
             raise

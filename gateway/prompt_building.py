@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ctxgate.backend.openai_api.errors import APIError
@@ -31,7 +32,9 @@ from ctxgate.gateway.forwarding import forwarded_prompt_tokens
 from ctxgate.gateway.keys import Tenant
 from ctxgate.gateway.metrics import GatewayMetrics
 from ctxgate.gateway.schemas import ChatCompletionRequest, CtxgateExtras
-from ctxgate.gateway.tokenizer_per_model import ModelTokenizers
+from ctxgate.gateway.segments import BesideMessages, add_beside_messages, check_tools_cap
+from ctxgate.gateway.tokenizer_per_model import ModelTokenizers, ModelTokens
+from ctxgate.gateway.tools_fit import SHORTENING_STEPS, shortened
 from ctxgate.policies.schema import Policy
 
 logger = logging.getLogger(__name__)
@@ -155,13 +158,21 @@ class PromptBuilder:
     ) -> tuple[list[int], str]:
         """Token ids actually sent (with `model`'s tokenizer); re-counted here so the budget holds
         whatever pipeline ran. `forward`: an upstream's fields, whose `tools` and `documents` its
-        template adds to the prompt: counted in `result.prompt_tokens` too."""
+        template adds to the prompt: counted in `result.prompt_tokens` too. Tool definitions over
+        `tools.max_tokens` are shortened under `fit.tools: compress` (the forwarded ones in place)."""
         tokens = self.tokens.for_model(model)
-        # Tools are client text the template prints: inert like the messages (which the pipeline cleaned).
-        prompt_text = tokens.tokenizer.render_chat(
-            result.messages, tools=tokens.neutraliser.value(tools) if tools else None
-        )
-        token_ids = tokens.tokenizer.encode(prompt_text)
+        measured = _measure(tokens, result, tools, forward)
+        original_tools = measured.beside.tools
+        cap = policy.tools.max_tokens
+        for step in SHORTENING_STEPS:
+            if cap is None or measured.beside.tools <= cap or policy.fit.tools != "compress":
+                break
+            tools = shortened(tools, step) if tools else None
+            if forward is not None and forward.get("tools"):
+                forward["tools"] = shortened(forward["tools"], step)
+            measured = _measure(tokens, result, tools, forward)
+        check_tools_cap(policy, measured.beside.tools)
+        token_ids, prompt_text = measured.token_ids, measured.prompt_text
         if len(token_ids) > policy.max_input_tokens:
             logger.error(
                 "pipeline produced %d tokens over budget %d", len(token_ids), policy.max_input_tokens
@@ -172,7 +183,7 @@ class PromptBuilder:
                 f"{policy.max_input_tokens}",
                 code="prompt_too_long",
             )
-        prompt_tokens = len(token_ids) + forwarded_prompt_tokens(forward, tokens.tokenizer)
+        prompt_tokens = len(token_ids) + measured.forwarded
         if prompt_tokens > policy.max_input_tokens:
             raise APIError(
                 413,
@@ -181,6 +192,7 @@ class PromptBuilder:
                 code="prompt_too_long",
                 param="tools" if forward and forward.get("tools") else "documents",
             )
+        add_beside_messages(result, measured.beside, original_tools)
         result.prompt_tokens = prompt_tokens
         return token_ids, prompt_text
 
@@ -211,3 +223,34 @@ class PromptBuilder:
             raise APIError(
                 400, "prompt could not be tokenized", param="prompt", code="invalid_value"
             ) from None
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """A prompt rendered with its tools: its ids and text, what it holds beside the messages, and the
+    tokens an upstream's template adds for the forwarded fields."""
+
+    token_ids: list[int]
+    prompt_text: str
+    beside: BesideMessages
+    forwarded: int
+
+
+def _measure(
+    tokens: ModelTokens,
+    result: CompressionResult,
+    tools: list[dict[str, Any]] | None,
+    forward: dict[str, Any] | None,
+) -> _Measured:
+    # Tools are client text the template prints: inert like the messages (which the pipeline cleaned).
+    prompt_text = tokens.tokenizer.render_chat(
+        result.messages, tools=tokens.neutraliser.value(tools) if tools else None
+    )
+    token_ids = tokens.tokenizer.encode(prompt_text)
+    forwarded = forwarded_prompt_tokens(forward, tokens.tokenizer)
+    # `result.prompt_tokens` is still the pipeline's exact count of the messages alone.
+    beside = BesideMessages(
+        tools=len(token_ids) - result.prompt_tokens + forwarded.get("tools", 0),
+        documents=forwarded.get("documents", 0),
+    )
+    return _Measured(token_ids, prompt_text, beside, sum(forwarded.values()))

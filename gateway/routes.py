@@ -22,6 +22,7 @@ from ctxgate.gateway.generation import Generation, complete, stream
 from ctxgate.gateway.keys import Tenant
 from ctxgate.gateway.prepared import Prepared, compression_figures, rate_limit_headers
 from ctxgate.gateway.schemas import ChatCompletionRequest, CompletionRequest, GatewayRequest
+from ctxgate.gateway.segments import prompt_segments
 from ctxgate.gateway.service import Gateway
 from ctxgate.gateway.shadow.ledger import shadow_summary
 from ctxgate.policies.loader import ReloadError
@@ -165,6 +166,7 @@ async def compress(request: Request, response: Response) -> dict[str, Any]:
         "policy": compressed.policy.name,
         "report": {
             **compression_figures(result),
+            "segments": prompt_segments(result),
             **({"fit": compressed.fit.report()} if compressed.fit is not None else {}),
             "stages": [
                 {"name": s.name, "saved_tokens": s.saved_tokens, "ms": round(s.ms, 3), "details": s.details}

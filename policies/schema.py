@@ -202,6 +202,15 @@ class ConversationPolicy(_Section):
     )
 
 
+class ToolsPolicy(_Section):
+    max_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="tool definitions (the tools segment) at most this many tokens; over it: 413 "
+        "naming the tools segment, or shortened to fit under fit.tools: compress; null: no cap",
+    )
+
+
 class CostPolicy(_Section):
     prompt_per_1k: float = Field(
         default=0.0, ge=0, description="price of 1,000 prompt tokens, for usage.ctxgate.cost and spend limits"
@@ -259,6 +268,11 @@ class FitPolicy(_Section):
         description="the tenant's tokens left in the window cannot hold the "
         "request at the normal budget: refuse (429) or compress the prompt into what is left",
     )
+    spend: FitAction = Field(
+        default="reject",
+        description="the tenant's spend left (spend_per_day, budget) cannot pay for the request at the "
+        "normal budget: refuse (429) or compress the prompt into the tokens what is left buys",
+    )
     context_window: FitAction = Field(
         default="reject",
         description="the prompt is over the model's context window: "
@@ -268,6 +282,11 @@ class FitPolicy(_Section):
         default="reject",
         description="the prompt is over max_input_tokens: refuse "
         "(413) or compress it to fit, even under a policy that does not compress",
+    )
+    tools: FitAction = Field(
+        default="reject",
+        description="tool definitions over tools.max_tokens: refuse (413 naming the tools segment) "
+        "or shorten them to fit (the parameters' descriptions dropped, then the functions')",
     )
     min_context_tokens: int = Field(
         default=256,
@@ -283,9 +302,10 @@ class FitPolicy(_Section):
         "what is left (finish_reason: length), or refuse",
     )
 
-    def action(self, limit: Literal["quota", "context_window", "max_input_tokens"]) -> FitAction:
+    def action(self, limit: Literal["quota", "spend", "context_window", "max_input_tokens"]) -> FitAction:
         actions: dict[str, FitAction] = {
             "quota": self.quota,
+            "spend": self.spend,
             "context_window": self.context_window,
             "max_input_tokens": self.max_input_tokens,
         }
@@ -383,6 +403,7 @@ class Policy(_Section):
     cost: CostPolicy = Field(
         default=CostPolicy(), description="prices, for the reported cost and spend limits"
     )
+    tools: ToolsPolicy = Field(default=ToolsPolicy(), description="the tool definitions' cap")
     adaptive: AdaptivePolicy = Field(default=AdaptivePolicy(), description="budgets that follow the load")
     fit: FitPolicy = Field(
         default=FitPolicy(),

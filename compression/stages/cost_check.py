@@ -8,7 +8,7 @@ Rule: when the pinned parts alone are over the budget the request is refused
 
 from __future__ import annotations
 
-from ctxgate.compression.rendering import order_passages, render_context, render_messages, render_slots
+from ctxgate.compression.rendering import order_passages, render_context, render_prompt, render_slots
 from ctxgate.compression.stages.base import Stage, StageContext
 from ctxgate.compression.stages.budget import forced_saving, pinned_tokens
 from ctxgate.compression.state import PipelineState, RenderedPrompt
@@ -55,7 +55,7 @@ def render_original(state: PipelineState, ctx: StageContext) -> RenderedPrompt:
     passages = order_passages(state.passages, "original")
     context_text = render_context(passages)
     slot_texts = render_slots(passages) if state.context_slots else None
-    messages = render_messages(
+    messages, layouts = render_prompt(
         state, context_text, list(state.history), None, ctx.policy.assembly, slot_texts
     )
-    return RenderedPrompt(messages, ctx.counter.count_chat(messages))
+    return RenderedPrompt(messages, ctx.counter.count_chat(messages), layouts)

@@ -8,7 +8,7 @@ When the cost check skipped compression the original is sent as it is, if it fit
 from __future__ import annotations
 
 from ctxgate.compression.extraction import drop_lowest_sentence
-from ctxgate.compression.rendering import order_passages, render_context, render_messages, render_slots
+from ctxgate.compression.rendering import order_passages, render_context, render_prompt, render_slots
 from ctxgate.compression.stages.base import Stage, StageContext
 from ctxgate.compression.stages.budget import drop_least_valuable_unit
 from ctxgate.compression.state import PipelineState, RenderedPrompt
@@ -83,7 +83,7 @@ def render_sent(state: PipelineState, ctx: StageContext) -> RenderedPrompt:
     keep_titles = ctx.policy.extraction.keep_titles
     context_text = render_context(passages, keep_titles)
     slot_texts = render_slots(passages, keep_titles) if state.context_slots else None
-    messages = render_messages(
+    messages, layouts = render_prompt(
         state, context_text, state.history, state.summary, ctx.policy.assembly, slot_texts
     )
-    return RenderedPrompt(messages, ctx.counter.count_chat(messages))
+    return RenderedPrompt(messages, ctx.counter.count_chat(messages), layouts)

@@ -164,6 +164,20 @@ class InProcessQuotaStore:
         meters = token_meters(tenant, limits, now, key_id, key_limits, model)
         return room_left(meters, [self._read(meter, now).level for meter in meters])
 
+    async def spend_left(
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
+        model: str | None = None,
+    ) -> int | None:
+        now = self.clock() if now is None else now
+        meters = token_meters(tenant, limits, now, key_id, key_limits, model, unit="spend")
+        return room_left(meters, [self._read(meter, now).level for meter in meters])
+
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         for meter, delta in reconcile_deltas(reservation, actual_tokens, actual_spend_micros):
             if meter.kind == SLOT_HOLD:

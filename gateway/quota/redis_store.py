@@ -179,6 +179,23 @@ class RedisQuotaStore:
         reply = await self._read(meters, now)
         return room_left(meters, [reading.level for reading in reply.readings])
 
+    async def spend_left(
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
+        model: str | None = None,
+    ) -> int | None:
+        now = self.clock() if now is None else now
+        meters = token_meters(tenant, limits, now, key_id, key_limits, model, unit="spend")
+        if not meters:
+            return None
+        reply = await self._read(meters, now)
+        return room_left(meters, [reading.level for reading in reply.readings])
+
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:
         deltas = [
             (meter, delta)

@@ -1,5 +1,5 @@
-"""How many tokens a tenant can still reserve now: the room compress-to-fit admission
-(`ctxgate.gateway.fit`) fits a request into.
+"""How many tokens (or how much spend) a tenant can still reserve now: the room compress-to-fit
+admission (`ctxgate.gateway.fit`) fits a request into.
 
 The room is the smallest of (limit - used) over every token counter a reservation would touch (the
 tenant's per-minute, day, week and month windows, its limits for the model, and its API key's when
@@ -20,10 +20,11 @@ def token_meters(
     key_id: str | None,
     key_limits: QuotaLimits | None,
     model: str | None = None,
+    unit: str = "tokens",
 ) -> list[Meter]:
-    """The limited token counters a reservation at `now` would be checked against."""
+    """The limited counters of `unit` (tokens, or spend) a reservation at `now` would be checked against."""
     meters = build_meters(tenant, limits, 0, 0, now, key_id, key_limits, model=model)
-    return [m for m in meters if m.kind in (COUNTER, SLIDING) and m.unit == "tokens" and m.limit != NO_LIMIT]
+    return [m for m in meters if m.kind in (COUNTER, SLIDING) and m.unit == unit and m.limit != NO_LIMIT]
 
 
 def room_left(meters: list[Meter], used: list[int]) -> int | None:

@@ -73,6 +73,20 @@ class QuotaStore(Protocol):
         A read only: `reserve` stays the atomic decision."""
         ...
 
+    async def spend_left(
+        self,
+        tenant: str,
+        limits: QuotaLimits,
+        now: float | None = None,
+        *,
+        key_id: str | None = None,
+        key_limits: QuotaLimits | None = None,
+        model: str | None = None,
+    ) -> int | None:
+        """The spend (micro-units) a reservation could still take under every spend limit (None: no
+        spend limit). A read only, like `tokens_left`."""
+        ...
+
     async def reconcile(
         self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int
     ) -> None: ...

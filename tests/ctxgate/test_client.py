@@ -101,6 +101,13 @@ def test_every_key_of_a_gateways_usage_round_trips():
         "dropped_params": ["seed"],
         "message_context": {"passages_found": 6, "passages_kept": 2},
         "budget": {"documents_tokens": 400},
+        "segments": {
+            "system": {"before": 20, "after": 20},
+            "documents": {"before": 860, "after": 260},
+            "question": {"before": 20, "after": 20},
+            "output": {"before": 12, "after": 12},
+        },
+        "fit": {"bound_by": "quota", "budget": 300, "would_have_needed": 1200},
     }
     usage = CtxgateUsage.from_dict(sent)
     assert usage.to_dict() == sent
@@ -109,5 +116,9 @@ def test_every_key_of_a_gateways_usage_round_trips():
         sent | {"cost": 0.0012, "cost_detail": {"total": 0.0012, "currency": "USD"}}
     )
     assert (priced.cost, priced.cost_detail["currency"]) == (0.0012, "USD")
-    lean = {key: value for key, value in sent.items() if key not in ("message_context", "budget")}
+    lean = {
+        key: value
+        for key, value in sent.items()
+        if key not in ("message_context", "budget", "segments", "fit")
+    }
     assert CtxgateUsage.from_dict(lean).to_dict() == lean  # keys the gateway leaves out stay out

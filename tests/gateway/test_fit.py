@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ctxgate.gateway.fit import Fit, FitRefused, fit_into
+from ctxgate.gateway.fit import Fit, FitRefused, Prices, fit_into
 from ctxgate.policies.schema import FitPolicy, Policy
 
 COMPRESS = FitPolicy(quota="compress", min_context_tokens=300)
@@ -71,4 +71,35 @@ def test_apply_only_lowers_budgets_and_turns_compression_on():
 
 def test_the_default_is_todays_refusal():
     fit = Policy(name="p").fit
-    assert [fit.action(limit) for limit in ("quota", "context_window", "max_input_tokens")] == ["reject"] * 3
+    limits = ("quota", "spend", "context_window", "max_input_tokens")
+    assert [fit.action(limit) for limit in limits] == ["reject"] * 4
+
+
+# Spend: $1 and $4 per 1,000 prompt and output tokens, in micro-units per token.
+SPEND_PRICES = Prices(prompt=1_000, output=4_000)
+SPEND = FitPolicy(spend="compress", min_context_tokens=300)
+
+
+def test_spend_left_buys_the_prompt_what_the_output_leaves_at_the_models_prices():
+    # $0.50 left; 8 output tokens take $0.032 of it; the rest buys 468 prompt tokens.
+    fit = fit_into(
+        SPEND, "spend", 500_000, prompt_tokens=1_024, output_tokens=8, choices=1, prices=SPEND_PRICES
+    )
+    assert fit == Fit("spend", budget=468, output_tokens=8, would_have_needed=1_032)
+    assert fit_into(SPEND, "spend", 2_000_000, 1_024, 8, 1, SPEND_PRICES) is None
+
+
+def test_spend_output_cap_and_floor_at_the_models_prices():
+    # $0.50 left, 256 output tokens ($1.024): the prompt keeps the floor ($0.30), the output what
+    # $0.20 buys (50 tokens).
+    fit = fit_into(SPEND, "spend", 500_000, 1_024, 256, 1, SPEND_PRICES)
+    assert fit is not None and (fit.budget, fit.output_tokens) == (300, 50)
+    with pytest.raises(FitRefused) as info:
+        fit_into(SPEND, "spend", 301_000, 1_024, 256, 1, SPEND_PRICES)
+    assert "spend left (0.301" in str(info.value)
+
+
+def test_free_prompt_tokens_leave_only_the_output_to_cap():
+    free_prompt = Prices(prompt=0, output=4_000)
+    fit = fit_into(SPEND, "spend", 100_000, 1_024, 256, 1, free_prompt)
+    assert fit is not None and (fit.budget, fit.output_tokens) == (1_024, 25)

@@ -55,11 +55,15 @@ class ServerThread:
 
 
 @contextmanager
-def serve_engine(engine: Any) -> Iterator[str]:
-    """The engine's own OpenAI server (`ctxgate engine serve`'s app) in a thread; yields its base URL."""
+def serve_engine(engine: Any, manage_engine: bool = True) -> Iterator[str]:
+    """The engine's own OpenAI server (`ctxgate engine serve`'s app) in a thread; yields its base URL.
+    `manage_engine=False`: the engine is started if it is not yet, and left running at the end (the
+    session's shared engine, which other tests use after this server stops)."""
     from ctxgate.backend.serving.server import create_app
 
-    with ServerThread(create_app(engine)) as running:
+    if not manage_engine:
+        engine.start()
+    with ServerThread(create_app(engine, manage_engine=manage_engine)) as running:
         yield running.url
 
 
