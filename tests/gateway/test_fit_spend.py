@@ -74,7 +74,10 @@ def _burst(server, examples, policy: str) -> list[httpx.Response]:
 
 
 def _spent_micros(server) -> int:
-    return asyncio.run(server.store.usage("anonymous"))["spend_micros_today"]
+    from ctxgate.gateway.quota import QuotaLimits
+
+    usage = asyncio.run(server.store.usage("anonymous", QuotaLimits(spend_per_day=SPEND)))
+    return next(limit.used for limit in usage if limit.name == "spend_per_day")
 
 
 def _fit_metric(server, policy: str, outcome: str) -> float:
