@@ -314,6 +314,7 @@ def start_local_engine(model: str | None, max_num_batched_tokens: int | None = N
 def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -> dict[str, Any]:
     from ctxgate.eval.report import cpu_path_line
     from ctxgate.eval.server import EngineServerProcess, GatewayProcess
+    from ctxgate.eval.status import Status
 
     dataset = load_dataset(resolve_dataset_path(options.dataset), limit=options.limit)
     target = Path(out_dir)
@@ -339,6 +340,7 @@ def run_bench_e2e(options: E2EOptions, out_dir: str | Path, command: str = "") -
             )
             engine_url, engine_pid = stack.enter_context(engine_server), engine_server.pid
         else:
+            Status()("loading the engine in this process (the model, then its warm-up)")
             local_engine = start_local_engine(options.model, options.max_num_batched_tokens)
             stack.callback(local_engine.shutdown)
         for concurrency in options.levels:

@@ -5,7 +5,7 @@ replica cannot hold every conversation) and runs the same open-loop schedules (e
 under each strategy: round robin, least outstanding and cache affinity. `--via gateway` (the
 default): through a real `ctxgate serve` process whose model list fronts the replicas with the arm's
 strategy (eval/route_gateway.py), over HTTP; `--via in-process`: through a model group
-(backend/routing/model_router.py) in this process, with the gateway's affinity key (gateway/affinity.py). Per arm and workload:
+(backend/routing/model_group.py) in this process, with the gateway's affinity key (gateway/affinity.py). Per arm and workload:
 prefix-cache hit tokens summed over the replicas (the change of their
 `ctxgate:prefix_cache_hits_total`), TTFT P50/P95 as the client sees it, requests/s. A last run
 repeats the multi-turn workload under affinity and SIGKILLs one replica half-way: a request that
@@ -31,7 +31,7 @@ import httpx
 from ctxgate.backend.engine.api import GenerationRequest, SamplingParams
 from ctxgate.backend.routing.deployment_health import DeploymentHealth, HealthPolicy
 from ctxgate.backend.routing.deployment_metrics import DeploymentMetrics
-from ctxgate.backend.routing.model_router import Deployment, ModelGroup
+from ctxgate.backend.routing.model_group import Deployment, ModelGroup
 from ctxgate.backend.routing.strategies import Strategy, make_router
 from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig
 from ctxgate.eval.route_gateway import GatewayFront

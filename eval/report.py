@@ -215,7 +215,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def cpu_path_line() -> str:
     """The CPU and engine path of the machine that produced a report's figures."""
     from ctxgate.backend.platform.cpu_features import cpu_path
-    from ctxgate.compression.embedding.embeddings import precision_for_this_cpu
+    from ctxgate.compression.embedding.precision import precision_for_this_cpu
 
     return f"{cpu_path().summary()}; embedder {precision_for_this_cpu()}"
 

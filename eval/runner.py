@@ -23,6 +23,7 @@ from ctxgate.eval.datasets import Dataset, EvalExample, load_dataset, resolve_da
 from ctxgate.eval.evidence import evidence_retention
 from ctxgate.eval.loadgen import closed_loop
 from ctxgate.eval.metrics import answer_in_text, exact_match, token_f1
+from ctxgate.eval.status import Status, StatusLine, count
 from ctxgate.eval.sweep import PolicyVariant, SweepSpec, build_sweep_variants, plain_variants
 
 
@@ -130,7 +131,11 @@ async def _run_one(
 
 
 async def run_against(
-    url: str, dataset: Dataset, variants: list[PolicyVariant], config: RunConfig
+    url: str,
+    dataset: Dataset,
+    variants: list[PolicyVariant],
+    config: RunConfig,
+    status: StatusLine | None = None,
 ) -> tuple[list[dict[str, Any]], float]:
     """All (question, arm) pairs with at most `concurrency` in flight; returns rows in submission
     order and the wall time."""
@@ -138,7 +143,13 @@ async def run_against(
 
     client = GatewayClient(url, api_key=config.api_key)
     jobs = [(example, variant) for example in dataset.examples for variant in variants]
-    progress = tqdm(total=len(jobs), desc="eval", unit="req", disable=not config.progress)
+    (status or Status())(
+        f"{count(len(dataset.examples), 'question')} x {count(len(variants), 'arm')} = "
+        f"{count(len(jobs), 'request')}, "
+        f"{config.concurrency} at a time; the first ones wait for the gateway's embedding model "
+        "if it is still loading"
+    )
+    progress = tqdm(total=len(jobs), desc=f"eval {dataset.name}", unit="req", disable=not config.progress)
 
     async def one(job: tuple[EvalExample, PolicyVariant]) -> dict[str, Any]:
         return await _run_one(client, job[0], job[1], config)
@@ -182,20 +193,23 @@ def write_results(rows: list[dict[str, Any]], path: Path) -> None:
 GatewayLauncher = Callable[[str | None, Path], AbstractContextManager[str]]
 
 
-def subprocess_launcher(model: str | None) -> GatewayLauncher:
+def subprocess_launcher(model: str | None, status: StatusLine | None = None) -> GatewayLauncher:
     from ctxgate.eval.server import GatewayProcess
 
     def launch(policy_dir: str | None, log_path: Path) -> AbstractContextManager[str]:
-        return GatewayProcess(policy_dir=policy_dir, model=model, log_path=log_path)
+        return GatewayProcess(policy_dir=policy_dir, model=model, log_path=log_path, status=status)
 
     return launch
 
 
-def run_eval(config: RunConfig, launcher: GatewayLauncher | None = None) -> dict[str, Any]:
+def run_eval(
+    config: RunConfig, launcher: GatewayLauncher | None = None, status: StatusLine | None = None
+) -> dict[str, Any]:
     """Run, then write results.jsonl, report.json, report.md and plots into `out_dir`.
 
     Without `config.url` a gateway is started for the run: by default `ctxgate serve` as a child
-    process; `launcher` can serve it differently (e.g. in this process, sharing a loaded engine)."""
+    process; `launcher` can serve it differently (e.g. in this process, sharing a loaded engine).
+    Each step is reported on `status` (default: a line on stderr)."""
     from ctxgate.eval.plots import write_plots
     from ctxgate.eval.report import build_report, write_report_files
 
@@ -203,22 +217,28 @@ def run_eval(config: RunConfig, launcher: GatewayLauncher | None = None) -> dict
         raise ValueError("--concurrency must be >= 1")
     if config.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
-    dataset = load_dataset(resolve_dataset_path(config.dataset), limit=config.limit)
+    say = status or Status()
+    path = resolve_dataset_path(config.dataset)
+    say(f"reading the dataset {path}")
+    dataset = load_dataset(path, limit=config.limit)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     with tempfile.TemporaryDirectory(prefix="ctxgate-eval-policies-") as temp_dir:
         if config.url:
             variants = build_variants(config, None)
-            rows, wall_s = asyncio.run(run_against(config.url, dataset, variants, config))
+            say(f"using the running gateway at {config.url}")
+            rows, wall_s = asyncio.run(run_against(config.url, dataset, variants, config, say))
         else:
             needs_dir = config.sweep is not None
             variants = build_variants(config, Path(temp_dir) if needs_dir else None)
             policy_dir = temp_dir if needs_dir else config.policy_dir
-            launch = launcher or subprocess_launcher(config.model)
+            launch = launcher or subprocess_launcher(config.model, say)
             with launch(policy_dir, out_dir / "gateway.log") as url:
-                rows, wall_s = asyncio.run(run_against(url, dataset, variants, config))
+                rows, wall_s = asyncio.run(run_against(url, dataset, variants, config, say))
+            say("gateway stopped")
 
+    say(f"{count(len(rows), 'request')} in {wall_s:.1f} s; writing the report and plots into {out_dir}")
     write_results(rows, out_dir / "results.jsonl")
     report = build_report(rows, variants, dataset, config, wall_s)
     report["plots"] = write_plots(report, rows, out_dir)

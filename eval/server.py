@@ -11,9 +11,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
+from ctxgate.eval.status import Status, StatusLine
+
+# While a server starts, its last log line is repeated this often (seconds), so a slow start shows
+# what it is doing instead of looking hung.
+HEARTBEAT_S = 5.0
 
 
 def free_port() -> int:
@@ -23,9 +30,11 @@ def free_port() -> int:
 
 
 class GatewayProcess:
-    """Context manager: `with GatewayProcess(policy_dir=...) as url: ...`."""
+    """Context manager: `with GatewayProcess(policy_dir=...) as url: ...`. Says on `status` (default:
+    stderr) when it starts, what its log says while it loads, and when it is ready."""
 
     ready_path = "/ready"
+    what = "the gateway (ctxgate serve)"
 
     def __init__(
         self,
@@ -35,7 +44,11 @@ class GatewayProcess:
         ready_timeout_s: float = 600.0,
         extra_args: list[str] | None = None,
         env: dict[str, str | None] | None = None,
+        status: StatusLine | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
     ):
+        self.status = status or Status()
+        self.heartbeat_s = heartbeat_s
         self.policy_dir = policy_dir
         # Environment changes for the child (None removes a variable, e.g. REDIS_URL for a cold cache).
         self.env_changes = env or {}
@@ -70,6 +83,8 @@ class GatewayProcess:
                 env.pop(name, None)
             else:
                 env[name] = value
+        log_note = f"; its log: {self.log_path}" if self.log_path else ""
+        self.status(f"starting {self.what} on {self.url}{log_note}")
         self._process = subprocess.Popen(
             self.command(),
             stdout=self._log_file or subprocess.DEVNULL,
@@ -85,19 +100,40 @@ class GatewayProcess:
             return "(no log)"
         return self.log_path.read_text(errors="replace")[-max_chars:]
 
+    def _last_log_line(self) -> str:
+        """The log's last line, without its timestamp, level and logger (what the server is doing)."""
+        lines = [line for line in self._log_tail(2000).splitlines() if line.strip()]
+        if not lines or not self.log_path:
+            return ""
+        message = lines[-1].rsplit("]: ", 1)[-1].strip()
+        return message if len(message) <= 120 else message[:117] + "..."
+
     def _wait_ready(self) -> None:
         assert self._process is not None
+        started = time.monotonic()
+        next_beat = started + self.heartbeat_s
+
+        def heartbeat() -> None:
+            nonlocal next_beat
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self.heartbeat_s
+                said = self._last_log_line()
+                self.status(f"still starting ({now - started:.0f} s)" + (f": {said}" if said else ""))
+
         try:
             wait_until_ok(
                 f"{self.url}{self.ready_path}",
                 self._process,
                 "gateway",
-                time.monotonic() + self.ready_timeout_s,
+                started + self.ready_timeout_s,
+                on_wait=heartbeat,
             )
         except RuntimeError as exc:
             tail = self._log_tail()
             self.stop()
             raise RuntimeError(f"{exc}:\n{tail}") from None
+        self.status(f"{self.what} ready at {self.url} after {time.monotonic() - started:.1f} s")
 
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -126,6 +162,7 @@ class EngineServerProcess(GatewayProcess):
     """`ctxgate engine serve` (the built-in engine's own OpenAI server, no gateway) on a free port."""
 
     ready_path = "/health"
+    what = "the engine server (ctxgate engine serve)"
 
     def command(self) -> list[str]:
         command = [
@@ -205,9 +242,15 @@ class InProcessGateway:
         self.stop()
 
 
-def wait_until_ok(url: str, process: subprocess.Popen, what: str, deadline: float) -> None:
+def wait_until_ok(
+    url: str,
+    process: subprocess.Popen,
+    what: str,
+    deadline: float,
+    on_wait: Callable[[], None] | None = None,
+) -> None:
     """Poll `url` until it answers 200; RuntimeError when `process` exits first or the monotonic
-    `deadline` passes."""
+    `deadline` passes. `on_wait` runs between polls (a caller's progress report)."""
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"{what} exited with code {process.returncode}")
@@ -218,4 +261,6 @@ def wait_until_ok(url: str, process: subprocess.Popen, what: str, deadline: floa
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} not ready in time")
+        if on_wait is not None:
+            on_wait()
         time.sleep(0.5)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from ctxgate.backend.engine.api import EngineClient
 from ctxgate.backend.routing.deployment_health import DeploymentHealth, HealthPolicy
 from ctxgate.backend.routing.deployment_metrics import DeploymentMetrics
-from ctxgate.backend.routing.model_router import Deployment, ModelGroup, ModelRouter
+from ctxgate.backend.routing.model_group import Deployment, ModelGroup
+from ctxgate.backend.routing.model_router import ModelRouter
 from ctxgate.backend.routing.strategies import make_router
 from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig
 from ctxgate.backend.routing.upstream_metrics import upstream_label

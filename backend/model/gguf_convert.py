@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from ctxgate.backend.model.conversion_progress import ConversionProgress, LoggedProgress
+
 # Bumped whenever the conversion changes, so stale cached directories are rebuilt.
 CONVERTER_VERSION = 1
 
@@ -166,12 +168,14 @@ def hf_tensor_name(gguf_name: str) -> str:
     raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r} for this architecture")
 
 
-def convert_weights(reader: Any, facts: GGUFModelFacts) -> dict[str, np.ndarray]:
+def convert_weights(
+    reader: Any, facts: GGUFModelFacts, progress: ConversionProgress | None = None
+) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
     permuted = facts.architecture == "llama"
     tensors: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    for tensor in (progress or LoggedProgress()).tensors(reader.tensors, "dequantizing weights"):
         if tensor.name in _SKIPPED:
             continue
         name = hf_tensor_name(tensor.name)
@@ -248,24 +252,30 @@ def open_checked(gguf_path: Path) -> tuple[Any, str]:
     return reader, check_supported(reader, gguf_path)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert one GGUF file into an HF directory at out_dir (atomically)."""
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: ConversionProgress | None = None) -> Path:
+    """Convert one GGUF file into an HF directory at out_dir (atomically), saying each step."""
     from safetensors.numpy import save_file
+
+    progress = progress or LoggedProgress()
 
     reader, arch = open_checked(gguf_path)
     facts = read_facts(reader, arch)
-    tensors = convert_weights(reader, facts)
+    progress.step(f"read {gguf_path.name}: {arch}, {facts.num_layers} layers, {len(reader.tensors)} tensors")
+    tensors = convert_weights(reader, facts, progress)
     tied = "lm_head.weight" not in tensors
     qkv_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir.parent))
     try:
+        megabytes = sum(array.nbytes for array in tensors.values()) / 2**20
+        progress.step(f"writing model.safetensors ({megabytes:.0f} MiB of float32 weights)")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         config = hf_config(facts, tied, qkv_bias, gguf_path.name)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         generation_config = {"bos_token_id": facts.bos_token_id, "eos_token_id": facts.eos_token_id}
         (staging / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+        progress.step("building the tokenizer and chat template from the file (transformers)")
         write_tokenizer(gguf_path, staging)
         if out_dir.exists():
             shutil.rmtree(out_dir)

