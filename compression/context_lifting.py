@@ -63,6 +63,10 @@ _TERMINATOR = re.compile(
 # A message holds a few context blocks at most; each search for one reads the rest of the message,
 # so the search stops after this many (what follows is left as it is).
 MAX_BLOCKS = 16
+# The layouts are searched line by line (a few microseconds a line), so a message of more lines than
+# this is not searched: a megabyte of newlines would hold the GIL for seconds of every other tenant's
+# time. Retrieved context that long belongs in `ctxgate.documents`, which is split without searching.
+MAX_SEARCHED_LINES = 20_000
 
 
 @dataclass
@@ -169,8 +173,11 @@ def _block_end(text: str, from_index: int) -> int:
 # -- lifting the blocks out of the request -------------------------------------------------------
 def find_contexts(text: str, system: bool) -> list[FoundContext]:
     """Every retrieved-context block in one message's text, in order (several "Context:" sections,
-    separate tagged containers...): after each block, the rest of the text is searched again."""
+    separate tagged containers...): after each block, the rest of the text is searched again. None in
+    a text of more than `MAX_SEARCHED_LINES` lines."""
     blocks: list[FoundContext] = []
+    if text.count("\n", 0, len(text)) > MAX_SEARCHED_LINES:
+        return blocks
     position = 0
     while position < len(text) and len(blocks) < MAX_BLOCKS:
         # The bare-paragraphs layout (instructions, then passages) only describes a whole message.

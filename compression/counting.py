@@ -35,6 +35,12 @@ class TokenCounter(Protocol):
         count of one text (a per-message accounting): `CachedCounter` memoizes on that text."""
         ...
 
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for: a text of B bytes is at least ceil(B / this)
+        tokens, a bound known without counting."""
+        ...
+
 
 @runtime_checkable
 class ChatTokenizer(TokenCounter, Protocol):
@@ -123,6 +129,7 @@ class CachedCounter:
 
     def __init__(self, counter: TokenCounter, max_entries: int = 50_000, max_bytes: int | None = None):
         self.counter = counter
+        self.max_token_bytes = counter.max_token_bytes
         self._counts: ByteLRU[str, int] = ByteLRU(
             max_entries, max_bytes or budget_bytes("token_counts"), sizer=_str_size
         )
@@ -161,6 +168,11 @@ class CachedCounter:
         if rendered is None:
             return self.counter.count_chat(messages, add_generation_prompt)
         return self.count(rendered)
+
+
+def least_tokens(text: str, max_token_bytes: int) -> int:
+    """A sound lower bound of `text`'s token count from its UTF-8 length alone."""
+    return -(-len(text.encode("utf-8", "surrogatepass")) // max_token_bytes)
 
 
 def _str_size(value: Any) -> int:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from ctxgate.backend.openai_api.errors import APIError
 from ctxgate.backend.platform.bounded_encode import TextNotTokenizable
-from ctxgate.compression.counting import CachedCounter
+from ctxgate.compression.counting import CachedCounter, least_tokens
 from ctxgate.compression.store.index_names import UnknownIndexError
 from ctxgate.compression.types import (
     BudgetExceededError,
@@ -199,8 +199,7 @@ class PromptBuilder:
     def least_prompt_tokens(self, text: str, model: str | None) -> int:
         """A sound lower bound of `text`'s token count, from its UTF-8 length alone: a prompt over a
         limit by this much is refused without the CPU of tokenizing megabytes."""
-        max_token_bytes = self.tokens.for_model(model).tokenizer.max_token_bytes
-        return -(-len(text.encode("utf-8", "surrogatepass")) // max_token_bytes)
+        return least_tokens(text, self.tokens.for_model(model).tokenizer.max_token_bytes)
 
     def encode_original(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, model: str | None

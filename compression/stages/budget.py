@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ctxgate.compression.counting import CachedCounter
+from ctxgate.compression.counting import CachedCounter, least_tokens
 from ctxgate.compression.extraction import drop_lowest_sentence
 from ctxgate.compression.history import turn_units
 from ctxgate.compression.rendering import render_messages, summary_text
@@ -56,7 +56,18 @@ def documents_budget(state: PipelineState, ctx: StageContext) -> int:
 def pinned_tokens(state: PipelineState, ctx: StageContext) -> int:
     """Tokens of what is never cut; `BudgetExceededError` when that alone is over the budget."""
     assembly = ctx.policy.assembly
-    pinned = ctx.counter.count_chat(render_messages(state, "", [], None, assembly))
+    messages = render_messages(state, "", [], None, assembly)
+    # Bounded from the text's length first: a megabyte of question is refused without counting it.
+    texts = "".join(message_text(message) for message in messages)  # the prompt holds each verbatim
+    least = least_tokens(texts, ctx.counter.max_token_bytes)
+    if least > state.budget_tokens:
+        raise BudgetExceededError(
+            f"the system prompt and question alone take at least {least} tokens, "
+            f"over the budget of {state.budget_tokens} (max_input_tokens)",
+            required_tokens=least,
+            budget_tokens=state.budget_tokens,
+        )
+    pinned = ctx.counter.count_chat(messages)
     if pinned > state.budget_tokens:
         raise BudgetExceededError(
             f"the system prompt and question alone take {pinned} tokens, "

@@ -236,3 +236,14 @@ async def test_several_blocks_uncut_render_back_exactly(make_pipeline):
     result = await make_pipeline().run(CompressionInput(messages=messages), policy)
     assert result.message_context["passages_found"] == 5
     assert result.messages == messages
+
+
+def test_a_message_of_more_lines_than_searched_is_left_alone():
+    """The layouts are searched line by line; past `MAX_SEARCHED_LINES` the message is not searched at
+    all (a megabyte of newlines would otherwise hold the GIL for seconds), under it the same block is found."""
+    from ctxgate.compression.context_lifting import MAX_SEARCHED_LINES, find_contexts
+
+    block = "Context:\n" + "\n\n".join(f"Passage {i} says the depot moved {i} crates." for i in range(4))
+    assert find_contexts(block + "\n" * 100 + "\nWhich depot?", system=False)
+    flooded = block + "\n" * (MAX_SEARCHED_LINES + 1) + "\nWhich depot?"
+    assert find_contexts(flooded, system=False) == []

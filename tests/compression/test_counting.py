@@ -53,6 +53,8 @@ def test_the_cached_counter_is_safe_to_share_between_threads():
     import threading
 
     class Characters:
+        max_token_bytes = 4  # a character is at most 4 UTF-8 bytes and one token here
+
         def count(self, text):
             return len(text)
 

@@ -51,7 +51,7 @@ def replicas(redis_module, tmp_path_factory):
         "fitq",
         f"name: fitq\nmax_input_tokens: {MAX_INPUT}\ndocuments: {{max_tokens: 900}}\n"
         "rerank: {method: bm25}\ndedup: {near_duplicate_cosine: null}\n"
-        f"quota: {{tokens_per_minute: {TPM}}}\nfit: {{quota: compress, min_context_tokens: {FLOOR}}}\n",
+        f"quota: {{tokens_per_minute: {TPM}, window: fixed}}\nfit: {{quota: compress, min_context_tokens: {FLOOR}}}\n",
     )
     tenants = {name: {"policy": "fitq", "keys": [{"sha256": hash_key(key)}]} for name, key in KEYS.items()}
     keys_file = root / "keys.yaml"
@@ -79,6 +79,7 @@ def examples():
 
 
 def _ledger(redis_url: str, tenant: str, minute: int) -> int:
+    """The fixed minute window's tokens (the policy counts per calendar minute, to read one window)."""
     value = redis.Redis.from_url(redis_url).get(f"ctxgate:quota:{{{tenant}}}:tpm:{minute}")
     return int(value or 0)
 

@@ -93,7 +93,8 @@ def test_an_upstream_burst_is_fitted_into_the_quota_until_the_floor(front, clock
     for usage in usages:  # the upstream's own counts, split into segments exactly
         segments = usage["ctxgate"]["segments"]
         assert sum(v["after"] for k, v in segments.items() if k != "output") == usage["prompt_tokens"]
-    used = asyncio.run(front.store.usage("anonymous"))["tokens_this_minute"]
+    [window] = asyncio.run(front.store.usage("anonymous", QuotaLimits(tokens_per_minute=TPM)))
+    used = window.used
     assert used == sum(u["prompt_tokens"] + u["completion_tokens"] for u in usages) <= TPM
     left = asyncio.run(front.store.tokens_left("anonymous", QuotaLimits(tokens_per_minute=TPM)))
     assert left <= FLOOR

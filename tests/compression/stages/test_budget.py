@@ -14,6 +14,7 @@ def test_split_passages_are_priced_by_sentence_and_a_changed_body_is_not_tokeniz
     class Recording:
         def __init__(self):
             self.texts: list[str] = []
+            self.max_token_bytes = tokenizer.max_token_bytes
 
         def count(self, text: str) -> int:
             self.texts.append(text)
