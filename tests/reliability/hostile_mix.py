@@ -213,9 +213,11 @@ async def attack(
     concurrency: int,
     max_requests: int,
     request_timeout_s: float = 60.0,
+    kinds: tuple[str, ...] = (),
 ) -> None:
-    """`concurrency` clients sending the mix round-robin until `stop` is set or `max_requests` are sent."""
-    mix = hostile_mix()
+    """`concurrency` clients sending the mix (only `kinds` of it, when given) round-robin until `stop`
+    is set or `max_requests` are sent."""
+    mix = [hostile for hostile in hostile_mix() if not kinds or hostile.kind in kinds]
     turns = itertools.count()
     timeout = httpx.Timeout(request_timeout_s, connect=10)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as client:

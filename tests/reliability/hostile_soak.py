@@ -30,7 +30,7 @@ import httpx
 import yaml
 
 from ctxgate.gateway.keys import hash_key
-from tests.reliability.hostile_mix import MODEL, AttackStats, attack, trickle
+from tests.reliability.hostile_mix import MODEL, AttackStats, attack, hostile_mix, trickle
 from tests.reliability.hostile_report import (
     Acceptance,
     ServerSamples,
@@ -84,6 +84,7 @@ class SoakConfig:
     attacker_concurrency: int = 6
     slow_connections: int = 3
     max_attack_requests: int = 100_000
+    kinds: tuple[str, ...] = ()  # the hostile mix's kinds the attacker sends; empty: all of them
     sample_interval_s: float = 2.0
     acceptance: Acceptance = field(default_factory=Acceptance)
     out: Path = Path("soak-hostile-out")
@@ -213,7 +214,11 @@ async def _attack_phase(
 ) -> VictimPhase:
     """The victim's load for `attack_s` with the attacker at full speed; the attack ends with it."""
     stop = asyncio.Event()
-    limits = {"concurrency": config.attacker_concurrency, "max_requests": config.max_attack_requests}
+    limits = {
+        "concurrency": config.attacker_concurrency,
+        "max_requests": config.max_attack_requests,
+        "kinds": config.kinds,
+    }
     attackers = [asyncio.create_task(attack(url, keys, stop, stats, **limits))]
     attackers += [
         asyncio.create_task(trickle(url, keys["attacker"], stop, stats))
@@ -289,7 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-attack-requests", type=int, default=defaults.max_attack_requests)
     parser.add_argument("--max-p95-ratio", type=float, default=defaults.acceptance.max_p95_ratio)
     parser.add_argument("--out", type=Path, default=defaults.out, help="report folder")
+    parser.add_argument(
+        "--kinds",
+        default="",
+        help="comma-separated kinds of the hostile mix to send (default: all); with --slow-connections 0, "
+        "one kind's cost to the victim alone",
+    )
     args = parser.parse_args(argv)
+    kinds = tuple(kind for kind in args.kinds.split(",") if kind)
+    unknown = set(kinds) - {hostile.kind for hostile in hostile_mix()}
+    if unknown:
+        parser.error(f"--kinds: no such kind {sorted(unknown)}")
     report = run_soak(
         SoakConfig(
             baseline_s=args.baseline,
@@ -299,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             attacker_concurrency=args.attacker_concurrency,
             slow_connections=args.slow_connections,
             max_attack_requests=args.max_attack_requests,
+            kinds=kinds,
             acceptance=Acceptance(max_p95_ratio=args.max_p95_ratio),
             out=args.out,
         )
