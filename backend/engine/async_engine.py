@@ -241,8 +241,9 @@ class AsyncEngine:
         For CPU work the gateway must do anyway (embedding the sentences of a first-sight
         compression): beside a running engine it would be a third busy thread on two cores, slowed
         by the engine and slowing it (OpenMP teams waiting on a descheduled member). Here it has the
-        cores to itself and delays the engine by its own run time only; every queued job runs at the
-        next such point. Raises `EngineError` (503) once the engine is shut down; a job still queued
+        cores to itself and delays the engine by its own run time only; queued jobs run at the next
+        such point, within side work's share of the thread's time while the engine has requests
+        (backend/engine/side_work.py). Raises `EngineError` (503) once the engine is shut down; a job still queued
         then fails with it.
         """
         job = Job(fn)
@@ -293,12 +294,15 @@ class AsyncEngine:
         try:
             while True:
                 # Idle: block until a command arrives instead of spinning.
-                block = not self.engine.has_unfinished_requests()
+                # (Side work deferred while the engine was busy runs now, not at the next command.)
+                block = not self.engine.has_unfinished_requests() and not self._side_work.pending
                 if not self._apply_commands(block=block):
                     break
+                self._side_work.busy = self.engine.has_unfinished_requests()
                 self._side_work.run_pending()
-                if not self.engine.has_unfinished_requests():
+                if not self._side_work.busy:
                     continue
+                side_before, started = self._side_work.spent_s, time.perf_counter()
                 try:
                     deltas = self.engine.step()
                 except Exception as exc:
@@ -308,6 +312,8 @@ class AsyncEngine:
                     logger.exception("engine step failed outside any request")
                     self._fail_all(EngineError(f"engine step failed: {exc}", 500))
                     continue
+                side_during = self._side_work.spent_s - side_before  # between its decoder layers
+                self._side_work.earn(time.perf_counter() - started - side_during)
                 self._dispatch(deltas)
                 self._deliver_failures(self.engine.take_failures())
                 self._refresh_stats()
