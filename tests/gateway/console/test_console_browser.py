@@ -45,11 +45,23 @@ def _by_css(driver, selector: str):
     return driver.find_element(By.CSS_SELECTOR, selector)
 
 
+def _follow(driver, element) -> None:
+    """Click a link or a form's button and wait for the page it leads to: a click can return before
+    the next document has replaced the current one (a loaded machine answers the POST late)."""
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    element.click()
+    wait = WebDriverWait(driver, 60)
+    wait.until(expected_conditions.staleness_of(element))
+    wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
+
+
 def _log_in(driver, url: str, key: str) -> None:
     driver.delete_all_cookies()  # a fresh login, whatever the test before left
     driver.get(f"{url}/console")
     _by_css(driver, "#admin_key").send_keys(key)
-    _by_css(driver, "#login").click()
+    _follow(driver, _by_css(driver, "#login"))
 
 
 def _models_status(url: str, key: str) -> int:
@@ -75,14 +87,14 @@ def test_a_key_created_in_the_console_works_and_stops_once_revoked(browser, serv
     _log_in(browser, server.url, files.admin_key)
     _by_css(browser, "#create-tenant").send_keys("browser-tenant")
     _by_css(browser, "#create-policy").send_keys("console-test")
-    _by_css(browser, "#create").click()
+    _follow(browser, _by_css(browser, "#create"))
     key = _by_css(browser, "#new-key").text.strip()
     assert key.startswith("cg-")
     assert _models_status(server.url, key) == 200
 
-    _by_css(browser, "#back").click()
+    _follow(browser, _by_css(browser, "#back"))
     row = _by_css(browser, "#tenant-browser-tenant tr.key.active")
-    row.find_element("css selector", "button.revoke").click()
+    _follow(browser, row.find_element("css selector", "button.revoke"))
     assert "Revoked key" in _by_css(browser, "#message").text
     assert _models_status(server.url, key) == 401
     browser.get(f"{server.url}/console")
@@ -93,11 +105,11 @@ def test_a_bad_policy_edit_shows_its_error_and_changes_nothing(browser, server):
     files = server.files
     _log_in(browser, server.url, files.admin_key)
     browser.get(f"{server.url}/console/policies")
-    browser.find_element("link text", "Edit").click()
+    _follow(browser, browser.find_element("link text", "Edit"))
     area = _by_css(browser, "#policy-text")
     area.clear()
     area.send_keys(POLICY.replace("max_input_tokens: 220", "max_input_tokens: lots"))
-    _by_css(browser, "#save-policy").click()
+    _follow(browser, _by_css(browser, "#save-policy"))
     error = _by_css(browser, "#policy-error").text
     assert "field 'max_input_tokens'" in error
     assert (files.policy_dir / "console-test.yaml").read_text() == POLICY
