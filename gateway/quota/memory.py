@@ -160,9 +160,7 @@ class InProcessQuotaStore:
         key_limits: QuotaLimits | None = None,
         model: str | None = None,
     ) -> int | None:
-        now = self.clock() if now is None else now
-        meters = token_meters(tenant, limits, now, key_id, key_limits, model)
-        return room_left(meters, [self._read(meter, now).level for meter in meters])
+        return await self._left("tokens", tenant, limits, now, key_id, key_limits, model)
 
     async def spend_left(
         self,
@@ -174,8 +172,21 @@ class InProcessQuotaStore:
         key_limits: QuotaLimits | None = None,
         model: str | None = None,
     ) -> int | None:
+        return await self._left("spend", tenant, limits, now, key_id, key_limits, model)
+
+    async def _left(
+        self,
+        unit: str,
+        tenant: str,
+        limits: QuotaLimits,
+        now: float | None,
+        key_id: str | None,
+        key_limits: QuotaLimits | None,
+        model: str | None,
+    ) -> int | None:
+        """What every limited meter of `unit` (tokens or spend) has left now: a read only."""
         now = self.clock() if now is None else now
-        meters = token_meters(tenant, limits, now, key_id, key_limits, model, unit="spend")
+        meters = token_meters(tenant, limits, now, key_id, key_limits, model, unit=unit)
         return room_left(meters, [self._read(meter, now).level for meter in meters])
 
     async def reconcile(self, reservation: Reservation, actual_tokens: int, actual_spend_micros: int) -> None:

@@ -172,12 +172,7 @@ class RedisQuotaStore:
         key_limits: QuotaLimits | None = None,
         model: str | None = None,
     ) -> int | None:
-        now = self.clock() if now is None else now
-        meters = token_meters(tenant, limits, now, key_id, key_limits, model)
-        if not meters:
-            return None
-        reply = await self._read(meters, now)
-        return room_left(meters, [reading.level for reading in reply.readings])
+        return await self._left("tokens", tenant, limits, now, key_id, key_limits, model)
 
     async def spend_left(
         self,
@@ -189,8 +184,21 @@ class RedisQuotaStore:
         key_limits: QuotaLimits | None = None,
         model: str | None = None,
     ) -> int | None:
+        return await self._left("spend", tenant, limits, now, key_id, key_limits, model)
+
+    async def _left(
+        self,
+        unit: str,
+        tenant: str,
+        limits: QuotaLimits,
+        now: float | None,
+        key_id: str | None,
+        key_limits: QuotaLimits | None,
+        model: str | None,
+    ) -> int | None:
+        """What every limited meter of `unit` (tokens or spend) has left now: a read only."""
         now = self.clock() if now is None else now
-        meters = token_meters(tenant, limits, now, key_id, key_limits, model, unit="spend")
+        meters = token_meters(tenant, limits, now, key_id, key_limits, model, unit=unit)
         if not meters:
             return None
         reply = await self._read(meters, now)
