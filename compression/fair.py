@@ -11,6 +11,10 @@ runs, and the long job resumes when its turn comes back. So a small request wait
 of someone else's work, not the whole of it, and runs at its own speed (it has used less than the
 big one until it is done); tenants that all keep the workers busy share them equally.
 
+With a `pacer` (the gateway's per-tenant CPU share), each job's CPU time is charged to its tenant
+at every yield point, and a job whose tenant is over its share gives its slot up and sleeps there
+(holding no lock) until the pacer lets it go on.
+
     scheduler = FairScheduler(slots=1)
     future = scheduler.submit("tenant-b", function, *args)   # concurrent.futures.Future
 """
@@ -24,11 +28,24 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 DEFAULT_SLICE_S = 0.05
 DEFAULT_HALF_LIFE_S = 2.0
 FORGET_BELOW_S = 0.001  # a tenant idle with less use than this is forgotten (counts as new)
+
+
+PACE_RECHECK_S = 0.25
+
+
+class Pacer(Protocol):
+    """Per-tenant CPU accounting the workers report to (ctxgate.gateway.cpu_share.TenantCpuShare)."""
+
+    def charge(self, tenant: str, seconds: float) -> None: ...
+
+    def wait_s(self, tenant: str) -> float:
+        """How long the tenant's work should pause now (0: go on)."""
+        ...
 
 
 @dataclass
@@ -67,6 +84,7 @@ class _Turn(threading.local):
     scheduler: FairScheduler | None = None
     tenant: str = ""
     started: float = 0.0
+    cpu_mark: float = 0.0  # the thread's CPU clock when the job's CPU was last charged to the pacer
 
 
 _turn = _Turn()
@@ -92,6 +110,7 @@ class FairScheduler:
         name: str = "ctxgate-compress",
         initializer: Callable[[], None] | None = None,
         on_thread_exit: Callable[[], None] | None = None,
+        pacer: Pacer | None = None,
     ):
         if slots < 1:
             raise ValueError(f"slots must be at least 1, not {slots}")
@@ -101,6 +120,7 @@ class FairScheduler:
         self._name = name
         self._initializer = initializer
         self._on_thread_exit = on_thread_exit
+        self.pacer = pacer
         self._lock = threading.Condition()
         self._tenants: dict[str, _Tenant] = {}
         self._free = slots
@@ -110,6 +130,7 @@ class FairScheduler:
         self._ticks = itertools.count(1)
         self._closed = False
         self.preemptions = 0  # yield points that handed the slot to another tenant
+        self.pauses = 0  # yield points where a job over its tenant's CPU share slept
 
     def submit(self, tenant: str, function: Callable[..., Any], *args: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -219,6 +240,7 @@ class FairScheduler:
         if not job.future.set_running_or_notify_cancel():
             return
         _turn.scheduler, _turn.tenant, _turn.started = self, tenant, time.perf_counter()
+        _turn.cpu_mark = time.thread_time()
         try:
             result = job.function(*job.args)
         except BaseException as exc:  # noqa: BLE001 (handed to the caller, as a thread pool does)
@@ -227,8 +249,41 @@ class FairScheduler:
             job.future.set_result(result)
         finally:
             _turn.scheduler = None
+            self._charge_cpu(tenant)
+
+    def _charge_cpu(self, tenant: str) -> None:
+        if self.pacer is not None:
+            now = time.thread_time()
+            self.pacer.charge(tenant, now - _turn.cpu_mark)
+            _turn.cpu_mark = now
+
+    def _pace(self, tenant: str) -> None:
+        """Charge the job's CPU so far; over its tenant's share, give the slot up and sleep until the
+        pacer lets it go on, then wait for a slot like a parked job."""
+        pacer = self.pacer
+        if pacer is None:
+            return
+        self._charge_cpu(tenant)
+        if pacer.wait_s(tenant) <= 0 or self._closed:
+            return
+        with self._lock:
+            self._free += 1
+            self.pauses += 1
+            self._dispatch()
+        while (wait_s := pacer.wait_s(tenant)) > 0 and not self._closed:
+            time.sleep(min(wait_s, PACE_RECHECK_S))
+        with self._lock:
+            parked = _Parked(granted=self._closed)
+            if not parked.granted:
+                self._tenants[tenant].queue.appendleft(parked)
+                self._dispatch()
+            while not parked.granted:
+                self._lock.wait()
+        _turn.started = time.perf_counter()
+        _turn.cpu_mark = time.thread_time()
 
     def _yield(self, tenant: str) -> None:
+        self._pace(tenant)
         now = time.perf_counter()
         if now - _turn.started < self.slice_s:
             return

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ctxgate.compression.context_lifting import report_kept
 from ctxgate.compression.counting import CachedCounter, ChatTokenizer
 from ctxgate.compression.embedding.batching import ENGINE_TIME, EngineTime
-from ctxgate.compression.fair import FairScheduler, yield_turn
+from ctxgate.compression.fair import FairScheduler, Pacer, yield_turn
 from ctxgate.compression.history import SummaryEngine
 from ctxgate.compression.rendering import render_context
 from ctxgate.compression.segments import segment_tokens
@@ -62,6 +62,7 @@ class CompressionPipeline:
         embed_process: bool = False,
         embed_runner: Runner | None = None,
         worker_nice: int = 0,
+        pacer: Pacer | None = None,
     ):
         """`workers` > 0: compressing runs in that many threads of its own, off the caller's event
         loop (the loop keeps streaming other requests' tokens meanwhile); requests whose policy
@@ -72,7 +73,9 @@ class CompressionPipeline:
         `embed_runner`: the model's forward passes run through it instead (the in-process CPU
         engine's `run_between_steps`), which takes precedence over `embed_process`. `worker_nice`: the
         workers run that much below the calling process's CPU priority (Linux), so that their Python
-        yields the cores to an engine thread in this process (GatewaySettings.compression_nice)."""
+        yields the cores to an engine thread in this process (GatewaySettings.compression_nice).
+        `pacer`: the workers charge each tenant's CPU to it and pause a tenant over its share at their
+        yield points (compression/fair.py)."""
         self.tokenizer = tokenizer
         self.counter = CachedCounter(tokenizer)
         self.cache = cache if cache is not None else LRUBytesCache()
@@ -88,7 +91,10 @@ class CompressionPipeline:
         # does not hold another's small request behind it.
         self._executor = (
             FairScheduler(
-                workers, initializer=lambda: _init_worker(worker_nice), on_thread_exit=self._close_worker_loop
+                workers,
+                initializer=lambda: _init_worker(worker_nice),
+                on_thread_exit=self._close_worker_loop,
+                pacer=pacer,
             )
             if workers > 0
             else None

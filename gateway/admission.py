@@ -23,6 +23,12 @@ is full a newcomer whose tenant's load would stay below the most-loaded waiting 
 place of that tenant's newest waiter, which gets the 503 instead. A tenant over its weighted share is
 shed first; a quiet one still gets in.
 
+A tenant's requests also share the gateway's CPU: while another tenant has requests open, one
+tenant may use at most `tenant_cpu_share` of a core (its event-loop steps and compression work,
+metered per request); a tenant over it waits, body unread, until it is back within
+(`cpu_share.py`). A flood of requests that each end in a cheap 400 cannot keep the interpreter
+from the engine's thread and every other tenant's requests.
+
 Without keys (open mode) there is no key to count by: the global bounds alone apply, first come,
 first served.
 """
@@ -30,6 +36,7 @@ first served.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,9 +46,11 @@ from starlette.requests import ClientDisconnect
 
 from ctxgate.backend.openai_api.errors import APIError
 from ctxgate.gateway.admission_shares import Admittee, TenantShares
+from ctxgate.gateway.cpu_share import TenantCpuShare, metered
 
 # Paths whose requests reach the model; everything else (health, metrics, models) is never queued.
 ADMITTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/ctxgate/compress")
+CPU_WAIT_RECHECK_S = 0.25
 
 
 @dataclass
@@ -232,11 +241,13 @@ class AdmissionControl:
         controller: AdmissionController,
         key_of: KeyOf | None = None,
         max_open_per_key: int | None = None,
+        cpu_share: TenantCpuShare | None = None,
     ):
         self.app = app
         self.controller = controller
         self.key_of = key_of
         self.max_open_per_key = max_open_per_key
+        self.cpu_share = cpu_share
         self._open_by_key: dict[str, int] = {}
 
     async def __call__(self, scope, receive, send):
@@ -254,10 +265,32 @@ class AdmissionControl:
         except Overloaded as exc:
             return await overloaded_response(exc).response()(scope, receive, send)
         try:
-            return await self._admit(scope, receive, send, who)
+            if who is None or self.cpu_share is None:
+                return await self._admit(scope, receive, send, who)
+            return await self._admit_sharing_cpu(scope, receive, send, who, self.cpu_share)
         finally:
             if who is not None:
                 _decrement(self._open_by_key, who.key)
+
+    async def _admit_sharing_cpu(
+        self, scope, receive, send, who: Admittee, cpu_share: TenantCpuShare
+    ) -> None:
+        cpu_share.opened(who.tenant)
+        try:
+            await self._wait_for_cpu(who.tenant, cpu_share)
+            charge = functools.partial(cpu_share.charge, who.tenant)
+            return await metered(self._admit(scope, receive, send, who), charge)
+        finally:
+            cpu_share.closed(who.tenant)
+
+    async def _wait_for_cpu(self, tenant: str, cpu_share: TenantCpuShare) -> None:
+        """Hold a tenant in CPU debt back while another tenant has requests open (cpu_share.py); its
+        body stays unread meanwhile. Re-checked often: the wait ends early when the others leave."""
+        started = time.perf_counter()
+        while (wait_s := cpu_share.wait_s(tenant)) > 0:
+            await asyncio.sleep(min(wait_s, CPU_WAIT_RECHECK_S))
+        if (waited_s := time.perf_counter() - started) > 0.001:
+            cpu_share.waited(tenant, waited_s)
 
     def _open(self, who: Admittee | None) -> None:
         if who is None:
@@ -318,8 +351,9 @@ def _replay(body: bytes, receive: Callable[[], Awaitable[dict]]) -> Callable[[],
 class AdmissionCollector:
     """Exports the controller's live state at scrape time (nothing to keep in sync on the hot path)."""
 
-    def __init__(self, controller: AdmissionController):
+    def __init__(self, controller: AdmissionController, cpu_share: TenantCpuShare | None = None):
         self.controller = controller
+        self.cpu_share = cpu_share
 
     def describe(self):
         return list(self.collect())
@@ -345,3 +379,21 @@ class AdmissionCollector:
             "queued requests refused with 503 to make room for a tenant under its weighted share",
             self.controller.shed,
         )
+        if self.cpu_share is not None:
+            yield _per_tenant(
+                "ctxgate:tenant_cpu_seconds",
+                "gateway CPU spent on the tenant's requests (event loop and compression workers)",
+                self.cpu_share.charged_s,
+            )
+            yield _per_tenant(
+                "ctxgate:tenant_cpu_wait_seconds",
+                "time the tenant's requests waited for its CPU share while other tenants had requests open",
+                self.cpu_share.waited_s,
+            )
+
+
+def _per_tenant(name: str, documentation: str, seconds: dict[str, float]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=["tenant"])
+    for tenant, value in sorted(seconds.items()):
+        family.add_metric([tenant], value)
+    return family

@@ -25,6 +25,7 @@ from ctxgate.gateway.admission import AdmissionCollector, AdmissionControl, Admi
 from ctxgate.gateway.admission_shares import Admittee
 from ctxgate.gateway.console.admin_key import load_admin_key
 from ctxgate.gateway.console.install import install_console
+from ctxgate.gateway.cpu_share import TenantCpuShare
 from ctxgate.gateway.keys import KeyStore
 from ctxgate.gateway.lifecycle import lifespan
 from ctxgate.gateway.metrics import GatewayMetrics
@@ -109,6 +110,7 @@ def default_pipeline(
     engine: EngineClient | None,
     index_dir: Any = None,
     settings: GatewaySettings | None = None,
+    pacer: TenantCpuShare | None = None,
 ) -> Pipeline:
     """The compression pipeline over this engine, with its own thread budget (see GatewaySettings)."""
     from ctxgate.compression.pipeline import CompressionPipeline
@@ -132,6 +134,7 @@ def default_pipeline(
         workers=settings.compression_workers,
         worker_nice=settings.compression_nice,
         embed_batch_window_ms=settings.embed_batch_window_ms,
+        pacer=pacer,
         embed_threads=settings.embed_threads,
         embed_process=runner is None,
         embed_runner=runner,
@@ -191,10 +194,12 @@ def create_app(
         engine, owns_engine = build_router(settings, engine, owns_builtin=False), True
     engine = engine if engine is not None else _default_engine(settings)
     tokenizer = _tokenizer_for(settings, engine)
+    # One tenant's share of this process's CPU (cpu_share.py): metered at admission and in the workers.
+    cpu_share = TenantCpuShare(settings.tenant_cpu_share) if settings.tenant_cpu_share is not None else None
     pipeline = (
         pipeline
         if pipeline is not None
-        else default_pipeline(tokenizer, engine, settings.index_dir, settings)
+        else default_pipeline(tokenizer, engine, settings.index_dir, settings, pacer=cpu_share)
     )
     admin_key = load_admin_key(settings.admin_key_file) if settings.admin_key_file is not None else None
     gateway = Gateway(
@@ -221,11 +226,13 @@ def create_app(
         settings.queue_timeout_s,
         max_queued_per_key=settings.max_queued_per_key,
     )
+    app.state.cpu_share = cpu_share
     app.add_middleware(
         AdmissionControl,
         controller=app.state.admission,
         key_of=_key_of(gateway),
         max_open_per_key=settings.max_open_per_key,
+        cpu_share=app.state.cpu_share,
     )
     # Outside admission: a body over the limit or too slow is cut off before it could be admitted.
     app.add_middleware(
@@ -233,7 +240,7 @@ def create_app(
     )
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(RequestId, access_log=settings.access_log)  # outermost: every answer carries the id
-    metrics.registry.register(AdmissionCollector(app.state.admission))
+    metrics.registry.register(AdmissionCollector(app.state.admission, app.state.cpu_share))
     # The console exists only with an admin key: otherwise none of its routes does (404). Mounted
     # last, so its security headers wrap every /console answer, the middlewares' own included.
     app.state.console = (

@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from ctxgate.backend.settings.flags import Cli
+from ctxgate.gateway.cpu_share import DEFAULT_SHARE
 from ctxgate.gateway.model_list_config import ModelConfig, check_model_list
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -101,6 +102,7 @@ class GatewaySettings(BaseModel):
             "max_queued",
             "max_open_per_key",
             "max_queued_per_key",
+            "tenant_cpu_share",
             "queue_timeout_s",
             "request_timeout_s",
             "engine_max_waiting_requests",
@@ -231,6 +233,13 @@ class GatewaySettings(BaseModel):
         ge=0,
         description="requests of one API key that may wait for a slot; beyond that: 429 "
         "too_many_queued_requests; 0: no limit",
+    )
+    tenant_cpu_share: Annotated[float | None, NoLimit] = Field(
+        default=DEFAULT_SHARE,
+        ge=0,
+        le=1,
+        description="share of one core the gateway may spend on one tenant's requests while another "
+        "tenant has requests open; beyond it the tenant's next requests wait; 0: no limit",
     )
     queue_timeout_s: Annotated[float, Cli(old=("--queue-timeout",))] = Field(
         default=10.0, gt=0, description="seconds a request may wait for a slot before a 503"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -59,7 +60,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     except RecursionError:
         raise APIError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
     try:  # JSON escapes can smuggle lone surrogates, which no tokenizer can encode
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        if _may_hold_surrogates(raw):
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(
             400, "malformed JSON: a string holds an unpaired UTF-16 surrogate", code="invalid_json"
@@ -67,6 +69,21 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return data
+
+
+# A `\uD800`-`\uDFFF` escape: in strict UTF-8 text the only way to spell a surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    """False when the parsed body cannot hold a lone surrogate: strict UTF-8 with no surrogate escape
+    (re-encoding a deep body to find out costs more than parsing it). Other encodings, which json
+    decodes with `surrogatepass`, always get the full check."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return _SURROGATE_ESCAPE.search(raw) is not None
 
 
 def _reject_constant(name: str) -> Any:
