@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from ctxgate.backend.engine.config import EngineConfig
-    from ctxgate.backend.engine.llm_engine import EngineStats, LLMEngine
+    from ctxgate.backend.engine.engine_stats import EngineStats
+    from ctxgate.backend.engine.llm_engine import LLMEngine
     from ctxgate.backend.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

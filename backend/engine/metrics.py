@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 if TYPE_CHECKING:
     from ctxgate.backend.engine.api import GenerationDelta
-    from ctxgate.backend.engine.llm_engine import EngineStats
+    from ctxgate.backend.engine.engine_stats import EngineStats
 
 PREFIX = "ctxgate:"
 
