@@ -15,7 +15,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ctxgate.backend.engine.api import EngineError, GenerationDelta, GenerationRequest, RequestMetrics
+from ctxgate.backend.engine.api import (
+    EngineError,
+    GenerationDelta,
+    GenerationRequest,
+    Priority,
+    RequestMetrics,
+)
 from ctxgate.backend.engine.request_stream import RequestStream, deliver_all
 
 if TYPE_CHECKING:
@@ -30,6 +36,8 @@ class _StreamState:
     """Engine-thread bookkeeping for one live request."""
 
     stream: RequestStream
+    # A shadow request's latency and tokens stay out of the live figures (EngineMetrics.shadow_requests).
+    shadow: bool = False
     last_token_time: float | None = None
 
 
@@ -75,7 +83,9 @@ class LiveRequests:
         except (ValueError, TypeError) as exc:
             send(stream, EngineError(str(exc), 400))
             return
-        self._live[request.request_id] = _StreamState(stream=stream)
+        self._live[request.request_id] = _StreamState(
+            stream=stream, shadow=request.priority is Priority.SHADOW
+        )
         stream.loop.call_soon_threadsafe(stream.mark_accepted)
 
     def abort(self, request_id: str, notify: bool) -> None:
@@ -91,7 +101,7 @@ class LiveRequests:
             finish_reason="abort",
             metrics=RequestMetrics(),
         )
-        self.metrics.observe_finished(final)
+        self.metrics.observe_finished(final, shadow=state.shadow)
         if notify:
             send(state.stream, final)
 
@@ -102,10 +112,11 @@ class LiveRequests:
         num_new_tokens = 0
         for delta in deltas:
             state = self._live.get(delta.request_id)
-            num_new_tokens += len(delta.token_ids)
+            if state is None or not state.shadow:
+                num_new_tokens += len(delta.token_ids)
             if state is None:  # aborted between the step and now
                 continue
-            if delta.token_ids:
+            if delta.token_ids and not state.shadow:
                 if state.last_token_time is not None:
                     # Tokens produced in one step share a timestamp; spread the gap over them.
                     gap = (now - state.last_token_time) / len(delta.token_ids)
@@ -114,7 +125,7 @@ class LiveRequests:
                 state.last_token_time = now
             if delta.finish_reason is not None:
                 del self._live[delta.request_id]
-                self.metrics.observe_finished(delta)
+                self.metrics.observe_finished(delta, shadow=state.shadow)
             by_loop.setdefault(state.stream.loop, []).append((state.stream, delta))
         self.metrics.observe_step_tokens(num_new_tokens)
         for loop, items in by_loop.items():
@@ -133,7 +144,8 @@ class LiveRequests:
             if state is None:  # its consumer left already, or a second sequence of the same request
                 continue
             self.metrics.observe_finished(
-                GenerationDelta(request_id=request_id, text="", token_ids=[], finish_reason="error")
+                GenerationDelta(request_id=request_id, text="", token_ids=[], finish_reason="error"),
+                shadow=state.shadow,
             )
             send(state.stream, error)
 
