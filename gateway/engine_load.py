@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ctxgate.backend.engine.llm_engine import EngineStats
+    from ctxgate.backend.engine.engine_stats import EngineStats
 
 
 @dataclass(frozen=True)

@@ -97,9 +97,11 @@ def add_key(
     quota_id: str | None = None,
     policies: list[str] | None = None,
     indexes: list[str] | None = None,
+    weight: float | None = None,
 ) -> str:
     """Create a key for `tenant`, store only its hash in the file, and return the key (shown once).
-    `policies` / `indexes` are added to the tenant's allow-lists."""
+    `policies` / `indexes` are added to the tenant's allow-lists; `weight` (when given) becomes the
+    tenant's."""
     api_key = generate_key()
     with locked_keys_file(path) as keys_file:
         entry = keys_file.tenants.setdefault(tenant, TenantEntry())
@@ -109,6 +111,8 @@ def add_key(
             entry.policies = _merged(entry.policies, policies)
         if indexes:
             entry.indexes = _merged(entry.indexes, indexes)
+        if weight is not None:
+            entry.weight = weight
         entry.keys.append(
             KeyEntry(
                 sha256=hash_key(api_key),

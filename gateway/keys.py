@@ -81,11 +81,15 @@ class _Counts(_Strict):
         default=None, ge=1, description="prompt + completion tokens per calendar month"
     )
     spend_per_day: float | None = Field(
-        default=None, gt=0, description="spend per day, at the home policy's prices"
+        default=None, gt=0, allow_inf_nan=False, description="spend per day, at the home policy's prices"
     )
     max_parallel_requests: int | None = Field(default=None, ge=1, description="requests in flight at once")
+    # Finite: `.inf` would read as a limit and never bind.
     budget: float | None = Field(
-        default=None, gt=0, description="spend allowed per budget_period (policy cost units)"
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="spend allowed per budget_period (policy cost units)",
     )
     budget_period: Literal["daily", "weekly", "monthly"] | None = Field(
         default=None,

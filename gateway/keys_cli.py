@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 from ctxgate.backend.settings.cli_actions import warn_deprecated
+from ctxgate.gateway.keys_limit_flags import add_limit_flags, limits_from_args
 
 
 class _KeysFile(argparse._StoreAction):
@@ -78,31 +80,13 @@ def register_keys(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="served model name this key may use (repeat); default: every model",
     )
-    add.add_argument("--requests-per-minute", type=int, default=None, help="per-key request limit per minute")
     add.add_argument(
-        "--tokens-per-minute",
-        type=int,
+        "--weight",
+        type=tenant_weight,
         default=None,
-        help="per-key limit on prompt + reserved output tokens per minute",
+        help="the tenant's share against other tenants' weights (fair queuing, admission; default 1)",
     )
-    add.add_argument(
-        "--max-parallel-requests",
-        type=int,
-        default=None,
-        help="per-key limit on generation requests in flight at once",
-    )
-    add.add_argument(
-        "--budget",
-        type=float,
-        default=None,
-        help="per-key spend allowed per --budget-period, in the policy's cost units",
-    )
-    add.add_argument(
-        "--budget-period",
-        choices=["daily", "weekly", "monthly"],
-        default=None,
-        help="window of --budget: calendar day / week from Monday / month in the tenant's time_zone (default monthly)",
-    )
+    add_limit_flags(add)
     add.set_defaults(func=_keys_add)
 
     listing = keys_sub.add_parser(
@@ -174,6 +158,21 @@ def _add_usage_flags(parser: argparse.ArgumentParser, switch: bool = False) -> N
         parser.add_argument("--usage", action="store_true", help="add what each limit has used (needs Redis)")
 
 
+def tenant_weight(text: str) -> float:
+    """argparse type: a tenant weight, a finite number above 0 and at most MAX_TENANT_WEIGHT."""
+    from ctxgate.backend.engine.api import MAX_TENANT_WEIGHT
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TENANT_WEIGHT):
+        raise argparse.ArgumentTypeError(
+            f"'{text[:40]}' is not a weight: a finite number above 0 and at most {MAX_TENANT_WEIGHT:g}"
+        )
+    return value
+
+
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -218,18 +217,9 @@ def _parse_labels(items: list[str]) -> tuple[dict[str, str], str | None]:
 
 def _keys_add(args: argparse.Namespace) -> int:
     from ctxgate.gateway.key_admin import add_key
-    from ctxgate.gateway.keys import Limits
 
     labels, note = _parse_labels(args.label)
-    limits = Limits(
-        requests_per_minute=args.requests_per_minute,
-        tokens_per_minute=args.tokens_per_minute,
-        max_parallel_requests=args.max_parallel_requests,
-        budget=args.budget,
-        budget_period=args.budget_period,
-    )
-    if args.budget_period and args.budget is None:
-        raise ValueError("--budget-period needs --budget")
+    limits = limits_from_args(args)
     expires_at = parse_when(args.expires) if args.expires else None
     for warning in _add_warnings(args):
         print(f"ctxgate: warning: {warning}", file=sys.stderr)
@@ -244,6 +234,7 @@ def _keys_add(args: argparse.Namespace) -> int:
         models=args.models,
         policies=args.allow_policies,
         indexes=args.allow_indexes,
+        weight=args.weight,
     )
     print(key)
     print(

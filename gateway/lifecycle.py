@@ -7,7 +7,6 @@ pipeline, then the engine if the gateway owns it; a request still draining never
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -44,11 +43,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         else None
     )
     embedder_load = app.state.embedder_load = EmbedderLoad(gateway)
-    warm_up = asyncio.create_task(embedder_load.run(), name="ctxgate-embedder-load")
+    embedder_load.start()
     try:
         yield
     finally:
-        warm_up.cancel()
         if sampler is not None:
             sampler.cancel()
         watcher.cancel()
@@ -66,7 +64,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 class EmbedderLoad:
     """Loads the embedding model (and starts its process) on a thread of its own at startup, and runs
     it once on each shape it will meet (`Embedder.warm_up`), so the first compressing requests pay for
-    neither; a request that comes sooner waits for the same load, not for the warm-up.
+    neither; a request that comes sooner waits for the same load, not for the warm-up. `/ready` answers
+    503 until it is done, so a load balancer sends no traffic to a gateway still loading it.
 
     Not asyncio.to_thread: shutdown must not wait for the whole load (on a busy 2-core machine
     loading the model and starting its process can outlast a supervisor's stop timeout), so `stop`
@@ -77,32 +76,36 @@ class EmbedderLoad:
     """
 
     STOP_TIMEOUT_S = 2.0
+    RETRY_S = 10.0
 
     def __init__(self, gateway: Gateway):
         self.pipeline = gateway.pipeline
         self.stopping = threading.Event()
+        self.loaded = threading.Event()
         self.thread: threading.Thread | None = None
 
-    async def run(self) -> None:
-        loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
+    def start(self) -> None:
+        self.thread = threading.Thread(
+            target=self._load_until_loaded, name="ctxgate-embedder-load", daemon=True
+        )
+        self.thread.start()
 
-        def run() -> None:
-            # Running from here on: cancelling the awaiting task at shutdown no longer cancels
-            # `loaded`, so setting its result below cannot fail.
-            loaded.set_running_or_notify_cancel()
+    def is_loaded(self) -> bool:
+        """The model is loaded (its process started) and warmed up: what /ready waits for."""
+        return self.loaded.is_set()
+
+    def _load_until_loaded(self) -> None:
+        # /ready waits for the load, so a failed one (a child process that did not start in time on a
+        # busy machine) is tried again rather than leaving the gateway out of rotation for good.
+        while not self.stopping.is_set():
             try:
                 self._load()
-            except Exception as exc:  # the first request that needs it will report the error too
-                loaded.set_exception(exc)
+            except Exception:
+                logger.exception("loading the embedding model failed; trying again in %g s", self.RETRY_S)
+                self.stopping.wait(self.RETRY_S)
             else:
-                loaded.set_result(None)
-
-        self.thread = threading.Thread(target=run, name="ctxgate-embedder-load", daemon=True)
-        self.thread.start()
-        try:
-            await asyncio.wrap_future(loaded)
-        except Exception:
-            logger.exception("loading the embedding model failed")
+                self.loaded.set()
+                return
 
     def _load(self) -> None:
         from ctxgate.backend.platform import openmp

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,6 +26,9 @@ from ctxgate.gateway.segments import prompt_segments
 from ctxgate.gateway.service import Gateway
 from ctxgate.gateway.shadow.ledger import shadow_summary
 from ctxgate.policies.loader import ReloadError
+
+if TYPE_CHECKING:
+    from ctxgate.gateway.lifecycle import EmbedderLoad
 
 
 def add_routes(app: FastAPI) -> None:
@@ -59,13 +62,18 @@ async def ready(request: Request) -> JSONResponse:
     engine_ready = gateway.engine.is_ready() and not request.app.state.admission.draining
     store_ready = await gateway.store.ping()
     gateway.metrics.quota_store_up.set(1 if store_ready else 0)
+    # Until the compression embedder is loaded, every compressing request would wait for it.
+    embedder_load: EmbedderLoad | None = request.app.state.embedder_load
+    embedder_ready = embedder_load is not None and embedder_load.is_loaded()
+    ready = engine_ready and store_ready and embedder_ready
     body = {
-        "status": "ready" if engine_ready and store_ready else "not ready",
+        "status": "ready" if ready else "not ready",
         "engine": engine_ready,
         "store": store_ready,
         "store_kind": gateway.store.name,
+        "embedder": embedder_ready,
     }
-    return JSONResponse(body, status_code=200 if engine_ready and store_ready else 503)
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 async def prometheus_metrics(request: Request) -> Response:

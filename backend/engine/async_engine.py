@@ -26,10 +26,10 @@ from ctxgate.backend.engine.api import (
     EngineError,
     GenerationDelta,
     GenerationRequest,
-    RequestMetrics,
 )
+from ctxgate.backend.engine.live_requests import LiveRequests, send
 from ctxgate.backend.engine.metrics import EngineMetrics
-from ctxgate.backend.engine.request_stream import RequestStream, deliver_all
+from ctxgate.backend.engine.request_stream import RequestStream
 from ctxgate.backend.engine.side_work import Job, SideWorkQueue
 
 ENGINE_SWITCH_INTERVAL_S = 0.0005
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from ctxgate.backend.engine.config import EngineConfig
-    from ctxgate.backend.engine.llm_engine import EngineStats, LLMEngine
+    from ctxgate.backend.engine.engine_stats import EngineStats
+    from ctxgate.backend.engine.llm_engine import LLMEngine
     from ctxgate.backend.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,6 @@ class _Abort:
 
 
 _WAKE = object()  # a command that only wakes an idle engine thread (a job is queued)
-
-
-@dataclass
-class _StreamState:
-    """Engine-thread bookkeeping for one live request."""
-
-    stream: RequestStream
-    last_token_time: float | None = None
 
 
 class AsyncEngine:
@@ -107,7 +100,7 @@ class AsyncEngine:
         self._start_lock = threading.Lock()
         self._stopped = False
         self._fatal_error: BaseException | None = None
-        self._live: dict[str, _StreamState] = {}  # owned by the engine thread
+        self._live = LiveRequests(engine, self.metrics, max_waiting_requests)  # owned by the engine thread
         self._stats: EngineStats = engine.stats()
         self.metrics.update_from_stats(self._stats)
 
@@ -314,8 +307,8 @@ class AsyncEngine:
                     continue
                 side_during = self._side_work.spent_s - side_before  # between its decoder layers
                 self._side_work.earn(time.perf_counter() - started - side_during)
-                self._dispatch(deltas)
-                self._deliver_failures(self.engine.take_failures())
+                self._live.dispatch(deltas)
+                self._live.deliver_failures(self.engine.take_failures())
                 self._refresh_stats()
                 self.metrics.observe_step(self._stats.last_step_num_tokens)
         except BaseException as exc:
@@ -337,112 +330,15 @@ class AsyncEngine:
             if isinstance(command, _Stop):
                 return False
             if isinstance(command, _Add):
-                self._apply_add(command)
+                self._live.add(command.request, command.stream)
             elif isinstance(command, _Abort):
-                self._apply_abort(command)
+                self._live.abort(command.request_id, command.notify)
         if applied:
             self._refresh_stats()
         return True
 
-    def _apply_add(self, command: _Add) -> None:
-        request, stream = command.request, command.stream
-        if stream.finished:  # the consumer left before the engine saw the request
-            return
-        if request.request_id in self._live:
-            self._send(stream, EngineError(f"request id {request.request_id!r} is already running", 400))
-            return
-        if self.max_waiting_requests is not None:
-            num_waiting = self.engine.stats().num_waiting
-            if num_waiting >= self.max_waiting_requests:
-                self._send(
-                    stream,
-                    EngineError(
-                        f"the engine is overloaded ({num_waiting} requests waiting); retry later", 503
-                    ),
-                )
-                return
-        try:
-            self.engine.add_request(request)
-        except EngineError as exc:
-            self._send(stream, exc)
-            return
-        except (ValueError, TypeError) as exc:
-            self._send(stream, EngineError(str(exc), 400))
-            return
-        self._live[request.request_id] = _StreamState(stream=stream)
-        stream.loop.call_soon_threadsafe(stream.mark_accepted)
-
-    def _apply_abort(self, command: _Abort) -> None:
-        state = self._live.pop(command.request_id, None)
-        if state is None:  # finished already, refused, or never reached the engine
-            return
-        self.engine.abort_request(command.request_id)
-        final = GenerationDelta(
-            request_id=command.request_id,
-            text="",
-            token_ids=[],
-            finish_reason="abort",
-            metrics=RequestMetrics(),
-        )
-        self.metrics.observe_finished(final)
-        if command.notify:
-            self._send(state.stream, final)
-
-    def _dispatch(self, deltas: list[GenerationDelta]) -> None:
-        now = time.monotonic()
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, GenerationDelta]]] = {}
-        num_new_tokens = 0
-        for delta in deltas:
-            state = self._live.get(delta.request_id)
-            num_new_tokens += len(delta.token_ids)
-            if state is None:  # aborted between the step and now
-                continue
-            if delta.token_ids:
-                if state.last_token_time is not None:
-                    # Tokens produced in one step share a timestamp; spread the gap over them.
-                    gap = (now - state.last_token_time) / len(delta.token_ids)
-                    for _ in delta.token_ids:
-                        self.metrics.observe_inter_token(gap)
-                state.last_token_time = now
-            if delta.finish_reason is not None:
-                del self._live[delta.request_id]
-                self.metrics.observe_finished(delta)
-            by_loop.setdefault(state.stream.loop, []).append((state.stream, delta))
-        self.metrics.observe_step_tokens(num_new_tokens)
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(deliver_all, items)
-            except RuntimeError:  # that event loop is closed; its consumers are gone
-                for stream, delta in items:
-                    if delta.finish_reason is None:
-                        self._live.pop(stream.request_id, None)
-                        self.engine.abort_request(stream.request_id)
-
-    def _deliver_failures(self, failures: list[tuple[str, EngineError]]) -> None:
-        """Requests the step aborted because they failed: each consumer gets its request's error."""
-        for request_id, error in failures:
-            state = self._live.pop(request_id, None)
-            if state is None:  # its consumer left already, or a second sequence of the same request
-                continue
-            self.metrics.observe_finished(
-                GenerationDelta(request_id=request_id, text="", token_ids=[], finish_reason="error")
-            )
-            self._send(state.stream, error)
-
-    def _send(self, stream: RequestStream, item: GenerationDelta | BaseException) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.deliver, item)
-        except RuntimeError:
-            pass  # the consumer's loop is closed
-
     def _fail_all(self, error: EngineError) -> None:
-        for request_id, state in list(self._live.items()):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("abort of %s failed", request_id)
-            self._send(state.stream, error)
-        self._live.clear()
+        self._live.fail_all(error)
         # Requests still queued as commands never reached the engine: refuse them too.
         while True:
             try:
@@ -450,7 +346,7 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if isinstance(command, _Add):
-                self._send(command.stream, error)
+                send(command.stream, error)
         self._refresh_stats()
 
     def _refresh_stats(self) -> None:

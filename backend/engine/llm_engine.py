@@ -9,7 +9,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -23,9 +23,11 @@ from ctxgate.backend.engine.api import (
 )
 from ctxgate.backend.engine.block_manager import BlockManager
 from ctxgate.backend.engine.config import EngineConfig
+from ctxgate.backend.engine.engine_stats import EngineStats
 from ctxgate.backend.engine.isolated_step import run_step
 from ctxgate.backend.engine.model_runner import ModelRunner
 from ctxgate.backend.engine.output_processor import OutputProcessor, finished_metrics
+from ctxgate.backend.engine.path_info import describe_path, path_summary
 from ctxgate.backend.engine.sampler import SampledToken
 from ctxgate.backend.engine.sampling_checks import SamplingParamError, admitted
 from ctxgate.backend.engine.scheduler import Scheduler, SchedulerOutput
@@ -43,31 +45,10 @@ from ctxgate.backend.model.attention import create_backend
 from ctxgate.backend.model.kv_cache import KVCache, KVCacheSpec
 from ctxgate.backend.model.model_loader import load_model
 from ctxgate.backend.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from ctxgate.backend.platform.cpu_features import cpu_path
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_kv_blocks_total: int
-    num_kv_blocks_free: int
-    kv_cache_usage: float
-    prefix_cache_queried_tokens: int  # cumulative
-    prefix_cache_hit_tokens: int  # cumulative
-    num_preemptions: int  # cumulative
-    kv_bytes_per_token: int
-    ttft_target_misses: int  # cumulative
-    last_step_batch_size: int
-    last_step_num_tokens: int
-    # Prompt tokens still to prefill (waiting sequences whole, running ones' unfinished chunks) and
-    # the scheduler's measured prefill speed: what a new request would queue behind, and how fast.
-    num_waiting_tokens: int = 0
-    prefill_tokens_per_s: float = 0.0
 
 
 class LLMEngine:
@@ -318,53 +299,10 @@ class LLMEngine:
     # ---- introspection -----------------------------------------------------------------------
     def path_info(self) -> dict[str, object]:
         """Which compute path this engine runs: shown on /v1/models, in metrics and bench reports."""
-        info: dict[str, object] = {
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_cache_dtype": "int8"
-            if self.kv_cache.spec.quantized
-            else str(self.dtype).removeprefix("torch."),
-            "weight_quant": self.config.weight_quant,
-            "attention": self.attention.name,
-            "threads": self.num_threads,
-        }
-        if self.device.type == "cuda":
-            graphs = self.runner.decode_graphs
-            decode_kernel = getattr(self.attention, "decode_kernel_for", None)
-            probe = torch.empty(0, device=self.device)
-            info.update(
-                {
-                    "gpu": torch.cuda.get_device_name(self.device),
-                    "decode_kernel": decode_kernel(probe, self.kv_cache.spec.block_size)
-                    if decode_kernel
-                    else "none",
-                    "cuda_graph_batch_sizes": list(graphs.sizes) if graphs else [],
-                }
-            )
-        if self.device.type == "cpu":
-            path = cpu_path()
-            plan = self.model.matmul_plan
-            info.update(
-                {
-                    "cpu_model": path.model_name,
-                    "cpu_flags": list(path.flags),
-                    "cpu_kernel_isa": path.kernel_isa if self.model.use_fused_layers else "none",
-                    "cpu_isa_capped_by": path.capped_by,
-                    "matmul": plan.summary() if plan else "plain",
-                    "traced_decode_batch_sizes": list(graphs.sizes)
-                    if (graphs := self.runner.decode_graphs)
-                    else [],
-                }
-            )
-        return info
+        return describe_path(self)
 
     def cpu_path_summary(self) -> str:
-        info = self.path_info()
-        if self.device.type != "cpu":
-            return f"device {info['device']}"
-        traced = info["traced_decode_batch_sizes"]
-        decode = f"traced decode up to {max(traced)} rows" if traced else "eager decode"  # type: ignore[type-var]
-        return f"cpu kernels {info['cpu_kernel_isa']}, {info['matmul']}, {decode}, flags {' '.join(info['cpu_flags'])}"
+        return path_summary(self)
 
     def stats(self) -> EngineStats:
         total = self.block_manager.num_blocks

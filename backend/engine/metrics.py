@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 if TYPE_CHECKING:
     from ctxgate.backend.engine.api import GenerationDelta
-    from ctxgate.backend.engine.llm_engine import EngineStats
+    from ctxgate.backend.engine.engine_stats import EngineStats
 
 PREFIX = "ctxgate:"
 
@@ -151,6 +151,15 @@ class EngineMetrics:
         self.request_success = counter(
             "request_success", "Finished requests by finish reason.", ("finished_reason",)
         )
+        # A shadow request (Priority.SHADOW: the gateway's uncompressed replay of a live one) waits
+        # behind every live request by design; in the live figures its latency would read as the
+        # users' own. It is counted here alone.
+        self.shadow_requests = counter(
+            "shadow_requests",
+            "Finished shadow requests (the gateway's quality checks) by finish reason; they are in "
+            "no other per-request, latency or token metric of the engine.",
+            ("finished_reason",),
+        )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
@@ -197,6 +206,7 @@ class EngineMetrics:
             self._label(metric)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name=model_name, finished_reason=reason)
+            self.shadow_requests.labels(model_name=model_name, finished_reason=reason)
 
         # Cumulative engine counters arrive as totals; counters are advanced by the difference.
         self._last_totals = {"queried": 0, "hits": 0, "preemptions": 0, "ttft_misses": 0}
@@ -218,8 +228,14 @@ class EngineMetrics:
     def observe_inter_token(self, seconds: float) -> None:
         self._label(self.inter_token_latency).observe(seconds)
 
-    def observe_finished(self, delta: GenerationDelta) -> None:
-        """Record one finished (or aborted) request from its final delta."""
+    def observe_finished(self, delta: GenerationDelta, shadow: bool = False) -> None:
+        """Record one finished (or aborted) request from its final delta; a shadow request only in
+        `shadow_requests`."""
+        if shadow:
+            self.shadow_requests.labels(
+                model_name=self._model_name, finished_reason=delta.finish_reason or "unknown"
+            ).inc()
+            return
         self.request_success.labels(
             model_name=self._model_name, finished_reason=delta.finish_reason or "unknown"
         ).inc()

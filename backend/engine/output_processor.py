@@ -7,7 +7,7 @@ finished sequence never contains a stop string.
 
 from __future__ import annotations
 
-from ctxgate.backend.engine.api import GenerationDelta, RequestMetrics, TokenLogprob
+from ctxgate.backend.engine.api import GenerationDelta, Priority, RequestMetrics, TokenLogprob
 from ctxgate.backend.engine.sequence import Sequence
 
 
@@ -28,7 +28,9 @@ class OutputProcessor:
             seq.matcher.accept(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
-            if (now - seq.arrival_time) * 1000.0 > self.ttft_target_ms:
+            # A shadow request waits behind every live one by design: its wait is no missed target.
+            late = (now - seq.arrival_time) * 1000.0 > self.ttft_target_ms
+            if late and seq.priority is not Priority.SHADOW:
                 self.ttft_target_misses += 1
         finish_reason = self._finish_reason(seq, token)
         if finish_reason is None and seq.matcher is not None and seq.matcher.terminated:

@@ -11,9 +11,9 @@ from pydantic import ValidationError
 
 from ctxgate.gateway.keys import NAME_PATTERN, Limits
 from ctxgate.gateway.keys_cli import parse_duration, parse_when
+from ctxgate.gateway.keys_limit_flags import MAX_LIMIT
 
 LIMIT_FIELDS = tuple(Limits.model_fields)
-_MAX_LIMIT = 10**15  # beyond any real limit; keeps the ledger's integer arithmetic bounded
 _KEY_ID = re.compile(r"^[0-9a-f]{8,64}$")
 _TENANT = re.compile(NAME_PATTERN)
 _MODEL = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
@@ -50,8 +50,8 @@ def limits_from(form: dict[str, str]) -> Limits:
                 number = float(value)
             except ValueError:
                 raise FieldError(name, f"'{value[:40]}' is not a number") from None
-            if not math.isfinite(number) or abs(number) > _MAX_LIMIT:
-                raise FieldError(name, f"must be a finite number up to {_MAX_LIMIT:g}")
+            if not math.isfinite(number) or abs(number) > MAX_LIMIT:
+                raise FieldError(name, f"must be a finite number up to {MAX_LIMIT:g}")
         values[name] = value
     if "budget_period" in values and "budget" not in values:
         raise FieldError("budget_period", "needs a budget")

@@ -160,10 +160,10 @@ def test_compose_stack_builds_and_serves():
     compose = [*runtime, "-f", str(DEPLOY / "compose.yaml")]
     subprocess.run([*compose, "up", "--build", "--detach", "--wait"], check=True, timeout=3600)
     try:
-        import httpx
+        from tests.support.servers import wait_http
 
-        for port in (8000, 8002):
-            assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).status_code == 200
+        for port in (8000, 8002):  # healthy (/health) first; ready once the embedding model loaded
+            wait_http(f"http://127.0.0.1:{port}/ready", timeout_s=300)
     finally:
         subprocess.run([*compose, "down"], timeout=300)
 

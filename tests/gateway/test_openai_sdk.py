@@ -10,7 +10,7 @@ from openai import OpenAI
 
 from ctxgate.gateway.app import create_app
 from ctxgate.gateway.settings import GatewaySettings
-from tests.support.servers import ServerThread, write_policy
+from tests.support.servers import ServerThread, wait_http, write_policy
 
 SMALL_POLICY = """
 name: small
@@ -194,8 +194,9 @@ def test_completions_models_and_compress(client, server, tokenizer):
 
 def test_health_ready_and_policies(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    wait_http(f"{server.url}/ready", timeout_s=300)  # once its embedding model has loaded
     ready = httpx.get(f"{server.url}/ready")
-    assert ready.status_code == 200 and ready.json()["engine"] is True
+    assert ready.status_code == 200 and ready.json()["engine"] is True and ready.json()["embedder"] is True
     listing = httpx.get(f"{server.url}/v1/ctxgate/policies").json()
     names = {p["name"] for p in listing["policies"]}
     assert {"passthrough", "rag-default", "rag-strict", "chat-long-history", "small"} <= names

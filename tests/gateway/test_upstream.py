@@ -16,7 +16,7 @@ from ctxgate.gateway.quota import QuotaLimits
 from ctxgate.gateway.settings import GatewaySettings
 from ctxgate.policies.loader import load_policy_file, packaged_policy_dir
 from tests.gateway.conftest import RecordingEngine
-from tests.support.servers import ServerThread, free_port
+from tests.support.servers import ServerThread, free_port, wait_http
 from tests.support.waiting import eventually
 
 
@@ -49,7 +49,7 @@ def test_upstream_discovers_model_and_is_ready(front):
     assert isinstance(upstream, UpstreamClient)
     assert upstream.is_ready()
     assert upstream._upstream_model == "SmolLM2-135M-Instruct"
-    assert httpx.get(f"{front.url}/ready").status_code == 200
+    wait_http(f"{front.url}/ready", timeout_s=300)  # once its embedding model has loaded
 
 
 def test_failover_and_streaming_passthrough(front):

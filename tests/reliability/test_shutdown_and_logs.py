@@ -195,7 +195,8 @@ def test_sigterm_while_the_embedding_model_loads_exits_cleanly(tmp_path):
     process, url, _key, log = _start_server(tmp_path)
     log_path = tmp_path / "server.log"
     try:
-        wait_http(f"{url}/ready", timeout_s=180)
+        # /health, not /ready: /ready waits for the very load this SIGTERM must interrupt.
+        wait_http(f"{url}/health", timeout_s=180)
         deadline = time.monotonic() + 120
         while "Loading SentenceTransformer model" not in log_path.read_text():
             assert time.monotonic() < deadline, "the embedding model never started loading"
