@@ -23,9 +23,11 @@ from ctxgate.backend.engine.api import (
 )
 from ctxgate.backend.engine.block_manager import BlockManager
 from ctxgate.backend.engine.config import EngineConfig
-from ctxgate.backend.engine.isolated_step import run_step
+from ctxgate.backend.engine.interleaved_prefill import InterleavedPrefill
+from ctxgate.backend.engine.isolated_step import StepRun, run_step
 from ctxgate.backend.engine.model_runner import ModelRunner
 from ctxgate.backend.engine.output_processor import OutputProcessor, finished_metrics
+from ctxgate.backend.engine.path_info import compute_path_info, compute_path_summary
 from ctxgate.backend.engine.sampler import SampledToken
 from ctxgate.backend.engine.sampling_checks import SamplingParamError, admitted
 from ctxgate.backend.engine.scheduler import Scheduler, SchedulerOutput
@@ -43,7 +45,6 @@ from ctxgate.backend.model.attention import create_backend
 from ctxgate.backend.model.kv_cache import KVCache, KVCacheSpec
 from ctxgate.backend.model.model_loader import load_model
 from ctxgate.backend.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from ctxgate.backend.platform.cpu_features import cpu_path
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class LLMEngine:
                 traced=traced,
             )
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, decode_graphs)
+        self.interleaved = InterleavedPrefill(config.interleaved_prefill_tokens)
         self.vocab_size = arch.vocab_size
         self.sequences: dict[str, SequenceGroup] = {}  # request id -> its live sequences
         self._arrival_counter = itertools.count()
@@ -259,11 +261,39 @@ class LLMEngine:
         if output.is_empty:
             return []
         started = time.perf_counter()
-        run = run_step(self.runner, output.scheduled, self.tokenizer.eos_token_ids)
+        with self.interleaved.outer_step(output.scheduled):
+            run = run_step(self.runner, output.scheduled, self.tokenizer.eos_token_ids)
         finished_at = time.perf_counter()
+        self.interleaved.raise_deferred()
+        # The outer step's own time, for the prefill-speed estimate: without its nested steps.
+        return self._conclude(run, finished_at - started - self.interleaved.nested_seconds, finished_at)
+
+    def prefill_between_layers(self) -> list[GenerationDelta]:
+        """At a decoder-layer boundary of the step in progress (`LlamaModel.between_layers`, on a CPU):
+        prefill the waiting queue's head alone when it may jump into the step
+        (`interleaved_prefill.py`: rules and invariants) and return its first token's delta (and any
+        failure through `take_failures`); [] when none may. The outer step's batch is untouched."""
+        if self.device.type != "cpu":
+            return []  # see interleaved_prefill.py: on a GPU a layer boundary is not a point in time
+        try:
+            item = self.interleaved.next_request(self.scheduler)
+            if item is None:
+                return []
+            started = time.perf_counter()
+            with self.interleaved.nested():
+                run = run_step(self.runner, [item], self.tokenizer.eos_token_ids, eager=True)
+            finished_at = time.perf_counter()
+            self.interleaved.nested_seconds += finished_at - started
+            return self._conclude(run, finished_at - started, finished_at)
+        except Exception as exc:  # not the request's own failure (run_step and _conclude keep those)
+            self.interleaved.defer(exc)
+            return []
+
+    def _conclude(self, run: StepRun, seconds: float, finished_at: float) -> list[GenerationDelta]:
+        """After a forward pass: computed tokens, failures, one delta per sampled token."""
         failed = {seq.request_id for seq, _ in run.failed}
         ran = [item for item in run.ran if item.seq.request_id not in failed]
-        self.scheduler.update_from_output(SchedulerOutput(ran), finished_at - started)
+        self.scheduler.update_from_output(SchedulerOutput(ran), seconds)
         for seq, error in run.failed:
             self._fail(seq.request_id, error)
         deltas = []
@@ -318,53 +348,10 @@ class LLMEngine:
     # ---- introspection -----------------------------------------------------------------------
     def path_info(self) -> dict[str, object]:
         """Which compute path this engine runs: shown on /v1/models, in metrics and bench reports."""
-        info: dict[str, object] = {
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_cache_dtype": "int8"
-            if self.kv_cache.spec.quantized
-            else str(self.dtype).removeprefix("torch."),
-            "weight_quant": self.config.weight_quant,
-            "attention": self.attention.name,
-            "threads": self.num_threads,
-        }
-        if self.device.type == "cuda":
-            graphs = self.runner.decode_graphs
-            decode_kernel = getattr(self.attention, "decode_kernel_for", None)
-            probe = torch.empty(0, device=self.device)
-            info.update(
-                {
-                    "gpu": torch.cuda.get_device_name(self.device),
-                    "decode_kernel": decode_kernel(probe, self.kv_cache.spec.block_size)
-                    if decode_kernel
-                    else "none",
-                    "cuda_graph_batch_sizes": list(graphs.sizes) if graphs else [],
-                }
-            )
-        if self.device.type == "cpu":
-            path = cpu_path()
-            plan = self.model.matmul_plan
-            info.update(
-                {
-                    "cpu_model": path.model_name,
-                    "cpu_flags": list(path.flags),
-                    "cpu_kernel_isa": path.kernel_isa if self.model.use_fused_layers else "none",
-                    "cpu_isa_capped_by": path.capped_by,
-                    "matmul": plan.summary() if plan else "plain",
-                    "traced_decode_batch_sizes": list(graphs.sizes)
-                    if (graphs := self.runner.decode_graphs)
-                    else [],
-                }
-            )
-        return info
+        return compute_path_info(self)
 
     def cpu_path_summary(self) -> str:
-        info = self.path_info()
-        if self.device.type != "cpu":
-            return f"device {info['device']}"
-        traced = info["traced_decode_batch_sizes"]
-        decode = f"traced decode up to {max(traced)} rows" if traced else "eager decode"  # type: ignore[type-var]
-        return f"cpu kernels {info['cpu_kernel_isa']}, {info['matmul']}, {decode}, flags {' '.join(info['cpu_flags'])}"
+        return compute_path_summary(self)
 
     def stats(self) -> EngineStats:
         total = self.block_manager.num_blocks
