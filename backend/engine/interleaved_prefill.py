@@ -79,6 +79,11 @@ class InterleavedPrefill:
     def enabled(self) -> bool:
         return self.tokens_per_step > 0
 
+    @property
+    def in_outer_step(self) -> bool:
+        """A step's forward pass is running and nested prefills may start in it."""
+        return self._outer is not None
+
     @contextmanager
     def outer_step(self, scheduled: list[ScheduledSequence]) -> Iterator[None]:
         """While the outer step's forward pass runs with this batch, nested prefills may start."""
