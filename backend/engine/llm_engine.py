@@ -69,6 +69,7 @@ class EngineStats:
     # the scheduler's measured prefill speed: what a new request would queue behind, and how fast.
     num_waiting_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
+    num_interleaved_prefills: int = 0  # cumulative: requests prefilled inside another step
 
 
 class LLMEngine:
@@ -371,6 +372,7 @@ class LLMEngine:
             last_step_num_tokens=self.last_step_num_tokens,
             num_waiting_tokens=self.scheduler.num_prefill_tokens_left(),
             prefill_tokens_per_s=self.scheduler.prefill_tokens_per_s,
+            num_interleaved_prefills=self.interleaved.count,
         )
 
     # ---- sync helper ---------------------------------------------------------------------------
