@@ -215,3 +215,23 @@ def test_the_async_engine_takes_a_request_sent_mid_step_and_streams_its_first_to
     assert quiet is not None and noisy is not None
     assert quiet.ttft_ms < noisy.ttft_ms  # sent during the noisy prefill, its first token came first
     assert engine.interleaved.count == before + 1
+
+
+def test_on_the_bfloat16_kernel_path_the_nested_request_answers_as_alone(
+    make_engine, long_prompt, short_prompt
+):
+    """The production CPU path: fused C++ layers and traced decode steps where this CPU has them
+    (their static buffers are never used by a nested step, which runs eagerly)."""
+    fast = make_engine(
+        dtype="bfloat16",
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        interleaved_prefill_tokens=64,
+        device="cpu",
+    )
+    expected = alone(fast, short_prompt)
+    result = run(
+        fast, [request("noisy", long_prompt, tenant="noisy")], once_at(0, 5, request("quiet", short_prompt))
+    )
+    assert [step for step, delta in result.mid_step if delta.request_id == "quiet"][:1] == [0]
+    assert tokens_of(result.all, "quiet") == expected
