@@ -281,11 +281,13 @@ class LLMEngine:
             if item is None:
                 return []
             started = time.perf_counter()
-            with self.interleaved.nested():
+            # Out of the outer forward pass's inference mode, as a step between steps runs: what the
+            # sampler keeps on a sequence (its prompt mask) must not become an inference tensor.
+            with self.interleaved.nested(), torch.inference_mode(False):
                 run = run_step(self.runner, [item], self.tokenizer.eos_token_ids, eager=True)
-            finished_at = time.perf_counter()
-            self.interleaved.nested_seconds += finished_at - started
-            return self._conclude(run, finished_at - started, finished_at)
+                finished_at = time.perf_counter()
+                self.interleaved.nested_seconds += finished_at - started
+                return self._conclude(run, finished_at - started, finished_at)
         except Exception as exc:  # not the request's own failure (run_step and _conclude keep those)
             self.interleaved.defer(exc)
             return []
