@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ctxgate.backend.engine.api import (
@@ -27,6 +27,7 @@ from ctxgate.backend.engine.api import (
     GenerationDelta,
     GenerationRequest,
 )
+from ctxgate.backend.engine.engine_commands import WAKE, Abort, Add, CommandQueue, Stop
 from ctxgate.backend.engine.live_requests import LiveRequests, send
 from ctxgate.backend.engine.metrics import EngineMetrics
 from ctxgate.backend.engine.request_stream import RequestStream
@@ -46,24 +47,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class _Stop:
-    """Command that ends the engine thread."""
-
-
-@dataclass
-class _Add:
-    request: GenerationRequest
-    stream: RequestStream
-
-
-@dataclass
-class _Abort:
-    request_id: str
-    # Explicit aborts (not the consumer leaving) tell the consumer with a final "abort" delta.
-    notify: bool
-
-
-_WAKE = object()  # a command that only wakes an idle engine thread (a job is queued)
 
 
 class AsyncEngine:
@@ -94,7 +77,7 @@ class AsyncEngine:
         # Which compute path serves (CPU kernels, dtype, matmul dispatch): fixed for the process.
         self.path_info: dict[str, object] = engine.path_info()
         self.metrics.set_path_info(self.path_info)
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._commands = CommandQueue()
         self._side_work = SideWorkQueue()  # run_between_steps jobs
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -137,7 +120,7 @@ class AsyncEngine:
             self._stopped = True
             thread = self._thread
             if thread is not None:
-                self._commands.put(_Stop())
+                self._commands.put(Stop())
         if thread is not None:
             thread.join(timeout)
 
@@ -205,7 +188,7 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its consumer receives a final delta with finish_reason "abort"."""
-        self._submit(_Abort(request_id, notify=True))
+        self._submit(Abort(request_id, notify=True))
 
     @property
     def jobs_run(self) -> int:
@@ -253,7 +236,7 @@ class AsyncEngine:
             if self._fatal_error is not None or not self.is_ready():
                 raise EngineError(f"the engine failed: {self._fatal_error}", 503)
             self._side_work.put(job)
-            self._submit(_WAKE)  # an idle engine thread sleeps on the command queue
+            self._submit(WAKE)  # an idle engine thread sleeps on the command queue
         return job.future
 
     def _open(self, request: GenerationRequest) -> RequestStream:
@@ -269,9 +252,9 @@ class AsyncEngine:
         stream = RequestStream(
             request.request_id,
             asyncio.get_running_loop(),
-            on_close=lambda: self._submit(_Abort(request.request_id, notify=False)),
+            on_close=lambda: self._submit(Abort(request.request_id, notify=False)),
         )
-        self._submit(_Add(request, stream))
+        self._submit(Add(request, stream))
         return stream
 
     def _submit(self, command: Any) -> None:
@@ -282,8 +265,8 @@ class AsyncEngine:
         import torch
 
         torch.set_num_threads(self.engine.num_threads)
-        if self.side_work is not None:
-            self.engine.model.between_layers = self._side_work.run_pending
+        if self.side_work is not None:  # a CPU engine: see run_between_steps and _between_layers
+            self.engine.model.between_layers = self._between_layers
         try:
             while True:
                 # Idle: block until a command arrives instead of spinning.
@@ -318,6 +301,20 @@ class AsyncEngine:
             self._fail_all(EngineError("the engine has been shut down", 503))
             self._side_work.fail_pending(EngineError("the engine has been shut down", 503), self._start_lock)
 
+    def _between_layers(self) -> None:
+        """At each decoder-layer boundary of a step on a CPU: queued side work, then requests sent
+        since the step began, and a nested prefill for the one whose turn it is
+        (backend/engine/interleaved_prefill.py), its first token delivered at once."""
+        self._side_work.run_pending()
+        if not self.engine.interleaved.enabled:
+            return
+        for command in self._commands.adds_mid_step():
+            self._live.add(command.request, command.stream)
+        deltas = self.engine.prefill_between_layers()
+        if deltas:
+            self._live.dispatch(deltas)
+        self._live.deliver_failures(self.engine.take_failures())
+
     def _apply_commands(self, block: bool) -> bool:
         """Apply every pending command; returns False when the thread must stop."""
         applied = False
@@ -327,11 +324,11 @@ class AsyncEngine:
             except queue.Empty:
                 break
             applied = True
-            if isinstance(command, _Stop):
+            if isinstance(command, Stop):
                 return False
-            if isinstance(command, _Add):
+            if isinstance(command, Add):
                 self._live.add(command.request, command.stream)
-            elif isinstance(command, _Abort):
+            elif isinstance(command, Abort):
                 self._live.abort(command.request_id, command.notify)
         if applied:
             self._refresh_stats()
@@ -342,10 +339,10 @@ class AsyncEngine:
         # Requests still queued as commands never reached the engine: refuse them too.
         while True:
             try:
-                command = self._commands.get_nowait()
+                command = self._commands.get(block=False)
             except queue.Empty:
                 break
-            if isinstance(command, _Add):
+            if isinstance(command, Add):
                 send(command.stream, error)
         self._refresh_stats()
 

@@ -96,6 +96,14 @@ class EngineConfig(BaseModel):
         description="order waiting requests by weighted fair queuing between tenants on prefill tokens "
         "(each tenant's keys-file weight), inside each priority class; false: first come, first served",
     )
+    interleaved_prefill_tokens: int = Field(
+        default=128,
+        ge=0,
+        description="CPU: a waiting user request whose uncached prompt is at most this many tokens, first "
+        "in line and of a tenant with no prefill in the step in progress, is prefilled alone between two "
+        "decoder layers of that step and gets its first token at once; also the most such tokens per "
+        "step; 0: off (it waits for the step's end)",
+    )
     num_threads: Annotated[int | None, Cli(old=("--threads",))] = Field(
         default=None, ge=1, description="torch CPU threads; default: every core"
     )

@@ -24,3 +24,4 @@ class EngineStats:
     # the scheduler's measured prefill speed: what a new request would queue behind, and how fast.
     num_waiting_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
+    num_interleaved_prefills: int = 0  # cumulative: requests prefilled inside another step

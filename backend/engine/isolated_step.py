@@ -38,18 +38,19 @@ class StepRun:
 
 
 def run_step(
-    runner: ModelRunner, scheduled: list[ScheduledSequence], eos_token_ids: Iterable[int]
+    runner: ModelRunner, scheduled: list[ScheduledSequence], eos_token_ids: Iterable[int], eager: bool = False
 ) -> StepRun:
+    """`eager`: never through the decode graphs (`ModelRunner.execute`)."""
     run = StepRun()
-    _forward(runner, scheduled, tuple(eos_token_ids), run)
+    _forward(runner, scheduled, tuple(eos_token_ids), run, eager)
     return run
 
 
 def _forward(
-    runner: ModelRunner, scheduled: list[ScheduledSequence], eos: tuple[int, ...], run: StepRun
+    runner: ModelRunner, scheduled: list[ScheduledSequence], eos: tuple[int, ...], run: StepRun, eager: bool
 ) -> None:
     try:
-        result = runner.execute(scheduled)
+        result = runner.execute(scheduled, eager)
     except Exception:
         if len(scheduled) == 1:
             seq = scheduled[0].seq
@@ -66,8 +67,8 @@ def _forward(
             exc_info=True,
         )
         middle = len(scheduled) // 2
-        _forward(runner, scheduled[:middle], eos, run)
-        _forward(runner, scheduled[middle:], eos, run)
+        _forward(runner, scheduled[:middle], eos, run, eager)
+        _forward(runner, scheduled[middle:], eos, run, eager)
         return
     run.ran.extend(scheduled)
     _sample(result, eos, run)

@@ -24,10 +24,11 @@ from ctxgate.backend.engine.api import (
 from ctxgate.backend.engine.block_manager import BlockManager
 from ctxgate.backend.engine.config import EngineConfig
 from ctxgate.backend.engine.engine_stats import EngineStats
-from ctxgate.backend.engine.isolated_step import run_step
+from ctxgate.backend.engine.interleaved_prefill import InterleavedPrefill
+from ctxgate.backend.engine.isolated_step import StepRun, run_step
 from ctxgate.backend.engine.model_runner import ModelRunner
 from ctxgate.backend.engine.output_processor import OutputProcessor, finished_metrics
-from ctxgate.backend.engine.path_info import describe_path, path_summary
+from ctxgate.backend.engine.path_info import compute_path_info, compute_path_summary
 from ctxgate.backend.engine.sampler import SampledToken
 from ctxgate.backend.engine.sampling_checks import SamplingParamError, admitted
 from ctxgate.backend.engine.scheduler import Scheduler, SchedulerOutput
@@ -111,6 +112,7 @@ class LLMEngine:
                 traced=traced,
             )
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.device, decode_graphs)
+        self.interleaved = InterleavedPrefill(config.interleaved_prefill_tokens)
         self.vocab_size = arch.vocab_size
         self.sequences: dict[str, SequenceGroup] = {}  # request id -> its live sequences
         self._arrival_counter = itertools.count()
@@ -240,11 +242,41 @@ class LLMEngine:
         if output.is_empty:
             return []
         started = time.perf_counter()
-        run = run_step(self.runner, output.scheduled, self.tokenizer.eos_token_ids)
+        with self.interleaved.outer_step(output.scheduled):
+            run = run_step(self.runner, output.scheduled, self.tokenizer.eos_token_ids)
         finished_at = time.perf_counter()
+        self.interleaved.raise_deferred()
+        # The outer step's own time, for the prefill-speed estimate: without its nested steps.
+        return self._conclude(run, finished_at - started - self.interleaved.nested_seconds, finished_at)
+
+    def prefill_between_layers(self) -> list[GenerationDelta]:
+        """At a decoder-layer boundary of the step in progress (`LlamaModel.between_layers`, on a CPU):
+        prefill the waiting queue's head alone when it may jump into the step
+        (`interleaved_prefill.py`: rules and invariants) and return its first token's delta (and any
+        failure through `take_failures`); [] when none may. The outer step's batch is untouched."""
+        if self.device.type != "cpu":
+            return []  # see interleaved_prefill.py: on a GPU a layer boundary is not a point in time
+        try:
+            item = self.interleaved.next_request(self.scheduler)
+            if item is None:
+                return []
+            started = time.perf_counter()
+            # Out of the outer forward pass's inference mode, as a step between steps runs: what the
+            # sampler keeps on a sequence (its prompt mask) must not become an inference tensor.
+            with self.interleaved.nested(), torch.inference_mode(False):
+                run = run_step(self.runner, [item], self.tokenizer.eos_token_ids, eager=True)
+                finished_at = time.perf_counter()
+                self.interleaved.nested_seconds += finished_at - started
+                return self._conclude(run, finished_at - started, finished_at)
+        except Exception as exc:  # not the request's own failure (run_step and _conclude keep those)
+            self.interleaved.defer(exc)
+            return []
+
+    def _conclude(self, run: StepRun, seconds: float, finished_at: float) -> list[GenerationDelta]:
+        """After a forward pass: computed tokens, failures, one delta per sampled token."""
         failed = {seq.request_id for seq, _ in run.failed}
         ran = [item for item in run.ran if item.seq.request_id not in failed]
-        self.scheduler.update_from_output(SchedulerOutput(ran), finished_at - started)
+        self.scheduler.update_from_output(SchedulerOutput(ran), seconds)
         for seq, error in run.failed:
             self._fail(seq.request_id, error)
         deltas = []
@@ -299,10 +331,10 @@ class LLMEngine:
     # ---- introspection -----------------------------------------------------------------------
     def path_info(self) -> dict[str, object]:
         """Which compute path this engine runs: shown on /v1/models, in metrics and bench reports."""
-        return describe_path(self)
+        return compute_path_info(self)
 
     def cpu_path_summary(self) -> str:
-        return path_summary(self)
+        return compute_path_summary(self)
 
     def stats(self) -> EngineStats:
         total = self.block_manager.num_blocks
@@ -322,6 +354,7 @@ class LLMEngine:
             last_step_num_tokens=self.last_step_num_tokens,
             num_waiting_tokens=self.scheduler.num_prefill_tokens_left(),
             prefill_tokens_per_s=self.scheduler.prefill_tokens_per_s,
+            num_interleaved_prefills=self.interleaved.count,
         )
 
     # ---- sync helper ---------------------------------------------------------------------------

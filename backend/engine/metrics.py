@@ -168,6 +168,10 @@ class EngineMetrics:
         self.ttft_target_misses = counter(
             "ttft_target_misses", "Requests whose time to first token exceeded the configured target."
         )
+        self.interleaved_prefills = counter(
+            "interleaved_prefills",
+            "Requests prefilled between two decoder layers of another step (CPU: engine.interleaved_prefill_tokens).",
+        )
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
@@ -196,6 +200,7 @@ class EngineMetrics:
             self.prefix_cache_hits,
             self.num_preemptions,
             self.ttft_target_misses,
+            self.interleaved_prefills,
             self.num_requests_running,
             self.num_requests_waiting,
             self.kv_cache_usage,
@@ -209,7 +214,7 @@ class EngineMetrics:
             self.shadow_requests.labels(model_name=model_name, finished_reason=reason)
 
         # Cumulative engine counters arrive as totals; counters are advanced by the difference.
-        self._last_totals = {"queried": 0, "hits": 0, "preemptions": 0, "ttft_misses": 0}
+        self._last_totals = {"queried": 0, "hits": 0, "preemptions": 0, "ttft_misses": 0, "interleaved": 0}
 
     def set_path_info(self, info: dict[str, object]) -> None:
         values = {
@@ -265,12 +270,14 @@ class EngineMetrics:
             "hits": stats.prefix_cache_hit_tokens,
             "preemptions": stats.num_preemptions,
             "ttft_misses": stats.ttft_target_misses,
+            "interleaved": stats.num_interleaved_prefills,
         }
         counters = {
             "queried": self.prefix_cache_queries,
             "hits": self.prefix_cache_hits,
             "preemptions": self.num_preemptions,
             "ttft_misses": self.ttft_target_misses,
+            "interleaved": self.interleaved_prefills,
         }
         for key, total in totals.items():
             increase = total - self._last_totals[key]

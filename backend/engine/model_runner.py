@@ -121,8 +121,10 @@ class ModelRunner:
         metadata.write_plan = self.kv_cache.make_write_plan(self._tensor(slot_mapping))
         return self._tensor(input_ids), self._tensor(positions), metadata, self._tensor(logits_rows), sampled
 
-    def execute(self, scheduled: list[ScheduledSequence]) -> ModelRunnerOutput:
-        graphs = self.decode_graphs
+    def execute(self, scheduled: list[ScheduledSequence], eager: bool = False) -> ModelRunnerOutput:
+        """One forward pass; `eager` keeps it off the decode graphs' static buffers (a step nested in
+        another's forward pass must not overwrite what that one may be reading)."""
+        graphs = None if eager else self.decode_graphs
         if graphs is not None and len(scheduled) <= graphs.max_batch:
             if all(item.num_new_tokens == 1 for item in scheduled):
                 return self._execute_decode_graph(graphs, scheduled)

@@ -1,5 +1,5 @@
-"""Which compute path an engine runs (device, dtypes, attention, CPU kernels, matmul dispatch, decode
-graphs): shown on /v1/models, in metrics, in bench reports and in the engine's start-up log line."""
+"""Which compute path an engine runs (device, dtype, kernels, decode graphs): shown on /v1/models, in
+metrics, in the start-up log and in bench reports."""
 
 from __future__ import annotations
 
@@ -13,19 +13,18 @@ if TYPE_CHECKING:
     from ctxgate.backend.engine.llm_engine import LLMEngine
 
 
-def describe_path(engine: LLMEngine) -> dict[str, object]:
+def compute_path_info(engine: LLMEngine) -> dict[str, object]:
+    dtype = str(engine.dtype).removeprefix("torch.")
     info: dict[str, object] = {
         "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "kv_cache_dtype": "int8"
-        if engine.kv_cache.spec.quantized
-        else str(engine.dtype).removeprefix("torch."),
+        "dtype": dtype,
+        "kv_cache_dtype": "int8" if engine.kv_cache.spec.quantized else dtype,
         "weight_quant": engine.config.weight_quant,
         "attention": engine.attention.name,
         "threads": engine.num_threads,
     }
+    graphs = engine.runner.decode_graphs
     if engine.device.type == "cuda":
-        graphs = engine.runner.decode_graphs
         decode_kernel = getattr(engine.attention, "decode_kernel_for", None)
         probe = torch.empty(0, device=engine.device)
         info.update(
@@ -47,17 +46,15 @@ def describe_path(engine: LLMEngine) -> dict[str, object]:
                 "cpu_kernel_isa": path.kernel_isa if engine.model.use_fused_layers else "none",
                 "cpu_isa_capped_by": path.capped_by,
                 "matmul": plan.summary() if plan else "plain",
-                "traced_decode_batch_sizes": list(graphs.sizes)
-                if (graphs := engine.runner.decode_graphs)
-                else [],
+                "traced_decode_batch_sizes": list(graphs.sizes) if graphs else [],
             }
         )
     return info
 
 
-def path_summary(engine: LLMEngine) -> str:
-    """One line of `describe_path` for the log."""
-    info = describe_path(engine)
+def compute_path_summary(engine: LLMEngine) -> str:
+    """One line for the start-up log."""
+    info = compute_path_info(engine)
     if engine.device.type != "cpu":
         return f"device {info['device']}"
     traced = info["traced_decode_batch_sizes"]

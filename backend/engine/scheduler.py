@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from ctxgate.backend.engine.api import Priority
@@ -262,28 +263,60 @@ class Scheduler:
                     ttft_pressure and seq.priority is Priority.USER and self._make_room(output, scheduled_ids)
                 ):
                     break
-            first_admission = seq.cached_prompt_tokens is None
             cached_blocks = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached_blocks) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(seq, num_new, cached_blocks):
                 break
-            self.waiting.pop(0)
-            self.fair.admitted(seq)
-            if first_admission:
-                seq.cached_prompt_tokens = num_cached
-                self.prefix_cache_queried_tokens += seq.num_tokens
-                self.prefix_cache_hit_tokens += num_cached
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start_head(num_cached, now)
             output.scheduled.append(ScheduledSequence(seq, num_new))
             scheduled_ids.add(id(seq))
             budget -= num_new
         if not self.waiting:
             self.fair.drained()
         return output
+
+    def _start_head(self, num_cached: int, now: float) -> Sequence:
+        """The waiting queue's head, its slots allocated (`num_cached` of them prefix-cache hits),
+        joins the running batch."""
+        seq = self.waiting.pop(0)
+        self.fair.admitted(seq)
+        if seq.cached_prompt_tokens is None:  # first admission: what the prefix cache saved it
+            seq.cached_prompt_tokens = num_cached
+            self.prefix_cache_queried_tokens += seq.num_tokens
+            self.prefix_cache_hit_tokens += num_cached
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return seq
+
+    def admit_head_alone(
+        self, max_tokens: int, busy_tenants: Collection[str | None]
+    ) -> ScheduledSequence | None:
+        """Start the waiting queue's head with its whole uncached prompt, outside `schedule()`: for a
+        prefill between the decoder layers of a step in progress (`interleaved_prefill.py`).
+
+        Only a user request of a tenant not in `busy_tenants`, whose uncached tokens are at most
+        `max_tokens`, with a free sequence slot and free blocks: no one is preempted, and nothing the
+        step in progress scheduled is touched. Its prefix-cache hits are blocks published by earlier
+        steps, every layer written (a block is published after the step that completes it).
+        """
+        if not self.waiting or not self.has_room(1):
+            return None
+        seq = self.waiting[0]
+        if seq.priority is not Priority.USER or seq.tenant in busy_tenants:
+            return None
+        size = self.block_manager.block_size
+        if seq.num_tokens - (seq.num_tokens - 1) // size * size > max_tokens:
+            return None  # even the longest prefix hit would leave too much (checked before hashing)
+        cached_blocks = self.block_manager.find_cached_prefix(seq)
+        num_cached = len(cached_blocks) * size
+        num_new = seq.num_tokens - num_cached
+        if num_new > max_tokens or not self.block_manager.allocate_slots(seq, num_new, cached_blocks):
+            return None
+        self._start_head(num_cached, time.perf_counter())
+        return ScheduledSequence(seq, num_new)
 
     def _make_room(self, output: SchedulerOutput, scheduled_ids: set[int]) -> bool:
         """Preempt the unscheduled background sequence last in order so a user request can start."""

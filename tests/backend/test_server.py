@@ -89,6 +89,7 @@ def test_models_health_and_metrics(base_url, client, engine):
         "ctxgate:prefix_cache_hits_total",
         "ctxgate:num_preemptions_total",
         "ctxgate:ttft_target_misses_total",
+        "ctxgate:interleaved_prefills_total",
     ):
         # A sample line (not only the HELP text) exists from the start.
         assert f'{name}{{model_name="{engine.model_name}"}}' in metrics or f"{name}_count" in metrics, name
