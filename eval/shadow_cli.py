@@ -10,7 +10,7 @@ import shlex
 import sys
 
 from ctxgate.backend.settings.cli_actions import at_least_one, positive_number
-from ctxgate.eval.cli_common import quiet_http_logs, require_eval_extra
+from ctxgate.eval.cli_common import quiet_http_logs, rates_argument, require_eval_extra
 
 COMPARISONS = ["auto", "exact", "token_f1", "key_spans", "json_fields"]
 
@@ -127,4 +127,117 @@ def _eval_shadow_agreement(args: argparse.Namespace) -> int:
     report = run_shadow_agreement(options, args.out, command=_command_line())
     print(render_markdown(report))
     print(f"report: {args.out}/shadow_agreement.md")
+    return 0
+
+
+def register_bench_shadow(bench_sub: argparse._SubParsersAction) -> None:
+    bench = bench_sub.add_parser(
+        "shadow",
+        help="what shadowing costs live requests at the knee: a policy with shadow sample_rate 0.2 "
+        "against the same policy without, interleaved on the same open-loop schedules",
+    )
+    bench.add_argument(
+        "--input",
+        dest="dataset",
+        default="nq-multidoc-dev.jsonl",
+        help="QA JSONL (default nq-multidoc-dev.jsonl)",
+    )
+    bench.add_argument(
+        "--split",
+        choices=["test", "tune", "all"],
+        default="test",
+        help="which half of the questions (default test)",
+    )
+    bench.add_argument(
+        "--requests",
+        type=at_least_one,
+        default=48,
+        help="questions, so requests per arm and rate (default 48)",
+    )
+    bench.add_argument(
+        "--rates",
+        type=rates_argument,
+        default=[0.6],
+        metavar="R,R,...",
+        help="arrival rates in requests/s (default 0.6: `ctxgate bench slo`'s knee)",
+    )
+    bench.add_argument(
+        "--policy", default="rag-default", help="the policy of both arms (default rag-default)"
+    )
+    bench.add_argument(
+        "--sample-rate",
+        type=_share,
+        default=0.2,
+        metavar="F",
+        help="the shadowed arm's shadow.sample_rate (default 0.2)",
+    )
+    bench.add_argument(
+        "--adaptive-policy",
+        default="rag-adaptive",
+        help="the policy whose ttft_slo_s is the objective (default rag-adaptive)",
+    )
+    bench.add_argument(
+        "--slo-s", type=positive_number, default=None, metavar="S", help="the TTFT objective in seconds"
+    )
+    bench.add_argument(
+        "--give-up-s",
+        type=positive_number,
+        default=None,
+        metavar="S",
+        help="abandon a request without a first token after S s",
+    )
+    bench.add_argument(
+        "--output-tokens", type=at_least_one, default=16, help="tokens per answer (default 16)"
+    )
+    bench.add_argument(
+        "--chunk-size", type=at_least_one, default=8, help="requests per interleaved chunk (default 8)"
+    )
+    bench.add_argument("--seed", type=int, default=0, help="arrival schedule seed (default 0)")
+    bench.add_argument("--model", help="model directory for the gateway (default: the default model)")
+    bench.add_argument(
+        "--policy-dir", help="the operator's policy directory (the policy is read from it first)"
+    )
+    bench.add_argument(
+        "--out", default="bench-out/shadow", help="output directory (default bench-out/shadow)"
+    )
+    bench.add_argument("--no-progress", action="store_true", help="no per-chunk progress lines")
+    bench.set_defaults(func=_bench_shadow)
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number above 0 and at most 1, got {text!r}")
+    return value
+
+
+def _bench_shadow(args: argparse.Namespace) -> int:
+    require_eval_extra("bench shadow", "pysbd")
+    quiet_http_logs()
+    from ctxgate.eval.bench_shadow import ShadowBenchOptions, run_bench_shadow
+    from ctxgate.eval.shadow_cost_report import render_markdown
+
+    options = ShadowBenchOptions(
+        dataset=args.dataset,
+        split=args.split,
+        requests=args.requests,
+        rates=args.rates,
+        policy=args.policy,
+        sample_rate=args.sample_rate,
+        adaptive=args.adaptive_policy,
+        slo_s=args.slo_s,
+        give_up_s=args.give_up_s,
+        output_tokens=args.output_tokens,
+        chunk_size=args.chunk_size,
+        seed=args.seed,
+        model=args.model,
+        policy_dir=args.policy_dir,
+        progress=not args.no_progress,
+    )
+    report = run_bench_shadow(options, args.out, command=_command_line())
+    print(render_markdown(report))
+    print(f"report: {args.out}/bench_shadow.md")
     return 0
