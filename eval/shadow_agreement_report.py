@@ -5,7 +5,7 @@ Retention asks of the compressed prompt whether a gold answer string is still in
 of the model whether its answer from the compressed prompt is the answer it gives from the whole one.
 They part where the model does not use what the prompt keeps (a retained answer, a different reply)
 or where the uncompressed prompt's answer is itself not the gold one (a small model's answer to
-thirty passages often is not), so the report gives both answers' accuracy and the agreement split by
+twenty passages often is not), so the report gives both answers' accuracy and the agreement split by
 whether the answer was retained.
 """
 
