@@ -17,7 +17,8 @@ from ctxgate.backend.settings.cli_actions import (
     positive_number,
 )
 from ctxgate.eval.bench_fairness_cli import register_bench_fairness
-from ctxgate.eval.cli_common import add_gateway_args, quiet_http_logs, require_eval_extra
+from ctxgate.eval.cli_common import add_gateway_args, quiet_http_logs, rates_argument, require_eval_extra
+from ctxgate.eval.shadow_cli import register_bench_shadow
 
 
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +37,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     add_arguments(gpu)
     gpu.set_defaults(func=_bench_gpu)
     _register_bench_slo(bench_sub)
+    register_bench_shadow(bench_sub)
     _register_bench_prefix(bench_sub)
     from ctxgate.eval.bench_multiturn import register as register_multiturn
 
@@ -285,19 +287,6 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rates(text: str) -> list[float]:
-    """argparse type: comma-separated positive request rates, e.g. 0.3,0.6,1.0 (ascending, once each)."""
-    try:
-        rates = sorted({positive_number(value.strip()) for value in text.split(",") if value.strip()})
-    except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"--rates: {exc}") from None
-    if not rates:
-        raise argparse.ArgumentTypeError("expected rates such as 0.3,0.6,1.0")
-    if len(rates) > 12:
-        raise argparse.ArgumentTypeError("at most 12 rates")
-    return rates
-
-
 QUICK_SLO = {"requests": 3, "rates": [0.5, 2.0], "output_tokens": 4, "chunk_size": 3}
 
 
@@ -327,7 +316,7 @@ def _register_bench_slo(bench_sub: argparse._SubParsersAction) -> None:
     )
     slo.add_argument(
         "--rates",
-        type=_rates,
+        type=rates_argument,
         default=[0.3, 0.6, 1.0],
         metavar="R,R,...",
         help="arrival rates in requests/s, below, at and above the knee (default 0.3,0.6,1.0)",

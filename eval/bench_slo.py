@@ -64,9 +64,12 @@ class SloOptions:
     progress: bool = True
     seed: int = 0
     give_up_s: float | None = None  # None: 4 x the objective
+    baselines: bool = True  # False: the fixed arms only (`ctxgate bench shadow`'s two)
 
     @property
     def arms(self) -> list[str]:
+        if not self.baselines:
+            return list(dict.fromkeys(self.policies))
         arms = [PASSTHROUGH, *self.policies, self.adaptive]
         return list(dict.fromkeys(arms))  # in order, once each
 

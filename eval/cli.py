@@ -13,6 +13,7 @@ from ctxgate.backend.settings.cli_actions import (
 )
 from ctxgate.eval.bench_cli import register_bench
 from ctxgate.eval.cli_common import EVAL_EXTRA_HINT, add_gateway_args, quiet_http_logs, require_eval_extra
+from ctxgate.eval.shadow_cli import register_eval_shadow
 
 __all__ = ["EVAL_EXTRA_HINT", "register", "require_eval_extra"]
 
@@ -207,25 +208,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     gate.add_argument("--max-f1-drop", type=float, help="also gate token F1")
     gate.set_defaults(func=_eval_gate)
 
-    shadow = eval_sub.add_parser(
-        "shadow-replay", help="score a gateway shadow log (server.shadow_log) again, or a candidate's answers"
-    )
-    shadow.add_argument("log", help="the shadow log: JSON lines written by the gateway")
-    shadow.add_argument(
-        "--comparison",
-        choices=["auto", "exact", "token_f1", "key_spans", "json_fields"],
-        default="auto",
-        help="the agreement measure (default auto: json_fields for JSON answers, else token_f1)",
-    )
-    shadow.add_argument(
-        "--candidate",
-        help="JSON lines of request_id and answer: a candidate policy's answers to the same requests, "
-        "compared with the logged shadow answers",
-    )
-    shadow.add_argument("--sample", type=at_least_one, help="replay this many lines, drawn at random")
-    shadow.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
-    shadow.add_argument("--out", help="also write the report as JSON here")
-    shadow.set_defaults(func=_eval_shadow_replay)
+    register_eval_shadow(eval_sub)
 
 
 def _eval_run(args: argparse.Namespace) -> int:
@@ -401,19 +384,3 @@ def _eval_gate(args: argparse.Namespace) -> int:
     )
     print(result.describe())
     return 0 if result.passed else 1
-
-
-def _eval_shadow_replay(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from ctxgate.eval.shadow_replay import describe, read_candidate, read_log, replay
-
-    with open(args.log, encoding="utf-8") as handle:
-        entries, skipped = read_log(handle)
-    candidate = read_candidate(Path(args.candidate)) if args.candidate else None
-    report = replay(entries, args.comparison, candidate, args.sample, args.seed, skipped)
-    print(describe(report))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-    return 0

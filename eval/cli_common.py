@@ -7,6 +7,8 @@ import argparse
 import importlib.util
 import logging
 
+from ctxgate.backend.settings.cli_actions import positive_number
+
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running gateway (default: start `ctxgate serve` on a free port)")
@@ -32,3 +34,16 @@ def require_eval_extra(command: str, *modules: str) -> None:
     missing = [module for module in modules if importlib.util.find_spec(module) is None]
     if missing:
         raise ValueError(f"`ctxgate {command}` needs {', '.join(missing)}: {EVAL_EXTRA_HINT}")
+
+
+def rates_argument(text: str) -> list[float]:
+    """argparse type: comma-separated positive request rates, e.g. 0.3,0.6,1.0 (ascending, once each)."""
+    try:
+        rates = sorted({positive_number(value.strip()) for value in text.split(",") if value.strip()})
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"--rates: {exc}") from None
+    if not rates:
+        raise argparse.ArgumentTypeError("expected rates such as 0.3,0.6,1.0")
+    if len(rates) > 12:
+        raise argparse.ArgumentTypeError("at most 12 rates")
+    return rates

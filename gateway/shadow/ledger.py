@@ -1,6 +1,7 @@
 """What the shadow comparisons found, kept for `/v1/ctxgate/shadow` and the operator console: per
-tenant and policy, how many comparisons and their mean agreement, the drops by reason, and the
-last disagreements. Memory is bounded: at most `max_groups` (tenant, policy) pairs (the least recently
+tenant and policy, how many requests were sampled, how many comparisons and their mean agreement,
+the drops by reason, and the last disagreements. Every sampled request is compared, dropped with a
+reason, or still running: sampled = comparisons + dropped + in flight. Memory is bounded: at most `max_groups` (tenant, policy) pairs (the least recently
 updated forgotten first) and `recent` disagreements per tenant, each answer cut to `ANSWER_CHARS`.
 """
 
@@ -43,6 +44,7 @@ class ShadowRecord:
 @dataclass(frozen=True)
 class PolicySummary:
     policy: str
+    sampled: int  # drawn by sample_rate (or upstream_fixed_rate): compared, dropped or running
     comparisons: int
     mean_agreement: float | None  # None: no comparison yet
     disagreements: int
@@ -65,6 +67,7 @@ class ShadowSummary:
 
 @dataclass
 class _Group:
+    sampled: int = 0
     comparisons: int = 0
     agreement_sum: float = 0.0
     disagreements: int = 0
@@ -110,6 +113,9 @@ class ShadowLedger:
         """(tenant and policy pairs, tenants with disagreements) held now: what bounds the memory."""
         return len(self._groups), len(self._disagreements)
 
+    def sampled(self, tenant: str, policy: str) -> None:
+        self._group(tenant, policy).sampled += 1
+
     def dropped(self, tenant: str, policy: str, reason: str) -> None:
         self._group(tenant, policy).dropped[reason] += 1
 
@@ -120,6 +126,7 @@ class ShadowLedger:
             if tenant is not None and owner != tenant:
                 continue
             total = totals.setdefault(policy, _Group())
+            total.sampled += group.sampled
             total.comparisons += group.comparisons
             total.agreement_sum += group.agreement_sum
             total.disagreements += group.disagreements
@@ -127,6 +134,7 @@ class ShadowLedger:
         policies = [
             PolicySummary(
                 policy=policy,
+                sampled=group.sampled,
                 comparisons=group.comparisons,
                 mean_agreement=round(group.agreement_sum / group.comparisons, 4)
                 if group.comparisons

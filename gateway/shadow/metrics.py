@@ -31,6 +31,13 @@ class ShadowMetrics:
             buckets=_AGREEMENT_BUCKETS,
             registry=registry,
         )
+        self.sampled = Counter(
+            "ctxgate:shadow_sampled",
+            "requests drawn for a shadow comparison: each one is compared (ctxgate:shadow_agreement), "
+            "dropped with a reason (ctxgate:shadow_dropped_total) or still running",
+            ["policy"],
+            registry=registry,
+        )
         self.dropped = Counter(
             "ctxgate:shadow_dropped",
             "sampled requests not shadowed, or shadow requests abandoned, by reason",

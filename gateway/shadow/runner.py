@@ -116,6 +116,8 @@ class ShadowRunner:
         rate = shadow.upstream_fixed_rate if fixed else shadow.sample_rate
         if rate <= 0 or self._draw() >= rate:
             return
+        self.metrics.sampled.labels(prepared.policy.name).inc()
+        self.ledger.sampled(prepared.tenant.name, prepared.policy.name)
         if unknown and not fixed:
             self._drop(prepared, "load_unknown")
             return

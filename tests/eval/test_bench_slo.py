@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ctxgate.eval.bench_cli import _rates
 from ctxgate.eval.bench_slo import PASSTHROUGH, arm_order, schedule_seed
+from ctxgate.eval.cli_common import rates_argument
 from ctxgate.eval.datasets import load_dataset
 from ctxgate.eval.slo_report import (
     SloSample,
@@ -189,7 +189,7 @@ def test_arm_order_rotates_which_compressing_arm_sees_a_chunk_first():
 
 
 def test_rates_are_sorted_positive_and_bounded():
-    assert _rates("1.0, 0.3,0.6,0.3") == [0.3, 0.6, 1.0]
+    assert rates_argument("1.0, 0.3,0.6,0.3") == [0.3, 0.6, 1.0]
     for bad in (
         "",
         "0",
@@ -199,7 +199,7 @@ def test_rates_are_sorted_positive_and_bounded():
         ",".join(str(i + 1) for i in range(13)),
     ):
         with pytest.raises(argparse.ArgumentTypeError):
-            _rates(bad)
+            rates_argument(bad)
 
 
 # ---------------------------------------------------------------------------- the real command

@@ -30,6 +30,8 @@ def test_a_tenant_sees_its_own_policies_and_disagreements_only():
     ledger.record(_record("acme", "p", 0.5, 2))
     ledger.record(_record("globex", "p", 0.0, 3))
     ledger.dropped("globex", "q", "busy")
+    for tenant, policy in (("acme", "p"), ("acme", "p"), ("globex", "p"), ("globex", "q")):
+        ledger.sampled(tenant, policy)
     acme = shadow_summary(ledger, "acme")
     assert [(p.policy, p.comparisons, p.mean_agreement, p.disagreements) for p in acme.policies] == [
         ("p", 2, 0.75, 1)
@@ -38,6 +40,8 @@ def test_a_tenant_sees_its_own_policies_and_disagreements_only():
     everyone = shadow_summary(ledger, None)
     assert {p.policy: p.comparisons for p in everyone.policies} == {"p": 3, "q": 0}
     assert {p.policy: p.dropped for p in everyone.policies}["q"] == {"busy": 1}
+    assert {p.policy: p.sampled for p in everyone.policies} == {"p": 3, "q": 1}
+    assert [p.sampled for p in acme.policies] == [2]
     assert [r.request_id for r in everyone.recent_disagreements] == ["globex-3", "acme-2"]  # newest first
     assert everyone.as_dict()["policies"][0]["mean_agreement"] == 0.5
 

@@ -121,6 +121,7 @@ def test_every_request_on_an_idle_engine_is_compared_and_tenants_see_only_their_
     acme = _summary(gateway, "acme")
     [policy] = acme["policies"]
     assert policy["policy"] == "shadowed" and policy["comparisons"] == 2
+    assert policy["sampled"] == 2  # every request drawn at sample_rate 1, each one compared
     assert 0.0 <= policy["mean_agreement"] <= 1.0
     assert policy["dropped"] == {}
     for entry in acme["recent_disagreements"]:
@@ -266,6 +267,8 @@ def test_shadow_work_is_dropped_when_real_work_arrives(busy_gateway, small_engin
     assert response.status_code == 200
     eventually(lambda: runner.in_flight == 0, timeout_s=60)
     assert _dropped(busy_gateway, "long", "preempted") == 1
+    # The drop explains the sampled request: sampled = compared + dropped.
+    assert _metric(busy_gateway, r'ctxgate:shadow_sampled_total\{policy="long"\}') == 1
     assert _metric(busy_gateway, r'ctxgate:shadow_prompt_tokens_total\{policy="long"\}') == 0
     wait_until_engine_idle(small_engine)
 
@@ -321,6 +324,7 @@ def test_an_upstream_whose_load_cannot_be_read_is_shadowed_at_the_fixed_rate_onl
         by_policy = {item["policy"]: item for item in _summary_open(front)["policies"]}
     assert by_policy["sampled"]["comparisons"] == 0
     assert by_policy["sampled"]["dropped"] == {"load_unknown": 1}
+    assert by_policy["sampled"]["sampled"] == 1 and by_policy["fixed"]["sampled"] == 1
     assert by_policy["fixed"]["comparisons"] == 1 and by_policy["fixed"]["dropped"] == {}
 
 
