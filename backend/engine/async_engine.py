@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
-
 class AsyncEngine:
     """`EngineClient` for the built-in engine, running `LLMEngine` in a background thread.
 
