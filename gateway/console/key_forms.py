@@ -13,7 +13,10 @@ from ctxgate.gateway.keys import NAME_PATTERN, Limits
 from ctxgate.gateway.keys_cli import parse_duration, parse_when
 from ctxgate.gateway.keys_limit_flags import MAX_LIMIT
 
-LIMIT_FIELDS = tuple(Limits.model_fields)
+# The form's limit inputs: every field of `Limits` but the per-model table (a nested mapping).
+LIMIT_FIELDS = tuple(name for name in Limits.model_fields if name != "models")
+# Limits spelled as words, which `Limits` checks itself; every other limit is a number.
+_WORD_FIELDS = ("budget_period", "window", "time_zone")
 _KEY_ID = re.compile(r"^[0-9a-f]{8,64}$")
 _TENANT = re.compile(NAME_PATTERN)
 _MODEL = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
@@ -45,7 +48,7 @@ def limits_from(form: dict[str, str]) -> Limits:
         value = _given(form, name)
         if value is None:
             continue
-        if name != "budget_period":
+        if name not in _WORD_FIELDS:
             try:
                 number = float(value)
             except ValueError:
