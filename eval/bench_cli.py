@@ -1,8 +1,9 @@
 """`ctxgate bench ...`: each benchmark's flags and the function that runs it (import-light: the work
 happens in the modules a command imports when it runs). `bench engine` belongs to the engine
 (eval/bench_engine*.py); `bench prefill`, `e2e`, `slo`, `prefix`, `multiturn`, `route`, `gpu` and
-`fairness` to the eval harness (`multiturn` and `fairness` register their own flags:
-eval/bench_multiturn.py, eval/bench_fairness_cli.py)."""
+`fairness` to the eval harness (`slo`, `route`, `shadow`, `multiturn` and `fairness` register their
+own flags: eval/bench_slo_cli.py, bench_route_cli.py, shadow_cli.py, bench_multiturn.py,
+bench_fairness_cli.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from ctxgate.backend.settings.cli_actions import (
     positive_number,
 )
 from ctxgate.eval.bench_fairness_cli import register_bench_fairness
-from ctxgate.eval.cli_common import add_gateway_args, quiet_http_logs, rates_argument, require_eval_extra
+from ctxgate.eval.bench_route_cli import register_bench_route
+from ctxgate.eval.bench_slo_cli import register_bench_slo
+from ctxgate.eval.cli_common import add_gateway_args, quiet_http_logs, require_eval_extra
 from ctxgate.eval.shadow_cli import register_bench_shadow
 
 
@@ -36,13 +39,13 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
 
     add_arguments(gpu)
     gpu.set_defaults(func=_bench_gpu)
-    _register_bench_slo(bench_sub)
+    register_bench_slo(bench_sub)
     register_bench_shadow(bench_sub)
     _register_bench_prefix(bench_sub)
     from ctxgate.eval.bench_multiturn import register as register_multiturn
 
     register_multiturn(bench_sub)
-    _register_bench_route(bench_sub)
+    register_bench_route(bench_sub)
     register_bench_fairness(bench_sub)
 
 
@@ -287,131 +290,6 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
-QUICK_SLO = {"requests": 3, "rates": [0.5, 2.0], "output_tokens": 4, "chunk_size": 3}
-
-
-def _register_bench_slo(bench_sub: argparse._SubParsersAction) -> None:
-    slo = bench_sub.add_parser(
-        "slo",
-        help="goodput under a TTFT objective at several open-loop arrival rates: passthrough, fixed "
-        "policies and the adaptive one, interleaved on the same held-out questions",
-    )
-    slo.add_argument(
-        "--input",
-        dest="dataset",
-        default="nq-multidoc-dev.jsonl",
-        help="QA JSONL (default nq-multidoc-dev.jsonl)",
-    )
-    slo.add_argument(
-        "--split",
-        choices=["test", "tune", "all"],
-        default="test",
-        help="which half of the questions (eval/splits.py; default test: held out from tuning)",
-    )
-    slo.add_argument(
-        "--requests",
-        type=at_least_one,
-        default=24,
-        help="questions, so requests per arm and rate (default 24)",
-    )
-    slo.add_argument(
-        "--rates",
-        type=rates_argument,
-        default=[0.3, 0.6, 1.0],
-        metavar="R,R,...",
-        help="arrival rates in requests/s, below, at and above the knee (default 0.3,0.6,1.0)",
-    )
-    slo.add_argument(
-        "--knee",
-        type=positive_number,
-        default=0.6,
-        metavar="R",
-        help="the rate taken as the knee: the retention bar applies below it, the 1.3x goodput "
-        "bar above it (default 0.6)",
-    )
-    slo.add_argument(
-        "--policy",
-        action="append",
-        dest="policies",
-        default=None,
-        help="a fixed policy arm (repeat; default rag-default and rag-fast)",
-    )
-    slo.add_argument(
-        "--adaptive-policy", default="rag-adaptive", help="the adaptive arm (default rag-adaptive)"
-    )
-    slo.add_argument(
-        "--slo-s",
-        type=positive_number,
-        default=None,
-        metavar="S",
-        help="the TTFT objective in seconds (default: the adaptive policy's ttft_slo_s)",
-    )
-    slo.add_argument(
-        "--give-up-s",
-        type=positive_number,
-        default=None,
-        metavar="S",
-        help="abandon a request without a first token after S seconds (a miss; default 4 x the objective)",
-    )
-    slo.add_argument("--output-tokens", type=at_least_one, default=16, help="tokens per answer (default 16)")
-    slo.add_argument(
-        "--chunk-size", type=at_least_one, default=8, help="requests per interleaved chunk (default 8)"
-    )
-    slo.add_argument("--seed", type=int, default=0, help="arrival schedule seed (default 0)")
-    slo.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: 3 requests per arm at 0.5 and 2 requests/s, 4 output tokens",
-    )
-    slo.add_argument("--model", help="model directory for the gateway (default: the default model)")
-    slo.add_argument("--policy-dir", help="extra policy directory for the gateway")
-    slo.add_argument(
-        "--max-num-batched-tokens",
-        type=at_least_one,
-        default=None,
-        metavar="N",
-        help="the engine's token budget per step (default: the engine's own)",
-    )
-    slo.add_argument("--out", default="bench-out/slo", help="output directory (default bench-out/slo)")
-    slo.add_argument("--no-progress", action="store_true", help="no per-chunk progress lines")
-    slo.set_defaults(func=_bench_slo)
-
-
-def _bench_slo(args: argparse.Namespace) -> int:
-    require_eval_extra("bench slo", "matplotlib", "pysbd")
-    quiet_http_logs()
-    from ctxgate.backend.platform.cpu_features import cpu_path
-    from ctxgate.eval.bench_slo import SloOptions, run_bench_slo
-    from ctxgate.eval.slo_report import render_markdown
-
-    options = SloOptions(
-        dataset=args.dataset,
-        split=args.split,
-        requests=args.requests,
-        rates=args.rates,
-        policies=args.policies or ["rag-default", "rag-fast"],
-        adaptive=args.adaptive_policy,
-        slo_s=args.slo_s,
-        knee=args.knee,
-        output_tokens=args.output_tokens,
-        chunk_size=args.chunk_size,
-        model=args.model,
-        policy_dir=args.policy_dir,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        progress=not args.no_progress,
-        seed=args.seed,
-        give_up_s=args.give_up_s,
-    )
-    if args.quick:
-        for name, value in QUICK_SLO.items():
-            setattr(options, name, value)
-    print(f"bench slo: {cpu_path().summary()}")
-    report = run_bench_slo(options, args.out, command="ctxgate " + shlex.join(sys.argv[1:]))
-    print(render_markdown(report))
-    print(f"report: {args.out}/bench_slo.md")
-    return 0
-
-
 def _register_bench_prefix(bench_sub: argparse._SubParsersAction) -> None:
     prefix = bench_sub.add_parser(
         "prefix",
@@ -445,70 +323,4 @@ def _bench_prefix_reuse(args: argparse.Namespace) -> int:
         args.dataset, args.policy, args.limit, args.retention_limit, args.out, args.model
     )
     print(render_markdown(report))
-    return 0
-
-
-def _register_bench_route(bench_sub: argparse._SubParsersAction) -> None:
-    route = bench_sub.add_parser(
-        "route",
-        help="routing strategies of a model group over real engine processes: prefix-cache hits, TTFT, "
-        "requests/s; and a replica killed mid-way",
-    )
-    route.add_argument("--replicas", type=at_least_one, default=2, help="engine processes (default 2)")
-    route.add_argument(
-        "--conversations", type=at_least_one, default=8, help="multi-turn conversations (default 8)"
-    )
-    route.add_argument("--turns", type=at_least_one, default=4, help="turns per conversation (default 4)")
-    route.add_argument(
-        "--rag-requests",
-        type=at_least_one,
-        default=12,
-        help="requests of the shared-system-prompt RAG workload (default 12)",
-    )
-    route.add_argument("--max-tokens", type=at_least_one, default=8, help="answer length (default 8)")
-    route.add_argument(
-        "--kv-cache-memory-mb",
-        type=at_least_one,
-        default=64,
-        help="each replica's KV pool (default 64: too small to hold every conversation)",
-    )
-    route.add_argument("--model", help="model directory for the engines (default: the default model)")
-    route.add_argument("--no-kill", action="store_true", help="skip the run with one replica killed half-way")
-    route.add_argument(
-        "--load-factor",
-        type=float,
-        default=1.25,
-        help="cache affinity's bounded load: a replica takes a key while under this times its share of "
-        "the requests in flight (default 1.25, as model_list[].load_factor)",
-    )
-    route.add_argument(
-        "--via",
-        choices=("gateway", "in-process"),
-        default="gateway",
-        help="gateway (default): through a real `ctxgate serve` process whose model list fronts the "
-        "replicas, over HTTP; in-process: through a model group in the bench's own process",
-    )
-    route.add_argument("--out", default="bench-out/route", help="output directory (default bench-out/route)")
-    route.set_defaults(func=_bench_route)
-
-
-def _bench_route(args: argparse.Namespace) -> int:
-    quiet_http_logs()
-    from ctxgate.eval.bench_route import RouteBenchConfig, render_markdown, run_bench_route
-
-    config = RouteBenchConfig(
-        replicas=args.replicas,
-        conversations=args.conversations,
-        turns=args.turns,
-        rag_requests=args.rag_requests,
-        max_tokens=args.max_tokens,
-        kv_cache_memory_mb=args.kv_cache_memory_mb,
-        model=args.model,
-        kill=not args.no_kill,
-        via=args.via,
-        load_factor=args.load_factor,
-    )
-    if config.kill and config.replicas < 2:
-        raise ValueError("the kill run needs --replicas 2 or more (or --no-kill)")
-    print(render_markdown(run_bench_route(config, args.out)))
     return 0
