@@ -98,6 +98,14 @@ def yield_turn() -> None:
         scheduler._yield(_turn.tenant)
 
 
+def charge_turn(seconds: float) -> None:
+    """Charge time another thread spent for the job this thread runs (the engine thread's embedding
+    passes) to its tenant's pacer, as its own CPU is; a no-op outside a paced job."""
+    scheduler = _turn.scheduler
+    if scheduler is not None and scheduler.pacer is not None:
+        scheduler.pacer.charge(_turn.tenant, seconds)
+
+
 class FairScheduler:
     """Per-tenant queues served round-robin by `slots` running jobs, with preemption at yield points."""
 

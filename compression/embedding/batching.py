@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from ctxgate.compression.fair import charge_turn
+
 logger = logging.getLogger(__name__)
 
 Encode = Callable[[list[str]], np.ndarray]
@@ -48,10 +50,12 @@ ENGINE_TIME: ContextVar[EngineTime | None] = ContextVar("embedding_engine_time",
 
 
 def charge_engine_time(seconds: float) -> None:
-    """Add `seconds` of the engine thread's time to the compression running in this context."""
+    """Add `seconds` of the engine thread's time to the compression running in this context, and
+    to its tenant's share of the CPU (compression/fair.py)."""
     engine_time = ENGINE_TIME.get()
     if engine_time is not None:
         engine_time.seconds += seconds
+    charge_turn(seconds)
 
 
 def charge_embedding_time(seconds: float) -> None:

@@ -58,3 +58,16 @@ def test_a_paused_job_leaves_its_slot_to_another_tenant():
     share.closed("victim")  # alone again: the flooder goes on at once
     big.result(timeout=30)
     scheduler.shutdown()
+
+
+def test_time_the_engine_spent_for_a_job_is_charged_to_its_tenant():
+    from ctxgate.compression.fair import charge_turn
+
+    share = TenantCpuShare(share=0.25, burst_s=0.02)
+    scheduler = FairScheduler(slots=1, pacer=share)
+    share.opened("a")
+    charge_turn(5.0)  # outside any job: no one to charge
+    assert share.charged_s == {}
+    scheduler.submit("a", charge_turn, 0.5).result(timeout=10)  # an embedding pass on the engine
+    assert share.charged_s["a"] >= 0.5
+    scheduler.shutdown()
