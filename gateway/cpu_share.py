@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-DEFAULT_SHARE = 0.25
+DEFAULT_SHARE = 0.1
 DEFAULT_BURST_S = 0.05
 
 MAX_REMEMBERED = 4096  # tenants whose credit is kept; beyond, those with full credit are forgotten
