@@ -63,8 +63,8 @@ def _engine_run(model_dir: Path, device: str, dtype: str, cuda_graphs: bool, pro
     execute = engine.runner.execute
     first: list[torch.Tensor] = []
 
-    def recording(scheduled):
-        output = execute(scheduled)
+    def recording(scheduled, eager=False):
+        output = execute(scheduled, eager)
         if not first:
             first.append(output.logits.float().cpu())
         return output
