@@ -118,6 +118,16 @@ def test_several_problems_are_counted_in_one_line(client):
     assert "(and 2 more problems)" in error["message"]
 
 
+def test_the_surrogate_check_reads_a_large_body_once_and_keeps_what_is_valid():
+    """Only a surrogate escape sends a body to the full check; escapes of other characters and
+    surrogate pairs are kept, on a 100k-escape body."""
+    from ctxgate.backend.openai_api.http import parse_json_object
+
+    text = "\\u00e9" * 100_000 + "\\ud83d\\ude00"
+    data = parse_json_object(('{"content": "' + text + '"}').encode())
+    assert data["content"] == "\u00e9" * 100_000 + "\U0001f600"
+
+
 @pytest.mark.parametrize(
     ("content", "mentions"),
     [
@@ -126,6 +136,14 @@ def test_several_problems_are_counted_in_one_line(client):
         (b"[1, 2]", "JSON object"),
         (b'{"model": "m", "messages": [], "temperature": NaN}', "NaN"),
         (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', "surrogate"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x\\uDFFFy"}]}', "surrogate"),
+        # Not UTF-8: json decodes it with surrogatepass, so only the full check can tell.
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "\ud800"}]}'.encode(
+                "utf-16", "surrogatepass"
+            ),
+            "surrogate",
+        ),
         (b"[" * 100_000, "nested"),
     ],
 )
