@@ -48,13 +48,29 @@ def _by_css(driver, selector: str):
 def _follow(driver, element) -> None:
     """Click a link or a form's button and wait for the page it leads to: a click can return before
     the next document has replaced the current one (a loaded machine answers the POST late)."""
-    from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
     element.click()
     wait = WebDriverWait(driver, 60)
-    wait.until(expected_conditions.staleness_of(element))
+    wait.until(lambda _driver: _left_the_document(element))
     wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
+
+
+def _left_the_document(element) -> bool:
+    """Whether the element's document has been replaced. Chromium reports a node of a document that
+    is being replaced either as stale or, mid-swap, as a node that "does not belong to the
+    document"; both mean the page moved on."""
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+
+    try:
+        element.is_enabled()
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as error:
+        if "does not belong to the document" in str(error.msg):
+            return True
+        raise
+    return False
 
 
 def _log_in(driver, url: str, key: str) -> None:
