@@ -43,6 +43,7 @@ class ArmTurn:
     """One arm's measurements of one turn round."""
 
     ttft_ms: list[float] = field(default_factory=list)
+    compression_ms: list[float] = field(default_factory=list)  # the gateway's, from usage.ctxgate
     prompt_tokens: list[int] = field(default_factory=list)
     hits: float = 0.0
     queries: float = 0.0
@@ -88,14 +89,21 @@ def arm_policies(policy: str, max_input_tokens: int) -> dict[str, dict[str, Any]
     return {"today": today, "memory": memory}
 
 
-async def stream_chat(
-    client: httpx.AsyncClient, body: dict[str, Any]
-) -> tuple[str, float | None, int | None]:
-    """(reply, TTFT ms, prompt tokens) of one streamed chat completion."""
+@dataclass
+class StreamedReply:
+    text: str
+    ttft_ms: float | None = None
+    prompt_tokens: int | None = None
+    compression_ms: float | None = None
+
+
+async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> StreamedReply:
+    """One streamed chat completion: its reply, TTFT, prompt tokens and the gateway's compression time."""
     started = time.perf_counter()
     ttft: float | None = None
     pieces: list[str] = []
     prompt_tokens: int | None = None
+    compression_ms: float | None = None
     async with client.stream(
         "POST",
         "/v1/chat/completions",
@@ -108,12 +116,13 @@ async def stream_chat(
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 prompt_tokens = chunk["usage"]["prompt_tokens"]
+                compression_ms = (chunk["usage"].get("ctxgate") or {}).get("compression_ms_total")
             for choice in chunk.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content")
                 if text:
                     ttft = ttft if ttft is not None else (time.perf_counter() - started) * 1000
                     pieces.append(text)
-    return "".join(pieces), ttft, prompt_tokens
+    return StreamedReply("".join(pieces), ttft, prompt_tokens, compression_ms)
 
 
 def system_message(arm: str) -> dict[str, str]:
@@ -146,16 +155,18 @@ async def run_chats(
                 "ctxgate": {"documents": turn.documents, "policy": policies[arm]},
             }
             try:
-                reply, ttft, prompt_tokens = await stream_chat(client, body)
+                reply = await stream_chat(client, body)
             except httpx.HTTPError:
                 row.errors += 1
-                reply, ttft, prompt_tokens = "", None, None
-            if ttft is not None:
-                row.ttft_ms.append(ttft)
-            if prompt_tokens is not None:
-                row.prompt_tokens.append(prompt_tokens)
+                reply = StreamedReply("")
+            if reply.ttft_ms is not None:
+                row.ttft_ms.append(reply.ttft_ms)
+            if reply.prompt_tokens is not None:
+                row.prompt_tokens.append(reply.prompt_tokens)
+            if reply.compression_ms is not None:
+                row.compression_ms.append(reply.compression_ms)
             histories[arm][c] = messages + [
-                {"role": "assistant", "content": reply.strip() or "I don't know."}
+                {"role": "assistant", "content": reply.text.strip() or "I don't know."}
             ]
             replies[arm][c].append(histories[arm][c][-1]["content"])
 
@@ -233,6 +244,9 @@ def summarise(rows: dict[str, list[ArmTurn]]) -> dict[str, list[dict[str, Any]]]
                 "prefix_lookup_tokens": row.queries,
                 "ttft_p50_ms": round(percentile(row.ttft_ms, 50), 1) if row.ttft_ms else None,
                 "ttft_p95_ms": round(percentile(row.ttft_ms, 95), 1) if row.ttft_ms else None,
+                "compression_ms_p50": round(percentile(row.compression_ms, 50), 1)
+                if row.compression_ms
+                else None,
                 "prompt_tokens_mean": mean(row.prompt_tokens),
                 # What the engine had to prefill: the prompt tokens its prefix cache did not hold.
                 "uncached_tokens_mean": round((row.queries - row.hits) / len(row.prompt_tokens), 1)
@@ -336,14 +350,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{report['max_tokens']} output tokens; arms interleaved per turn round",
         f"- CPU path: {report['cpu_path']}",
         "",
-        "| arm | turn | prefix hit tokens | looked up | TTFT P50 ms | TTFT P95 ms | prompt tokens | not cached | retention | sentences not resent |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| arm | turn | prefix hit tokens | looked up | TTFT P50 ms | TTFT P95 ms | compression P50 ms | prompt tokens | not cached | retention | sentences not resent |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm, turns in report["per_turn"].items():
         for t in turns:
             lines.append(
                 f"| {arm} | {t['turn']} | {t['prefix_hit_tokens']:.0f} | {t['prefix_lookup_tokens']:.0f} | "
-                f"{t['ttft_p50_ms']} | {t['ttft_p95_ms']} | {t['prompt_tokens_mean']} | {t['uncached_tokens_mean']} | {t['retention']} | "
+                f"{t['ttft_p50_ms']} | {t['ttft_p95_ms']} | {t['compression_ms_p50']} | {t['prompt_tokens_mean']} | {t['uncached_tokens_mean']} | {t['retention']} | "
                 f"{t['sentences_not_resent']} |"
             )
     lines += [
