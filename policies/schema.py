@@ -193,12 +193,12 @@ class ConversationPolicy(_Section):
         le=256,
         description="user turns remembered per conversation; a longer one is compressed as without memory",
     )
-    roll_step_turns: int = Field(
-        default=4,
-        ge=1,
-        le=64,
-        description="when the carried turns outgrow their room, the oldest leave (into the "
-        "summary) this many messages at a time",
+    max_carried_tokens: int | None = Field(
+        default=768,
+        ge=0,
+        description="the most tokens the carried turns may hold; over it they roll into the summary "
+        "at once, all but the last history.keep_last_turns messages (null: as many as the budget "
+        "leaves). Cached turns are not prefilled again, but every new token still attends to them",
     )
 
 

@@ -3,9 +3,10 @@ and no passage sentence sent twice.
 
 Rule: the history messages that match the conversation's memory (compression/conversation.py) are
 rendered exactly as they were sent (a question turn with the passages block it had), so the previous
-prompt is a prefix of this one; when the carried turns outgrow their room, the oldest leave
-`roll_step_turns` messages at a time and their summary is appended to the summary (never rewritten),
-so the prefix changes only at those steps. A sentence of the new passages that the carried turns
+prompt is a prefix of this one; when the carried turns outgrow their room (at most
+`max_carried_tokens`), they roll at once: all but the last `history.keep_last_turns` messages leave
+and their summary is appended to the summary (never rewritten), so the prefix changes only at those
+steps. A sentence of the new passages that the carried turns
 already hold is dropped: the budget goes to new evidence. `remember` stores what was sent, after
 the fit. The history stage stands aside for a request this stage carried.
 """
@@ -75,7 +76,7 @@ class ConversationStage(Stage):
         state.history_budget = carried_budget(state, ctx)
         state.summary = summary
         state.history = rendered[start:]
-        start = await roll_forward(state, ctx, original, rendered, start)
+        start = await roll_forward(state, ctx, original, rendered, turns, start)
         state.carried = CarriedTurns(turns, start, matched, policy.ttl_s)
         sentences, passages = drop_sent_sentences(state, ctx, turns[start:])
         report.details.update(
@@ -99,11 +100,15 @@ def as_sent(message: dict[str, Any], turn: SentTurn) -> dict[str, Any]:
 
 def carried_budget(state: PipelineState, ctx: StageContext) -> int:
     """The carried turns' room: what the pinned parts and a full passages block for the new turn
-    leave, and never less than the history budget (within the whole budget)."""
+    leave, at most `max_carried_tokens`, and never less than the history budget (within the whole
+    budget)."""
     policy = ctx.policy
     room = state.budget_tokens - state.pinned_tokens
     new_block = policy.documents.max_tokens if state.passages else 0
-    return max(0, min(room, max(policy.history.max_tokens, room - new_block)))
+    carried = room - new_block
+    if policy.conversation.max_carried_tokens is not None:
+        carried = min(carried, policy.conversation.max_carried_tokens)
+    return max(0, min(room, max(policy.history.max_tokens, carried)))
 
 
 async def roll_forward(
@@ -111,32 +116,53 @@ async def roll_forward(
     ctx: StageContext,
     original: list[dict[str, Any]],
     rendered: list[dict[str, Any]],
+    turns: list[SentTurn],
     start: int,
 ) -> int:
-    """Move the first carried turn forward, `roll_step_turns` messages at a time (to a whole unit),
-    until the carried turns fit their room; each step's turns are appended to the summary. Returns
-    the new first carried turn."""
-    step = ctx.policy.conversation.roll_step_turns
+    """When the carried turns outgrow their room they roll at once: every turn but the last
+    `history.keep_last_turns` messages (widened to a whole unit) leaves into the summary, and the
+    kept ones are sent from then on as the client wrote them, without their passages. A roll makes
+    the engine prefill everything after the summary again, so it leaves that part as small as the
+    history without memory would be. Should the kept turns still not fit, they leave one unit at a
+    time. Returns the new first carried turn."""
+    if history_tokens(ctx.counter, state) <= state.history_budget:
+        return start
     boundaries = [unit_start for unit_start, _ in turn_units(original)] + [len(original)]
-    while start < len(original) and history_tokens(ctx.counter, state) > state.history_budget:
-        new_start = next(b for b in boundaries if b >= min(len(original), start + step))
-        leaving = [
-            message
-            for unit in turn_units(original[start:new_start])
-            if not is_tool_unit(original[start:new_start], unit)
-            for message in original[start:new_start][unit[0] : unit[1]]
-        ]
-        state.summary = await extended_summary(state, ctx, leaving)
+    keep_from = max(start, len(original) - ctx.policy.history.keep_last_turns)
+    new_start = max(b for b in boundaries if b <= keep_from) if keep_from > start else start
+    new_start = max(new_start, start)
+    for index in range(new_start, len(original)):
+        turns[index] = SentTurn(turns[index].digest)
+        rendered[index] = dict(original[index])
+    while True:
+        state.summary = await extended_summary(state, ctx, leaving_messages(original, start, new_start))
         start = new_start
         state.history = rendered[start:]
-    return start
+        if start >= len(original) or history_tokens(ctx.counter, state) <= state.history_budget:
+            return start
+        new_start = next(b for b in boundaries if b > start)
+
+
+def leaving_messages(original: list[dict[str, Any]], start: int, end: int) -> list[dict[str, Any]]:
+    """The messages of original[start:end] the summary covers (a tool exchange is not summarized)."""
+    window = original[start:end]
+    return [
+        message
+        for unit in turn_units(window)
+        if not is_tool_unit(window, unit)
+        for message in window[unit[0] : unit[1]]
+    ]
 
 
 async def extended_summary(
     state: PipelineState, ctx: StageContext, leaving: list[dict[str, Any]]
 ) -> str | None:
     """The summary with the leaving turns' summary appended (within `summary_max_tokens`); once it is
-    full, or under `truncate`, the leaving turns are dropped and the summary stays as it was."""
+    full, or under `truncate`, the leaving turns are dropped and the summary stays as it was.
+
+    The appended part is extractive (or an engine summary of the same turns already cached): a roll
+    already makes the engine prefill every carried turn after it again, and generating a summary
+    there would add a whole generation to that turn's time to first token."""
     policy = ctx.policy.history
     summary = state.summary
     used = ctx.counter.count(summary) + 1 if summary else 0
@@ -149,7 +175,7 @@ async def extended_summary(
         "",  # not the question: the same turns give the same summary whatever is asked next
         room,
         policy.summary_timeout_s,
-        use_engine=policy.strategy == "summarize",
+        use_engine=False,
     )
     if not outcome.text:
         return summary

@@ -209,3 +209,28 @@ async def test_a_tenant_has_one_engine_summary_in_flight(make_pipeline, engine):
     assert sources[:4].count("extractive") >= 3
     await pipeline.run(fresh("mallory", 9), policy)
     assert calls_of("mallory") == 2
+
+
+async def test_a_conversation_roll_never_generates(make_pipeline, engine):
+    """Conversation memory's roll appends an extractive summary: a roll already makes the engine
+    prefill the turns after it again, and an engine summary would add a generation to that turn."""
+    counting = CountingEngine(engine)
+    pipeline = make_pipeline(engine=counting)
+    policy = Policy(
+        name="conversation-roll",
+        max_input_tokens=1024,
+        documents={"max_tokens": 256},
+        history={"max_tokens": 48, "keep_last_turns": 2, "strategy": "summarize", "summary_max_tokens": 48},
+        conversation={"enabled": True, "max_carried_tokens": 48},
+    )
+    messages: list[dict] = []
+    rolled = 0
+    for turn in (*CONVERSATION[::2], QUESTION):
+        messages.append(turn)
+        request = CompressionInput(messages=list(messages), tenant="alice", conversation="trip")
+        result = await pipeline.run(request, policy)
+        details = next(stage.details for stage in result.stages if stage.name == "conversation")
+        rolled = max(rolled, details["carried_from"])
+        messages.append({"role": "assistant", "content": "Noted, and the trams run every ten minutes."})
+    assert rolled > 0, "the carried turns outgrew max_carried_tokens"
+    assert counting.generate_calls == 0

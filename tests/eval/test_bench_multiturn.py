@@ -43,7 +43,7 @@ def test_report_per_turn_and_totals():
     rows = {
         "today": [
             ArmTurn([100.0, 300.0], [900, 1100], 16, 1000, [True, False]),
-            ArmTurn([200.0], [1500], 32, 1500, [True]),
+            ArmTurn([200.0, 400.0], [1500, 1500], 32, 1500, [True]),
         ],
         "memory": [
             ArmTurn([100.0, 300.0], [900, 1100], 16, 1000, [True, True]),
@@ -58,7 +58,8 @@ def test_report_per_turn_and_totals():
     assert per_turn["memory"][1]["uncached_tokens_mean"] == 776.0
     summary = totals(per_turn)
     assert summary["memory"]["prefix_hit_tokens"] == 1040
-    assert summary["today"]["ttft_p95_ms_turns_2_plus"] == 200.0
+    assert summary["today"]["ttft_p95_ms_turns_2_plus"] == 390.0  # over turn 2's requests
+    assert summary["today"]["worst_turn_ttft_p95_ms"] == 390.0
     assert summary["memory"]["retention"] == 1.0
     text = render_markdown(
         {

@@ -42,7 +42,7 @@ def policy(enabled: bool = True, max_input_tokens: int = 2000, **history) -> Pol
         max_input_tokens=max_input_tokens,
         documents={"max_tokens": 200},
         history={"strategy": "extractive", **history},
-        conversation={"enabled": enabled, "roll_step_turns": 2},
+        conversation={"enabled": enabled},
     )
 
 
@@ -131,6 +131,31 @@ async def test_the_summary_rolls_forward_append_only(make_pipeline):
         a.messages[: len(b.messages)] != b.messages for b, a in zip(results, results[1:], strict=False)
     )
     assert 1 <= steps < len(results) - 1
+
+
+async def test_carried_turns_roll_at_once_past_max_carried_tokens(make_pipeline):
+    """Past `max_carried_tokens` (however large the budget) every carried turn but the last
+    `keep_last_turns` messages leaves into the summary, and the kept ones go out as the client wrote
+    them, without their passages; the turn after the roll extends the rolled prompt again."""
+    rules = Policy(
+        name="conv",
+        max_input_tokens=2000,
+        documents={"max_tokens": 200},
+        history={"strategy": "extractive", "keep_last_turns": 2, "max_tokens": 100},
+        conversation={"enabled": True, "max_carried_tokens": 160},
+    )
+    results = await converse([make_pipeline()], rules)
+    rolls = [i for i, result in enumerate(results) if stage(result, "conversation")["carried_from"] > 0]
+    assert rolls, "the carried turns outgrew max_carried_tokens"
+    first = results[rolls[0]]
+    history = first.messages[1:-1]
+    assert history[0]["content"].startswith("Summary")
+    kept = history[1:]
+    assert len(kept) == 2 and [m["role"] for m in kept] == ["user", "assistant"]
+    assert kept[0]["content"] == TURNS[rolls[0] - 1][0]  # the question as asked, no passages block
+    assert all("Documents" not in m["content"] for m in kept)
+    if rolls[0] + 1 < len(results) and rolls[0] + 1 not in rolls:
+        assert_each_prompt_extends_the_last(results[rolls[0] : rolls[0] + 2])
 
 
 async def test_one_tenant_never_reads_another_tenants_conversation(make_pipeline):
