@@ -76,7 +76,7 @@ soak: model
 # alone, then 600 s under attack); report and server log in soak-hostile-out/; exits 1 if an acceptance
 # check fails. SOAK_ARGS to tune, e.g. SOAK_ARGS='--baseline 20 --duration 30', or one kind of the mix:
 # SOAK_ARGS='--kinds tool_call_arguments --slow-connections 0'. The server's compression caches are
-# bounded at 64 MB there (--compression-cache-mb), so they fill in the first minute and the RSS check
+# bounded at 64 MB there (--compression-cache-mb), so they fill in the first minutes and the RSS check
 # sees only what nothing bounds (docs/deploying.md#memory).
 soak-hostile: model
 	$(PY) -m tests.reliability.hostile_soak $(SOAK_ARGS)

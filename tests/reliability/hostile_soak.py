@@ -87,7 +87,7 @@ class SoakConfig:
     kinds: tuple[str, ...] = ()  # the hostile mix's kinds the attacker sends; empty: all of them
     # The server's compression caches are bounded (`compression_cache_mb`) and fill first-sight text as
     # they should: at the default 512 MB the attack fills them for longer than the soak, so their
-    # designed fill would read as growth. A small bound fills in the first minute; what grows after it
+    # designed fill would read as growth. A small bound fills in the first minutes; what grows after it
     # is memory nothing bounds.
     compression_cache_mb: int = 64
     sample_interval_s: float = 2.0
