@@ -75,7 +75,9 @@ soak: model
 # One tenant sends the hostile mix at full speed while another streams normal requests (default 120 s
 # alone, then 600 s under attack); report and server log in soak-hostile-out/; exits 1 if an acceptance
 # check fails. SOAK_ARGS to tune, e.g. SOAK_ARGS='--baseline 20 --duration 30', or one kind of the mix:
-# SOAK_ARGS='--kinds tool_call_arguments --slow-connections 0'.
+# SOAK_ARGS='--kinds tool_call_arguments --slow-connections 0'. The server's compression caches are
+# bounded at 64 MB there (--compression-cache-mb), so they fill in the first minutes and the RSS check
+# sees only what nothing bounds (docs/deploying.md#memory).
 soak-hostile: model
 	$(PY) -m tests.reliability.hostile_soak $(SOAK_ARGS)
 

@@ -112,6 +112,10 @@ def resolve_serve_args(args: argparse.Namespace) -> ServeConfig:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ctxgate.backend.platform.malloc_arenas import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before any thread allocates: see the module
+
     resolved = resolve_serve_args(args)
     settings = resolved.settings
 

@@ -12,6 +12,7 @@ from prometheus_client import (
     Histogram,
 )
 
+from ctxgate.gateway.cache_metrics import CompressionCacheCollector
 from ctxgate.gateway.shadow.metrics import ShadowMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -27,6 +28,7 @@ class GatewayMetrics:
         # They describe the whole process, so sharing the default instances between apps is correct.
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(collector)
+        r.register(CompressionCacheCollector())
         self.requests = Counter(
             "ctxgate:gateway_requests",
             "HTTP requests by endpoint and status",

@@ -271,7 +271,7 @@ class GatewaySettings(BaseModel):
         ge=1,
         description="megabytes the compressor may keep per process of what it computed from client text "
         "(embedding vectors, token counts, sentence splits, word sets, summaries), shared among its LRU caches; "
-        "the process's memory levels off near its baseline plus this",
+        "the process's memory levels off near its baseline plus up to about twice this (allocator overhead)",
     )
     embed_threads: int = Field(
         default=1, ge=1, description="OpenMP threads of the compression embedder's batching thread"

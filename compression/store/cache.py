@@ -19,6 +19,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 Key = TypeVar("Key", bound=Hashable)
@@ -39,8 +40,36 @@ BUDGET_SHARES: dict[str, float] = {
     "names": 0.03,  # compression/multihop/names.py: normalised names
     "mention_patterns": 0.02,  # compression/multihop/names.py: compiled patterns
 }
+
+
+class BudgetedCache(Protocol):
+    """A cache that holds part of the budget: how much it holds, its bound, and a way to change it."""
+
+    @property
+    def size_bytes(self) -> int: ...
+
+    @property
+    def max_bytes(self) -> int: ...
+
+    def resize(self, max_bytes: int) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """One budget share's caches now: what they hold (bytes, entries) and their bound (each instance
+    of a share has the whole share, so the bound is the share times the instances)."""
+
+    name: str
+    instances: int
+    held_bytes: int
+    limit_bytes: int
+    entries: int
+
+
 _total_bytes = DEFAULT_CACHE_BYTES
-_tracked: dict[str, weakref.WeakSet[Any]] = {name: weakref.WeakSet() for name in BUDGET_SHARES}
+_tracked: dict[str, weakref.WeakSet[BudgetedCache]] = {name: weakref.WeakSet() for name in BUDGET_SHARES}
 _budget_lock = threading.Lock()
 
 
@@ -49,8 +78,8 @@ def budget_bytes(name: str) -> int:
     return max(1, int(_total_bytes * BUDGET_SHARES[name]))
 
 
-def track_budget(name: str, cache: Any) -> None:
-    """`cache` (anything with `resize(max_bytes)`) follows `set_cache_budget` from now on."""
+def track_budget(name: str, cache: BudgetedCache) -> None:
+    """`cache` follows `set_cache_budget` from now on, and counts in `cache_usage`."""
     with _budget_lock:
         _tracked[name].add(cache)
     cache.resize(budget_bytes(name))
@@ -70,6 +99,22 @@ def set_cache_budget(total_bytes: int) -> None:
 
 def cache_budget() -> int:
     return _total_bytes
+
+
+def cache_usage() -> list[CacheUsage]:
+    """What each share's live caches hold now (the gateway exports it on /metrics)."""
+    with _budget_lock:
+        groups = [(name, list(group)) for name, group in _tracked.items()]
+    return [
+        CacheUsage(
+            name,
+            len(caches),
+            sum(cache.size_bytes for cache in caches),
+            sum(cache.max_bytes for cache in caches),
+            sum(len(cache) for cache in caches),
+        )
+        for name, caches in groups
+    ]
 
 
 def approx_size(value: Any, depth: int = 2) -> int:

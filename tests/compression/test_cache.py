@@ -9,6 +9,7 @@ from ctxgate.compression.store.cache import (
     LRUBytesCache,
     budget_bytes,
     byte_bounded_cache,
+    cache_usage,
     set_cache_budget,
 )
 from ctxgate.compression.text import SentenceSplitter, content_words, normalize_for_dedup
@@ -124,6 +125,19 @@ def test_the_budget_bounds_counts_splits_summaries_and_word_caches(tokenizer, sm
     ):
         assert 0 < cache.size_bytes <= budget_bytes(name), name
     assert counter.count(text) == tokenizer.count(text)  # still exact after evictions
+
+
+def test_usage_reports_what_each_share_holds_against_its_bound(tokenizer, small_budget):
+    counter = CachedCounter(tokenizer)
+    for i in range(300):  # ~300 KB of unique text: three times the share
+        counter.count(f"text {i} " * 100)
+    usage = {share.name: share for share in cache_usage()}
+    assert set(usage) == set(BUDGET_SHARES)
+    counts = usage["token_counts"]
+    # Every live counter has the whole share: this one and any other test's that is still alive.
+    assert counts.instances >= 1 and counts.limit_bytes == counts.instances * budget_bytes("token_counts")
+    assert counter._counts.size_bytes <= counts.held_bytes <= counts.limit_bytes
+    assert counts.entries >= len(counter._counts) > 0
 
 
 def test_lowering_the_budget_evicts_what_no_longer_fits(tokenizer):
