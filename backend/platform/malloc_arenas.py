@@ -4,9 +4,8 @@ glibc gives threads that allocate at the same time arenas of their own, up to ei
 server's threads (event loop, engine, compression workers, embedder batcher, tokenizer pools) each
 handle 100k to 1M-character bodies in turn; what one frees stays in its arena as free space that the
 others cannot use, so the process's resident memory rises with every arena that has held a big
-request and keeps rising as the arenas fragment. Under `make soak-hostile` (64 MB compression
-caches, 3 minutes of attack on 2 cores) the server's RSS rose 154 MiB, with 108 MiB free inside the
-arenas at the end; with two arenas it rose 75 to 105 MiB (three runs), 20 to 30 MiB free inside them.
+request and keeps rising as the arenas fragment. Two arenas keep that free space shared and small
+(docs/deploying.md, "Memory").
 
 Set at process start, before the threads allocate (glibc fixes its arena limit when the ninth arena
 would be made). `MALLOC_ARENA_MAX` in the environment, read by glibc itself, wins: an operator can
