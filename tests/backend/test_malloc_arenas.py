@@ -72,3 +72,47 @@ def test_the_operators_malloc_arena_max_wins():
     applied, heaps = _arenas("limit", MALLOC_ARENA_MAX="3")
     assert applied == "False"
     assert heaps == 3
+
+
+MMAP_SCRIPT = """
+import ctypes, re, sys, tempfile
+from ctxgate.backend.platform.malloc_arenas import fix_mmap_threshold
+
+applied = fix_mmap_threshold() if sys.argv[1] == "fix" else None
+big = bytearray(8 << 20)
+del big  # glibc's own rule now carves blocks up to 8 MiB from the heap
+held = [bytearray(1 << 20) for _ in range(4)]
+libc = ctypes.CDLL("libc.so.6")
+libc.fopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+with tempfile.NamedTemporaryFile("r", suffix=".xml") as report:
+    stream = libc.fopen(report.name.encode(), b"w")
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    mapped = re.findall(r'<total type="mmap" count="(\\d+)"', report.read())
+print(applied, mapped[-1])
+"""
+
+
+def _mapped_blocks(mode: str) -> tuple[str, int]:
+    environment = {k: v for k, v in ctxgate_env().items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    done = subprocess.run(
+        [sys.executable, "-c", MMAP_SCRIPT, mode],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    applied, mapped = done.stdout.split()
+    return applied, int(mapped)
+
+
+def test_big_blocks_stay_mapped_after_a_bigger_one_was_freed():
+    # After an 8 MiB block is freed, glibc's own rule carves the four 1 MiB blocks from the heap;
+    # with the fixed threshold each is mapped on its own (returned to the system when freed).
+    _, mapped_by_default = _mapped_blocks("none")
+    applied, mapped = _mapped_blocks("fix")
+    assert applied == "True"
+    assert mapped >= mapped_by_default + 4
