@@ -112,9 +112,9 @@ def resolve_serve_args(args: argparse.Namespace) -> ServeConfig:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ctxgate.backend.platform.malloc_arenas import tune_malloc
+    from ctxgate.backend.platform.malloc_arenas import limit_malloc_arenas
 
-    tune_malloc()  # before any thread allocates: see the module
+    limit_malloc_arenas()  # before any thread allocates: see the module
 
     resolved = resolve_serve_args(args)
     settings = resolved.settings

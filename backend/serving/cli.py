@@ -92,9 +92,9 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
 
 def _engine_serve(args: argparse.Namespace) -> int:
-    from ctxgate.backend.platform.malloc_arenas import tune_malloc
+    from ctxgate.backend.platform.malloc_arenas import limit_malloc_arenas
 
-    tune_malloc()  # before any thread allocates: see the module
+    limit_malloc_arenas()  # before any thread allocates: see the module
     from ctxgate.backend.engine.async_engine import AsyncEngine
     from ctxgate.backend.serving.server import serve
 
