@@ -32,8 +32,9 @@ GEMV_MAX_ROWS = {"avx512_bf16": 2, "avx2": 16, "portable": 2}
 # prefill keeps 16-bit weights (docs/decisions/gemv-row-limits.md).
 INT4_MAX_ROWS = 2
 INT4_GROUP_SIZE = 32
-# oneDNN compiles and keeps a primitive per input row count (a megabyte or two each, up to a thousand
-# of them), so prompts of ever new lengths would grow the process by gigabytes: GEMM inputs over
+# oneDNN's packed-weight GEMM compiles and keeps a primitive per input row count (a megabyte or two
+# each, up to a thousand of them), so prompts of ever new lengths would grow the process by gigabytes
+# (the fp32 GEMM keeps nothing per shape): packed-GEMM inputs over
 # EXACT_SHAPE_ROWS rows are padded to one of SHAPE_STEPS_PER_DOUBLING row counts per doubling, a
 # bounded set of shapes whatever lengths tenants send, for at most a sixteenth more rows.
 EXACT_SHAPE_ROWS = 64
@@ -41,7 +42,7 @@ SHAPE_STEPS_PER_DOUBLING = 16
 
 
 def gemm_rows(rows: int) -> int:
-    """The row count a oneDNN GEMM of `rows` rows runs at (see EXACT_SHAPE_ROWS)."""
+    """The row count a packed-weight GEMM of `rows` rows runs at (see EXACT_SHAPE_ROWS)."""
     if rows <= EXACT_SHAPE_ROWS:
         return rows
     step = max(1, (1 << (rows.bit_length() - 1)) // SHAPE_STEPS_PER_DOUBLING)
@@ -87,18 +88,15 @@ class Linear(nn.Linear):
         if self.gemv_max_rows and rows <= self.gemv_max_rows:
             out = torch.ops.ctxgate_cpu.gemv_bf16(x, self.weight)
             return out if self.bias is None else out + self.bias  # Qwen2's Q/K/V biases
-        if self.packed_weight is not None or self.weight_fp32 is not None:
-            padded = gemm_rows(rows)
-            out = self._onednn_gemm(F.pad(x, (0, 0, 0, padded - rows)) if padded > rows else x)
-            return out[:rows] if padded > rows else out
-        return F.linear(x, self.weight, self.bias)
-
-    def _onednn_gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [None], "")
-        assert self.weight_fp32 is not None
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight_fp32, bias).to(x.dtype)
+            padded = gemm_rows(rows)
+            x_in = F.pad(x, (0, 0, 0, padded - rows)) if padded > rows else x
+            out = torch.ops.mkldnn._linear_pointwise(x_in, self.packed_weight, self.bias, "none", [None], "")
+            return out[:rows] if padded > rows else out
+        if self.weight_fp32 is not None:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight_fp32, bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
 
     def add_int4_copy(self) -> bool:
         if self.in_features % INT4_GROUP_SIZE or self.weight.dtype != torch.bfloat16:

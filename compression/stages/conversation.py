@@ -129,8 +129,7 @@ async def roll_forward(
         return start
     boundaries = [unit_start for unit_start, _ in turn_units(original)] + [len(original)]
     keep_from = max(start, len(original) - ctx.policy.history.keep_last_turns)
-    new_start = max(b for b in boundaries if b <= keep_from) if keep_from > start else start
-    new_start = max(new_start, start)
+    new_start = max([start] + [b for b in boundaries if b <= keep_from])
     for index in range(new_start, len(original)):
         turns[index] = SentTurn(turns[index].digest)
         rendered[index] = dict(original[index])

@@ -1,6 +1,6 @@
-"""The oneDNN GEMM paths run at a bounded set of row counts (oneDNN keeps a compiled primitive per
-shape, so prompts of ever new lengths would otherwise grow the process without end), with results
-equal to the unpadded product."""
+"""The packed-weight oneDNN GEMM runs at a bounded set of row counts (oneDNN keeps a compiled primitive
+per shape, so prompts of ever new lengths would otherwise grow the process without end), with results
+equal to the unpadded product; the fp32 GEMM path (CPUs without native bf16) gives the same product."""
 
 from __future__ import annotations
 
